@@ -1,1 +1,138 @@
-fn main() {}
+//! The `vmm` command line. Everything but argument handling lives in the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use vmm::config::{ConfigFile, VmConfig};
+use vmm::control::server::ControlServer;
+use vmm::exit::{EXIT_BAD_INPUT, EXIT_VM_FAILURE};
+use vmm::machine::Machine;
+
+#[derive(Parser)]
+#[command(name = "vmm", version, about = "A KVM microVM monitor: one process per VM")]
+struct Cli {
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
+    /// Log filter (tracing EnvFilter syntax); RUST_LOG wins when set.
+    #[arg(long, default_value = "warn", global = true)]
+    log_level: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Boot a kernel and run the VM until it ends.
+    Run(RunArgs),
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// JSON file with the same fields as the flags (kernel, initrd, cmdline, mem_mib,
+    /// vcpus, serial, control_socket); flags given on the command line win.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Kernel: ELF vmlinux (PVH entry used when present) or bzImage.
+    #[arg(long)]
+    kernel: Option<PathBuf>,
+    /// Initial ramdisk.
+    #[arg(long)]
+    initrd: Option<PathBuf>,
+    /// Kernel command line.
+    #[arg(long)]
+    cmdline: Option<String>,
+    /// Guest memory in MiB [default: 128].
+    #[arg(long)]
+    mem_mib: Option<u64>,
+    /// Number of vCPUs [default: 1].
+    #[arg(long)]
+    vcpus: Option<u64>,
+    /// Serial output: stdout, none or file:PATH [default: stdout].
+    #[arg(long)]
+    serial: Option<String>,
+    /// Unix socket for JSON-lines control requests.
+    #[arg(long)]
+    control_socket: Option<PathBuf>,
+}
+
+fn init_logging(format: LogFormat, level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(level))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn run(args: RunArgs) -> Result<i32, (i32, String)> {
+    let bad = |e: &dyn std::fmt::Display| (EXIT_BAD_INPUT, e.to_string());
+    let file = match &args.config {
+        Some(path) => ConfigFile::load(path).map_err(|e| bad(&e))?,
+        None => ConfigFile::default(),
+    };
+    let flags = ConfigFile {
+        kernel: args.kernel,
+        initrd: args.initrd,
+        cmdline: args.cmdline,
+        mem_mib: args.mem_mib,
+        vcpus: args.vcpus,
+        serial: args.serial,
+        control_socket: args.control_socket,
+    };
+    let config = VmConfig::try_from(file.overridden_by(flags)).map_err(|e| bad(&e))?;
+    let machine = Machine::start(&config).map_err(|e| (e.exit_code(), e.to_string()))?;
+    let _control = match &config.control_socket {
+        Some(path) => match ControlServer::start(path, machine.coordinator()) {
+            Ok(server) => Some(server),
+            Err(e) => {
+                machine
+                    .coordinator()
+                    .request_exit(vmm::exit::ExitReason::VmmError {
+                        vcpu: None,
+                        message: e.to_string(),
+                    });
+                machine.wait();
+                return Err((EXIT_VM_FAILURE, e.to_string()));
+            }
+        },
+        None => None,
+    };
+    let reason = machine.wait();
+    let code = reason.exit_code();
+    if code == 0 {
+        tracing::info!(reason = reason.name(), %reason, code, "VM exited");
+    } else {
+        tracing::error!(reason = reason.name(), %reason, code, "VM failed");
+        eprintln!("vmm: VM failed: {reason}");
+    }
+    Ok(code)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format, &cli.log_level);
+    let code = match cli.command {
+        Command::Run(args) => match run(args) {
+            Ok(code) => code,
+            Err((code, message)) => {
+                tracing::error!(code, "{message}");
+                eprintln!("vmm: {message}");
+                code
+            }
+        },
+    };
+    ExitCode::from(code as u8)
+}

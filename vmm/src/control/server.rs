@@ -1,0 +1,167 @@
+//! The control socket listener: one thread accepts, one thread per client
+//! reads request lines (bounded in length and in number of clients).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use super::protocol::{self, MAX_REQUEST_LEN};
+use crate::vcpu::coordinator::Coordinator;
+
+/// Most clients served at once; more are answered with an error and closed.
+pub const MAX_CLIENTS: usize = 16;
+
+/// Errors starting the control socket.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// Another process is serving this path.
+    #[error("control socket {0} is in use by another process")]
+    InUse(PathBuf),
+    /// Binding failed.
+    #[error("cannot create control socket {path}: {source}")]
+    Bind {
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A running control socket; the file is removed when this is dropped.
+pub struct ControlServer {
+    path: PathBuf,
+}
+
+impl ControlServer {
+    /// Binds `path` (replacing a stale socket nobody listens on) and serves it.
+    pub fn start(path: &Path, coordinator: Arc<Coordinator>) -> Result<Self, ControlError> {
+        if path.exists() {
+            if UnixStream::connect(path).is_ok() {
+                return Err(ControlError::InUse(path.into()));
+            }
+            let _ = std::fs::remove_file(path);
+        }
+        let bind_err = |source| ControlError::Bind {
+            path: path.into(),
+            source,
+        };
+        let listener = UnixListener::bind(path).map_err(bind_err)?;
+        let clients = Arc::new(AtomicUsize::new(0));
+        std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || accept_loop(listener, coordinator, clients))
+            .map_err(bind_err)?;
+        Ok(ControlServer { path: path.into() })
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn accept_loop(listener: UnixListener, coordinator: Arc<Coordinator>, clients: Arc<AtomicUsize>) {
+    for stream in listener.incoming() {
+        let Ok(mut stream) = stream else { continue };
+        if clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
+            clients.fetch_sub(1, Ordering::SeqCst);
+            let _ = write_response(&mut stream, &protocol::error("too many control clients"));
+            continue;
+        }
+        let coordinator = coordinator.clone();
+        let clients_done = clients.clone();
+        let spawned = std::thread::Builder::new()
+            .name("control-client".into())
+            .spawn(move || {
+                serve_client(stream, &coordinator);
+                clients_done.fetch_sub(1, Ordering::SeqCst);
+            });
+        if spawned.is_err() {
+            clients.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+fn write_response(stream: &mut UnixStream, value: &serde_json::Value) -> std::io::Result<()> {
+    let mut line = value.to_string();
+    line.push('\n');
+    stream.write_all(line.as_bytes())?;
+    stream.flush()
+}
+
+/// Reads one line of at most MAX_REQUEST_LEN bytes. `Ok(None)` at end of stream.
+fn read_line(reader: &mut impl BufRead) -> std::io::Result<Option<Result<String, String>>> {
+    let mut buf = Vec::new();
+    let n = reader
+        .by_ref()
+        .take(MAX_REQUEST_LEN as u64 + 1)
+        .read_until(b'\n', &mut buf)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if buf.last() != Some(&b'\n') && buf.len() > MAX_REQUEST_LEN {
+        return Ok(Some(Err(format!(
+            "request line longer than {MAX_REQUEST_LEN} bytes"
+        ))));
+    }
+    Ok(Some(
+        String::from_utf8(buf).map_err(|_| "request is not valid UTF-8".to_string()),
+    ))
+}
+
+fn serve_client(stream: UnixStream, coordinator: &Coordinator) {
+    let Ok(mut writer) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(stream);
+    loop {
+        let line = match read_line(&mut reader) {
+            Ok(Some(line)) => line,
+            Ok(None) | Err(_) => return,
+        };
+        let (response, request, fatal) = match line {
+            Err(message) => (protocol::error(message), None, true),
+            Ok(text) if text.trim().is_empty() => continue,
+            Ok(text) => match protocol::parse_request(&text) {
+                Ok(req) => (protocol::handle(&req, coordinator), Some(req), false),
+                Err(message) => (protocol::error(message), None, false),
+            },
+        };
+        if write_response(&mut writer, &response).is_err() {
+            return;
+        }
+        if let Some(req) = request {
+            protocol::after_response(&req, coordinator);
+        }
+        if fatal {
+            // The rest of an over-long line cannot be resynchronised.
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlong_lines_are_refused_without_buffering_them_all() {
+        let data = vec![b'x'; MAX_REQUEST_LEN * 3];
+        let mut reader = BufReader::new(&data[..]);
+        let line = read_line(&mut reader).unwrap().unwrap();
+        assert!(line.unwrap_err().contains("longer than"));
+    }
+
+    #[test]
+    fn lines_are_split_and_eof_is_none() {
+        let data = b"{\"op\":\"status\"}\n\xff\n";
+        let mut reader = BufReader::new(&data[..]);
+        assert_eq!(read_line(&mut reader).unwrap().unwrap().unwrap(), "{\"op\":\"status\"}\n");
+        assert!(read_line(&mut reader).unwrap().unwrap().is_err());
+        assert!(read_line(&mut reader).unwrap().is_none());
+    }
+}

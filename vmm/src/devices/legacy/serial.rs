@@ -1,0 +1,155 @@
+//! The 8250 serial console (vm-superio) at COM1: guest output to stdout, a
+//! file or nowhere; host stdin to guest input.
+
+use std::io::{Read, Write};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use vm_superio::serial::NoEvents;
+use vm_superio::Serial;
+
+use crate::devices::bus::BusDevice;
+use crate::devices::irq::IrqLine;
+
+/// COM1's first I/O port.
+pub const COM1_PORT_BASE: u64 = 0x3f8;
+/// Ports claimed by the UART.
+pub const COM1_PORT_LEN: u64 = 8;
+/// COM1's interrupt line.
+pub const COM1_IRQ: u32 = 4;
+
+/// Where guest output goes.
+pub type SerialOut = Box<dyn Write + Send>;
+
+/// The UART on the port-I/O bus.
+pub struct SerialDevice {
+    uart: Serial<IrqLine, NoEvents, SerialOut>,
+}
+
+impl SerialDevice {
+    /// A UART that raises `irq` and writes guest output to `out`.
+    pub fn new(irq: IrqLine, out: SerialOut) -> Self {
+        SerialDevice {
+            uart: Serial::new(irq, out),
+        }
+    }
+
+    /// The interrupt line, to register with KVM.
+    pub fn irq(&self) -> &IrqLine {
+        self.uart.interrupt_evt()
+    }
+
+    /// Queues host input for the guest; returns how many bytes fit in the FIFO.
+    pub fn enqueue_input(&mut self, bytes: &[u8]) -> usize {
+        let room = self.uart.fifo_capacity();
+        let n = bytes.len().min(room);
+        if n == 0 {
+            return 0;
+        }
+        match self.uart.enqueue_raw_bytes(&bytes[..n]) {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                tracing::debug!(error = ?e, "serial input dropped");
+                0
+            }
+        }
+    }
+
+    /// Flushes buffered guest output.
+    pub fn flush(&mut self) {
+        let _ = self.uart.writer_mut().flush();
+    }
+}
+
+impl BusDevice for SerialDevice {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if let (Some(first), Ok(off)) = (data.first_mut(), u8::try_from(offset)) {
+            *first = self.uart.read(off);
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if let (Some(value), Ok(off)) = (data.first(), u8::try_from(offset)) {
+            if let Err(e) = self.uart.write(off, *value) {
+                // A closed stdout or a full disk must not stop the guest.
+                tracing::debug!(error = ?e, "serial output dropped");
+            }
+        }
+    }
+}
+
+/// Forwards host stdin to the guest's serial input until stdin closes.
+///
+/// Input is held back, not dropped, while the guest's 64-byte FIFO is full,
+/// so at most one read buffer (256 bytes) is ever pending on the host side.
+pub fn spawn_stdin_forwarder(serial: Arc<Mutex<SerialDevice>>) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("serial-stdin".into())
+        .spawn(move || {
+            let mut stdin = std::io::stdin().lock();
+            let mut buf = [0u8; 256];
+            loop {
+                let n = match stdin.read(&mut buf) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                let mut pending = &buf[..n];
+                while !pending.is_empty() {
+                    let accepted = serial
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .enqueue_input(pending);
+                    pending = &pending[accepted..];
+                    if accepted == 0 {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
+            }
+        })
+        .map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Clone, Default)]
+    struct SharedBuf(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for SharedBuf {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn guest_bytes_reach_the_output_and_input_reaches_the_guest() {
+        let out = SharedBuf::default();
+        let mut dev = SerialDevice::new(IrqLine::new(4).unwrap(), Box::new(out.clone()));
+        for b in b"hi\n" {
+            dev.write(0, &[*b]);
+        }
+        assert_eq!(&*out.0.lock().unwrap(), b"hi\n");
+
+        assert_eq!(dev.enqueue_input(b"ok"), 2);
+        let mut lsr = [0u8];
+        dev.read(5, &mut lsr);
+        assert_eq!(lsr[0] & 1, 1, "data-ready bit set");
+        let mut byte = [0u8];
+        dev.read(0, &mut byte);
+        assert_eq!(byte[0], b'o');
+    }
+
+    #[test]
+    fn input_beyond_the_fifo_is_held_back() {
+        let mut dev = SerialDevice::new(IrqLine::new(4).unwrap(), Box::new(std::io::sink()));
+        let big = [b'x'; 200];
+        let accepted = dev.enqueue_input(&big);
+        assert!(accepted > 0 && accepted < 200);
+        assert_eq!(dev.enqueue_input(&big), 0);
+    }
+}

@@ -1,0 +1,6 @@
+//! Devices the guest reaches through port I/O and MMIO, and the bus that
+//! routes vCPU exits to them.
+
+pub mod bus;
+pub mod irq;
+pub mod legacy;

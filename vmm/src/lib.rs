@@ -1,0 +1,15 @@
+//! `vmm`: a KVM virtual machine monitor for agent-session microVMs, one
+//! process per VM. Boots a Linux kernel (or a test guest) directly, with an
+//! 8250 serial console, an i8042 for guest reset, and a JSON-lines control
+//! socket.
+
+pub mod arch;
+pub mod config;
+pub mod control;
+pub mod devices;
+pub mod exit;
+pub mod kvm;
+pub mod machine;
+pub mod memory;
+pub mod vcpu;
+pub mod vm;

@@ -1,0 +1,256 @@
+//! Coordinates the vCPU threads with the rest of the VMM: pause, resume and
+//! stop requests, and the one reason the VM ended.
+//!
+//! A request is recorded under a mutex first and the vCPU threads are then
+//! kicked out of KVM_RUN with a signal (see `kick`), so a vCPU either sees the
+//! request before entering the guest or is interrupted inside it.
+
+use std::sync::{Condvar, Mutex, MutexGuard};
+
+use crate::exit::ExitReason;
+use crate::vcpu::kick;
+
+/// The VM's run state as the control socket reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmState {
+    /// vCPUs run the guest.
+    Running,
+    /// Every vCPU is parked outside KVM_RUN.
+    Paused,
+    /// The VM is ending or has ended.
+    Stopping,
+}
+
+impl VmState {
+    /// The lowercase name used on the control socket.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            VmState::Running => "running",
+            VmState::Paused => "paused",
+            VmState::Stopping => "stopping",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Request {
+    Run,
+    Pause,
+    Stop,
+}
+
+/// What a vCPU thread should do next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Enter the guest.
+    Run,
+    /// Leave the run loop.
+    Exit,
+}
+
+/// Errors answering a control request.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CoordinatorError {
+    /// The VM is already ending.
+    #[error("the VM is stopping")]
+    Stopping,
+    /// Resume on a VM that is not paused.
+    #[error("the VM is not paused")]
+    NotPaused,
+    /// Pause on a VM that is already paused.
+    #[error("the VM is already paused")]
+    AlreadyPaused,
+}
+
+struct Inner {
+    request: Request,
+    parked: usize,
+    exited: usize,
+    exit: Option<ExitReason>,
+    threads: Vec<libc::pthread_t>,
+}
+
+/// Shared by the vCPU threads, the control socket and the main thread.
+pub struct Coordinator {
+    vcpus: usize,
+    inner: Mutex<Inner>,
+    changed: Condvar,
+}
+
+impl Coordinator {
+    /// A coordinator for `vcpus` vCPU threads, starting in `Run`.
+    pub fn new(vcpus: usize) -> Self {
+        Coordinator {
+            vcpus,
+            inner: Mutex::new(Inner {
+                request: Request::Run,
+                parked: 0,
+                exited: 0,
+                exit: None,
+                threads: Vec::with_capacity(vcpus),
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wait<'a>(&self, guard: MutexGuard<'a, Inner>) -> MutexGuard<'a, Inner> {
+        self.changed.wait(guard).unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn kick_all(&self, inner: &Inner) {
+        for thread in &inner.threads {
+            kick::kick(*thread);
+        }
+    }
+
+    /// Number of vCPUs.
+    pub fn vcpu_count(&self) -> usize {
+        self.vcpus
+    }
+
+    /// Called by a vCPU thread once, before its first run, so it can be kicked.
+    pub fn register_current_thread(&self) {
+        // SAFETY: pthread_self has no preconditions and always succeeds.
+        let me = unsafe { libc::pthread_self() };
+        self.lock().threads.push(me);
+    }
+
+    /// Called by a vCPU thread before each KVM_RUN: parks while paused.
+    pub fn next(&self) -> Next {
+        let mut inner = self.lock();
+        loop {
+            match inner.request {
+                Request::Run => return Next::Run,
+                Request::Stop => return Next::Exit,
+                Request::Pause => {
+                    inner.parked += 1;
+                    self.changed.notify_all();
+                    while inner.request == Request::Pause {
+                        inner = self.wait(inner);
+                    }
+                    inner.parked -= 1;
+                }
+            }
+        }
+    }
+
+    /// Called by a vCPU thread when it leaves its run loop.
+    pub fn vcpu_exited(&self) {
+        // SAFETY: pthread_self has no preconditions and always succeeds.
+        let me = unsafe { libc::pthread_self() };
+        let mut inner = self.lock();
+        // Forget this thread so it is never signalled after it ends.
+        // SAFETY: pthread_equal only compares two thread ids.
+        inner.threads.retain(|t| unsafe { libc::pthread_equal(*t, me) } == 0);
+        inner.exited += 1;
+        self.changed.notify_all();
+    }
+
+    /// Records why the VM ends (the first reason wins) and stops every vCPU.
+    pub fn request_exit(&self, reason: ExitReason) {
+        let mut inner = self.lock();
+        if inner.exit.is_none() {
+            inner.exit = Some(reason);
+        }
+        inner.request = Request::Stop;
+        self.kick_all(&inner);
+        self.changed.notify_all();
+    }
+
+    /// Parks every vCPU outside KVM_RUN and returns once all are parked.
+    pub fn pause(&self) -> Result<(), CoordinatorError> {
+        let mut inner = self.lock();
+        match inner.request {
+            Request::Stop => return Err(CoordinatorError::Stopping),
+            Request::Pause => return Err(CoordinatorError::AlreadyPaused),
+            Request::Run => {}
+        }
+        inner.request = Request::Pause;
+        self.kick_all(&inner);
+        while inner.request == Request::Pause && inner.parked + inner.exited < self.vcpus {
+            inner = self.wait(inner);
+        }
+        if inner.request == Request::Stop {
+            return Err(CoordinatorError::Stopping);
+        }
+        Ok(())
+    }
+
+    /// Lets paused vCPUs run again.
+    pub fn resume(&self) -> Result<(), CoordinatorError> {
+        let mut inner = self.lock();
+        match inner.request {
+            Request::Stop => Err(CoordinatorError::Stopping),
+            Request::Run => Err(CoordinatorError::NotPaused),
+            Request::Pause => {
+                inner.request = Request::Run;
+                self.changed.notify_all();
+                Ok(())
+            }
+        }
+    }
+
+    /// The current run state.
+    pub fn state(&self) -> VmState {
+        let inner = self.lock();
+        match inner.request {
+            Request::Run => VmState::Running,
+            Request::Pause => VmState::Paused,
+            Request::Stop => VmState::Stopping,
+        }
+    }
+
+    /// Blocks until an exit reason is recorded and every vCPU thread has left its loop.
+    pub fn wait_for_exit(&self) -> ExitReason {
+        let mut inner = self.lock();
+        loop {
+            if let Some(reason) = &inner.exit {
+                if inner.exited >= self.vcpus {
+                    return reason.clone();
+                }
+            }
+            inner = self.wait(inner);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn pause_waits_for_every_vcpu_and_resume_releases_them() {
+        let coord = Arc::new(Coordinator::new(2));
+        let mut handles = Vec::new();
+        for _ in 0..2 {
+            let c = coord.clone();
+            handles.push(std::thread::spawn(move || {
+                c.register_current_thread();
+                let mut runs = 0u64;
+                while c.next() == Next::Run {
+                    runs += 1;
+                    std::thread::yield_now();
+                }
+                c.vcpu_exited();
+                runs
+            }));
+        }
+        coord.pause().unwrap();
+        assert_eq!(coord.state(), VmState::Paused);
+        assert_eq!(coord.pause(), Err(CoordinatorError::AlreadyPaused));
+        coord.resume().unwrap();
+        assert_eq!(coord.resume(), Err(CoordinatorError::NotPaused));
+        coord.request_exit(ExitReason::StopRequested);
+        coord.request_exit(ExitReason::TripleFault { vcpu: 0 });
+        assert_eq!(coord.wait_for_exit(), ExitReason::StopRequested);
+        for h in handles {
+            h.join().unwrap();
+        }
+        assert_eq!(coord.pause(), Err(CoordinatorError::Stopping));
+    }
+}

@@ -1,0 +1,241 @@
+//! vCPUs: per-vCPU register setup and the thread that runs KVM_RUN and
+//! dispatches its exits to the buses.
+
+pub mod coordinator;
+pub mod kick;
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use kvm_bindings::{CpuId, KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
+use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
+
+use crate::arch::x86_64::{cpuid, loader::BootEntry, msr, regs};
+use crate::devices::bus::Bus;
+use crate::exit::ExitReason;
+use crate::memory::GuestMemoryMmap;
+use coordinator::{Coordinator, Next};
+
+/// Errors creating or configuring a vCPU.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    /// A vCPU ioctl failed.
+    #[error("vCPU {index}: {what} failed: {source}")]
+    Ioctl {
+        /// vCPU index.
+        index: u8,
+        /// Which ioctl.
+        what: &'static str,
+        /// The error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// KVM accepted fewer MSRs than given.
+    #[error("vCPU {index}: KVM refused boot MSR {msr:#x}")]
+    MsrRefused {
+        /// vCPU index.
+        index: u8,
+        /// The first MSR not set.
+        msr: u32,
+    },
+    /// Writing boot structures (GDT, page tables) failed.
+    #[error("vCPU {index}: cannot write boot structures: {source}")]
+    Memory {
+        /// vCPU index.
+        index: u8,
+        /// The memory error.
+        #[source]
+        source: vm_memory::GuestMemoryError,
+    },
+    /// The MSR list could not be built.
+    #[error("vCPU {index}: cannot build the MSR list: {message}")]
+    MsrList {
+        /// vCPU index.
+        index: u8,
+        /// What failed.
+        message: String,
+    },
+    /// The vCPU thread could not be spawned.
+    #[error("cannot spawn the thread for vCPU {index}: {source}")]
+    Spawn {
+        /// vCPU index.
+        index: u8,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The port-I/O and MMIO buses a vCPU dispatches exits to.
+#[derive(Clone)]
+pub struct Buses {
+    /// Port I/O.
+    pub io: Arc<Bus>,
+    /// MMIO.
+    pub mmio: Arc<Bus>,
+}
+
+/// One vCPU.
+pub struct Vcpu {
+    index: u8,
+    fd: VcpuFd,
+    buses: Buses,
+}
+
+impl Vcpu {
+    /// Creates vCPU `index` in `vm`.
+    pub fn new(vm: &VmFd, index: u8, buses: Buses) -> Result<Self, VcpuError> {
+        let fd = vm
+            .create_vcpu(u64::from(index))
+            .map_err(|source| VcpuError::Ioctl {
+                index,
+                what: "KVM_CREATE_VCPU",
+                source,
+            })?;
+        Ok(Vcpu { index, fd, buses })
+    }
+
+    fn ioctl(&self, what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VcpuError {
+        let index = self.index;
+        move |source| VcpuError::Ioctl {
+            index,
+            what,
+            source,
+        }
+    }
+
+    /// Sets CPUID, MSRs, registers, FPU and LAPIC for the first instruction.
+    pub fn configure(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        supported_cpuid: &CpuId,
+        count: u8,
+        entry: BootEntry,
+    ) -> Result<(), VcpuError> {
+        let index = self.index;
+        let mut cpuid = supported_cpuid.clone();
+        cpuid::normalize(&mut cpuid, index, count);
+        self.fd.set_cpuid2(&cpuid).map_err(self.ioctl("KVM_SET_CPUID2"))?;
+
+        let entries = msr::boot_msr_entries();
+        let msrs = msr::boot_msrs().map_err(|e| VcpuError::MsrList {
+            index,
+            message: format!("{e:?}"),
+        })?;
+        let set = self.fd.set_msrs(&msrs).map_err(self.ioctl("KVM_SET_MSRS"))?;
+        if set < entries.len() {
+            return Err(VcpuError::MsrRefused {
+                index,
+                msr: entries[set].index,
+            });
+        }
+
+        self.fd
+            .set_regs(&regs::boot_regs(entry))
+            .map_err(self.ioctl("KVM_SET_REGS"))?;
+        let mut sregs = self.fd.get_sregs().map_err(self.ioctl("KVM_GET_SREGS"))?;
+        regs::setup_sregs(mem, entry, &mut sregs)
+            .map_err(|source| VcpuError::Memory { index, source })?;
+        self.fd.set_sregs(&sregs).map_err(self.ioctl("KVM_SET_SREGS"))?;
+        self.fd
+            .set_fpu(&regs::boot_fpu())
+            .map_err(self.ioctl("KVM_SET_FPU"))?;
+        let mut lapic = self.fd.get_lapic().map_err(self.ioctl("KVM_GET_LAPIC"))?;
+        regs::setup_lint(&mut lapic);
+        self.fd.set_lapic(&lapic).map_err(self.ioctl("KVM_SET_LAPIC"))?;
+        Ok(())
+    }
+
+    /// Starts the vCPU's thread; it runs until the coordinator says exit.
+    pub fn start(self, coordinator: Arc<Coordinator>) -> Result<JoinHandle<()>, VcpuError> {
+        let index = self.index;
+        std::thread::Builder::new()
+            .name(format!("vcpu{index}"))
+            .spawn(move || self.run_loop(&coordinator))
+            .map_err(|source| VcpuError::Spawn { index, source })
+    }
+
+    fn run_loop(mut self, coordinator: &Coordinator) {
+        let target: *mut u8 = &mut self.fd.get_kvm_run().immediate_exit;
+        kick::set_immediate_exit_target(target);
+        coordinator.register_current_thread();
+        while coordinator.next() == Next::Run {
+            if let Some(reason) = self.run_once() {
+                tracing::debug!(vcpu = self.index, %reason, "vCPU ends the VM");
+                coordinator.request_exit(reason);
+            }
+        }
+        kick::set_immediate_exit_target(std::ptr::null_mut());
+        coordinator.vcpu_exited();
+    }
+
+    /// Runs the guest until one exit; returns a reason when the VM must end.
+    fn run_once(&mut self) -> Option<ExitReason> {
+        let index = usize::from(self.index);
+        match self.fd.run() {
+            Ok(exit) => match exit {
+                VcpuExit::IoIn(port, data) => {
+                    if !self.buses.io.read(u64::from(port), data) {
+                        data.fill(0xff);
+                    }
+                    None
+                }
+                VcpuExit::IoOut(port, data) => {
+                    self.buses.io.write(u64::from(port), data);
+                    None
+                }
+                VcpuExit::MmioRead(addr, data) => {
+                    if !self.buses.mmio.read(addr, data) {
+                        data.fill(0);
+                    }
+                    None
+                }
+                VcpuExit::MmioWrite(addr, data) => {
+                    self.buses.mmio.write(addr, data);
+                    None
+                }
+                // Only seen without an in-kernel LAPIC: the vCPU stopped for good.
+                VcpuExit::Hlt => Some(ExitReason::GuestHalted { vcpu: index }),
+                VcpuExit::Shutdown => Some(ExitReason::TripleFault { vcpu: index }),
+                VcpuExit::SystemEvent(kind, _) => match kind {
+                    KVM_SYSTEM_EVENT_SHUTDOWN => Some(ExitReason::GuestPoweroff),
+                    KVM_SYSTEM_EVENT_RESET => Some(ExitReason::GuestReset),
+                    KVM_SYSTEM_EVENT_CRASH => Some(ExitReason::VmmError {
+                        vcpu: Some(index),
+                        message: "guest reported a crash (KVM_SYSTEM_EVENT_CRASH)".into(),
+                    }),
+                    other => Some(ExitReason::VmmError {
+                        vcpu: Some(index),
+                        message: format!("unexpected KVM system event {other}"),
+                    }),
+                },
+                VcpuExit::InternalError => {
+                    // SAFETY: exit_reason is KVM_EXIT_INTERNAL_ERROR, so `internal` is the
+                    // active union member.
+                    let suberror = unsafe { self.fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
+                    Some(ExitReason::KvmInternalError {
+                        vcpu: index,
+                        suberror,
+                    })
+                }
+                VcpuExit::FailEntry(reason, _) => Some(ExitReason::FailEntry {
+                    vcpu: index,
+                    reason,
+                }),
+                VcpuExit::Intr => None,
+                other => Some(ExitReason::VmmError {
+                    vcpu: Some(index),
+                    message: format!("unexpected vCPU exit {other:?}"),
+                }),
+            },
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                self.fd.set_kvm_immediate_exit(0);
+                None
+            }
+            Err(e) => Some(ExitReason::VmmError {
+                vcpu: Some(index),
+                message: format!("KVM_RUN failed: {e}"),
+            }),
+        }
+    }
+}

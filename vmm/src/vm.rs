@@ -1,0 +1,90 @@
+//! The KVM VM: guest memory registered as memory slots, the in-kernel
+//! irqchip (PIC + IOAPIC + LAPICs) and PIT, and the TSS and identity-map
+//! pages KVM needs on Intel hosts.
+
+use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::VmFd;
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+
+use crate::arch::x86_64::layout::{KVM_IDENTITY_MAP_ADDRESS, KVM_TSS_ADDRESS};
+use crate::kvm::KvmHandle;
+use crate::memory::GuestMemoryMmap;
+
+/// Errors creating and setting up the VM.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// KVM_CREATE_VM failed.
+    #[error("cannot create the KVM VM: {0}")]
+    Create(#[source] kvm_ioctls::Error),
+    /// KVM_SET_USER_MEMORY_REGION failed.
+    #[error("cannot register guest memory slot {slot} with KVM: {source}")]
+    MemorySlot {
+        /// The slot number.
+        slot: u32,
+        /// The ioctl error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// A VM-level setup ioctl failed.
+    #[error("{what} failed: {source}")]
+    Setup {
+        /// Which ioctl.
+        what: &'static str,
+        /// The ioctl error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+}
+
+fn setup(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
+    move |source| VmError::Setup { what, source }
+}
+
+/// A created VM with its memory.
+pub struct Vm {
+    fd: VmFd,
+    memory: GuestMemoryMmap,
+}
+
+impl Vm {
+    /// Creates the VM, registers `memory`, and sets up the irqchip and PIT.
+    pub fn new(kvm: &KvmHandle, memory: GuestMemoryMmap) -> Result<Self, VmError> {
+        let fd = kvm.kvm().create_vm().map_err(VmError::Create)?;
+        for (slot, region) in memory.iter().enumerate() {
+            let slot = slot as u32;
+            let mem_region = kvm_userspace_memory_region {
+                slot,
+                guest_phys_addr: region.start_addr().0,
+                memory_size: region.len(),
+                userspace_addr: region.as_ptr() as u64,
+                flags: 0,
+            };
+            // SAFETY: the host range [as_ptr, as_ptr + len) is a live mmap owned by `memory`,
+            // which this struct keeps alive for as long as the VM fd exists, and slots do not
+            // overlap because the regions come from one validated GuestMemoryMmap.
+            unsafe { fd.set_user_memory_region(mem_region) }
+                .map_err(|source| VmError::MemorySlot { slot, source })?;
+        }
+        fd.set_tss_address(KVM_TSS_ADDRESS as usize)
+            .map_err(setup("KVM_SET_TSS_ADDR"))?;
+        fd.set_identity_map_address(KVM_IDENTITY_MAP_ADDRESS)
+            .map_err(setup("KVM_SET_IDENTITY_MAP_ADDR"))?;
+        fd.create_irq_chip().map_err(setup("KVM_CREATE_IRQCHIP"))?;
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        fd.create_pit2(pit).map_err(setup("KVM_CREATE_PIT2"))?;
+        Ok(Vm { fd, memory })
+    }
+
+    /// The VM file descriptor.
+    pub fn fd(&self) -> &VmFd {
+        &self.fd
+    }
+
+    /// Guest memory.
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.memory
+    }
+}

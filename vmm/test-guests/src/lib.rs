@@ -1,0 +1,33 @@
+//! Paths of the test guests built from `guests/` by build.rs: tiny
+//! freestanding x86_64 ELF images for exercising the vmm under KVM.
+//!
+//! * `hello`: prints one line and resets through the i8042.
+//! * `counter`: counts in memory forever, printing `count=N` every
+//!   `interval=N` increments (command line).
+//! * `report`: prints the zero page, command line, e820 map, CPUID identity
+//!   and MP table it was given, then resets.
+//! * `triplefault`: loads an empty IDT and faults.
+
+use std::path::PathBuf;
+
+/// Names of all test guests.
+pub const ALL: &[&str] = &["hello", "counter", "report", "triplefault"];
+
+/// Path of the ELF image of test guest `name`, or `None` for an unknown name.
+pub fn path(name: &str) -> Option<PathBuf> {
+    ALL.contains(&name)
+        .then(|| PathBuf::from(env!("OUT_DIR")).join(format!("{name}.elf")))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_guest_is_an_elf64_image() {
+        for name in super::ALL {
+            let bytes = std::fs::read(super::path(name).unwrap()).unwrap();
+            assert_eq!(&bytes[..4], b"\x7fELF", "{name}");
+            assert_eq!(bytes[4], 2, "{name} is 64-bit");
+        }
+        assert!(super::path("nope").is_none());
+    }
+}
