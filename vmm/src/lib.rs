@@ -11,5 +11,6 @@ pub mod exit;
 pub mod kvm;
 pub mod machine;
 pub mod memory;
+pub mod snapshot;
 pub mod vcpu;
 pub mod vm;

@@ -3,8 +3,10 @@
 
 use vm_memory::{GuestAddress, GuestMemoryRegion};
 
-/// The guest memory type used throughout the VMM.
-pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<()>;
+/// The guest memory type used throughout the VMM. The atomic bitmap records
+/// every page the VMM itself writes (device DMA, boot structures), which KVM's
+/// dirty log does not see; diff snapshots combine both.
+pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicBitmap>;
 
 /// Start of the 32-bit MMIO hole (3 GiB): devices, the IOAPIC and the LAPIC live above it.
 pub const MMIO_HOLE_START: u64 = 0xC000_0000;

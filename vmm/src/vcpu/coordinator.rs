@@ -225,6 +225,7 @@ mod tests {
 
     #[test]
     fn pause_waits_for_every_vcpu_and_resume_releases_them() {
+        kick::install_handler().unwrap();
         let coord = Arc::new(Coordinator::new(2));
         let mut handles = Vec::new();
         for _ in 0..2 {
