@@ -56,6 +56,15 @@ pub enum StartError {
     /// Devices could not be placed on the bus.
     #[error("device setup failed: {0}")]
     Bus(#[from] BusError),
+    /// The serial output file cannot be opened.
+    #[error("cannot set up serial output file {path}: {source}")]
+    SerialFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
     /// A device could not be created.
     #[error("cannot set up {what}: {source}")]
     Device {
@@ -78,10 +87,8 @@ impl StartError {
             StartError::Memory(_)
             | StartError::Loader(_)
             | StartError::TooManyVcpus { .. }
+            | StartError::SerialFile { .. }
             | StartError::MpTable(mptable::MpTableError::TooManyCpus(_)) => EXIT_BAD_INPUT,
-            StartError::Device { what, .. } if what.starts_with("serial output file") => {
-                EXIT_BAD_INPUT
-            }
             _ => EXIT_VM_FAILURE,
         }
     }
@@ -105,8 +112,8 @@ fn serial_output(cfg: &SerialConfig) -> Result<SerialOut, StartError> {
                 .create(true)
                 .append(true)
                 .open(path)
-                .map_err(|source| StartError::Device {
-                    what: format!("serial output file {}", path.display()),
+                .map_err(|source| StartError::SerialFile {
+                    path: path.clone(),
                     source,
                 })?;
             Box::new(LineWriter::new(file))

@@ -9,9 +9,14 @@ use vmm::config::{ConfigFile, VmConfig};
 use vmm::control::server::ControlServer;
 use vmm::exit::{EXIT_BAD_INPUT, EXIT_VM_FAILURE};
 use vmm::machine::Machine;
+use vmm::signals;
 
 #[derive(Parser)]
-#[command(name = "vmm", version, about = "A KVM microVM monitor: one process per VM")]
+#[command(
+    name = "vmm",
+    version,
+    about = "A KVM microVM monitor: one process per VM"
+)]
 struct Cli {
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
@@ -93,7 +98,16 @@ fn run(args: RunArgs) -> Result<i32, (i32, String)> {
         control_socket: args.control_socket,
     };
     let config = VmConfig::try_from(file.overridden_by(flags)).map_err(|e| bad(&e))?;
+    let blocked = signals::block_termination_signals().map_err(|e| {
+        (
+            EXIT_VM_FAILURE,
+            format!("cannot block termination signals: {e}"),
+        )
+    })?;
     let machine = Machine::start(&config).map_err(|e| (e.exit_code(), e.to_string()))?;
+    if let Err(e) = signals::spawn_termination_watcher(blocked, machine.coordinator()) {
+        tracing::warn!("cannot watch termination signals: {e}");
+    }
     let _control = match &config.control_socket {
         Some(path) => match ControlServer::start(path, machine.coordinator()) {
             Ok(server) => Some(server),
@@ -105,7 +119,7 @@ fn run(args: RunArgs) -> Result<i32, (i32, String)> {
                         message: e.to_string(),
                     });
                 machine.wait();
-                return Err((EXIT_VM_FAILURE, e.to_string()));
+                return Err((EXIT_BAD_INPUT, e.to_string()));
             }
         },
         None => None,
