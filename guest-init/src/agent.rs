@@ -33,7 +33,7 @@ use crate::policy::rules::Action;
 use crate::policy::secrets::{Redactor, Secrets};
 use crate::policy::Policy;
 use crate::privilege::{self, Identity};
-use crate::reaper::Managed;
+use crate::reaper;
 use crate::session;
 use crate::turn::{Backend, Turns};
 use crate::workspace;
@@ -68,12 +68,8 @@ pub enum Stop {
     Shutdown,
 }
 
-/// Serves connections until a Shutdown. `managed` is shared with the reaper.
-pub async fn serve(
-    transport: &mut dyn Transport,
-    cfg: Config,
-    managed: Managed,
-) -> std::io::Result<Stop> {
+/// Serves connections until a Shutdown.
+pub async fn serve(transport: &mut dyn Transport, cfg: Config) -> std::io::Result<Stop> {
     std::fs::create_dir_all(&cfg.state_dir)?;
     {
         use std::os::unix::fs::PermissionsExt;
@@ -91,7 +87,7 @@ pub async fn serve(
                 continue;
             }
         };
-        let outcome = handle_connection(conn, cfg.clone(), managed.clone()).await;
+        let outcome = handle_connection(conn, cfg.clone()).await;
         if outcome == Some(Stop::Shutdown) {
             return Ok(Stop::Shutdown);
         }
@@ -138,7 +134,7 @@ struct PendingStart {
     received: u64,
 }
 
-async fn handle_connection(conn: Connection, cfg: Arc<Config>, managed: Managed) -> Option<Stop> {
+async fn handle_connection(conn: Connection, cfg: Arc<Config>) -> Option<Stop> {
     let (rd, wr) = tokio::io::split(conn);
     let (tx, mut rx) = mpsc::channel::<GuestMessage>(1024);
     let max = cfg.max_frame;
@@ -154,7 +150,6 @@ async fn handle_connection(conn: Connection, cfg: Arc<Config>, managed: Managed)
     let mut reader = FrameReader::new(rd, cfg.max_frame);
     let mut conn = Conn {
         cfg,
-        managed,
         out: tx,
         hello: false,
         pending: None,
@@ -175,7 +170,6 @@ async fn handle_connection(conn: Connection, cfg: Arc<Config>, managed: Managed)
 
 struct Conn {
     cfg: Arc<Config>,
-    managed: Managed,
     out: Outbox,
     hello: bool,
     pending: Option<PendingStart>,
@@ -430,14 +424,7 @@ impl Conn {
         } = pending;
         let _ = file.flush().await;
         drop(file);
-        let result = Session::open(
-            req,
-            &path,
-            self.cfg.clone(),
-            self.managed.clone(),
-            self.out.clone(),
-        )
-        .await;
+        let result = Session::open(req, &path, self.cfg.clone(), self.out.clone()).await;
         let _ = std::fs::remove_file(&path);
         let s = result?;
         self.session = Some(s);
@@ -469,7 +456,6 @@ pub struct Session {
     env: BTreeMap<String, String>,
     ask_timeout: Duration,
     cfg: Arc<Config>,
-    managed: Managed,
     out: Outbox,
     audit: tokio::sync::Mutex<AuditLog>,
     always: Mutex<HashSet<String>>,
@@ -490,7 +476,6 @@ impl Session {
         req: StartSession,
         bundle: &std::path::Path,
         cfg: Arc<Config>,
-        managed: Managed,
         out: Outbox,
     ) -> Result<Arc<Self>, Failure> {
         let redactor = Redactor::new(
@@ -573,7 +558,6 @@ impl Session {
             ask_timeout,
             turns: Mutex::new(Turns::new(cfg.turn_backend.clone())),
             cfg: cfg.clone(),
-            managed,
             out,
             audit: tokio::sync::Mutex::new(audit),
             always: Mutex::new(HashSet::new()),
@@ -870,7 +854,7 @@ impl Session {
             identity: self.cfg.identity,
             cgroup_procs: procs,
         };
-        let mut child = match exec::spawn(&spec, &self.managed) {
+        let mut child = match exec::spawn(&spec) {
             Ok(c) => c,
             Err(err) => {
                 self.reject(&e.exec_id, &e.turn_id, &err.to_string(), "")
@@ -954,7 +938,7 @@ impl Session {
             }),
         ];
         let status = child.wait().await;
-        self.managed.lock().remove(&pid);
+        reaper::release(Some(pid));
         // A daemonised descendant may keep the pipes open: wait briefly for
         // the output that is already there, then report the exit.
         for p in pumps.into_iter().flatten() {
@@ -1064,7 +1048,7 @@ impl Session {
         let taken = lock(&self.turns).take(turn_id);
         let killed = match taken {
             Some((turn, others)) => {
-                let managed: HashSet<u32> = self.managed.lock().clone();
+                let managed: HashSet<u32> = reaper::managed().lock().clone();
                 tokio::task::spawn_blocking(move || turn.kill(&managed, &others))
                     .await
                     .unwrap_or_default()
@@ -1102,10 +1086,14 @@ impl Session {
         if !self.cfg.apply_egress {
             return;
         }
-        let Ok(out) = tokio::process::Command::new("nft")
-            .args(["list", "counter", "inet", egress::TABLE, "denied"])
-            .output()
-            .await
+        let Ok(out) = reaper::output(tokio::process::Command::new("nft").args([
+            "list",
+            "counter",
+            "inet",
+            egress::TABLE,
+            "denied",
+        ]))
+        .await
         else {
             return;
         };
@@ -1140,6 +1128,7 @@ impl Session {
                     return;
                 }
             };
+        let bundle_pid = child.id();
         let mut stderr = child.stderr.take();
         let err_task = tokio::spawn(async move {
             let mut s = Vec::new();
@@ -1153,6 +1142,7 @@ impl Session {
             let _ = r.read_to_end(&mut data).await;
         }
         let status = child.wait().await;
+        reaper::release(bundle_pid);
         let stderr = err_task.await.unwrap_or_default();
         if !status.is_ok_and(|s| s.success()) {
             self.send(error(
@@ -1258,22 +1248,23 @@ fn resolve(host: &str) -> Vec<std::net::IpAddr> {
 }
 
 async fn run_nft(script: &str) -> Result<(), String> {
-    let mut child = tokio::process::Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run nft (egress rules need nftables): {e}"))?;
+    let mut child = reaper::spawn(
+        tokio::process::Command::new("nft")
+            .args(["-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped()),
+    )
+    .map_err(|e| format!("cannot run nft (egress rules need nftables): {e}"))?;
+    let pid = child.id();
     if let Some(mut w) = child.stdin.take() {
         w.write_all(script.as_bytes())
             .await
             .map_err(|e| format!("writing to nft: {e}"))?;
     }
-    let out = child
-        .wait_with_output()
-        .await
-        .map_err(|e| format!("nft: {e}"))?;
+    let out = child.wait_with_output().await;
+    reaper::release(pid);
+    let out = out.map_err(|e| format!("nft: {e}"))?;
     if !out.status.success() {
         return Err(format!(
             "nft refused the egress rules: {}",

@@ -16,7 +16,6 @@ use std::process::Stdio;
 use tokio::process::{Child, Command};
 
 use crate::privilege::Identity;
-use crate::reaper::Managed;
 
 /// PATH given to every command.
 pub const BASE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -57,9 +56,9 @@ pub enum ExecError {
     },
 }
 
-/// Starts `spec` with piped stdio; the new pid is in `managed` before the
-/// child can exit, so the orphan reaper never takes its status.
-pub fn spawn(spec: &Spec, managed: &Managed) -> Result<Child, ExecError> {
+/// Starts `spec` with piped stdio, registered with the reaper (see
+/// [`crate::reaper::spawn`]) so the orphan reaper never takes its status.
+pub fn spawn(spec: &Spec) -> Result<Child, ExecError> {
     let program = spec.argv.first().ok_or(ExecError::EmptyArgv)?;
     for a in &spec.argv {
         if a.contains('\0') {
@@ -125,15 +124,10 @@ pub fn spawn(spec: &Spec, managed: &Managed) -> Result<Child, ExecError> {
             Ok(())
         });
     }
-    let mut guard = managed.lock();
-    let child = cmd.spawn().map_err(|source| ExecError::Spawn {
+    crate::reaper::spawn(&mut cmd).map_err(|source| ExecError::Spawn {
         program: program.clone(),
         source,
-    })?;
-    if let Some(pid) = child.id() {
-        guard.insert(pid);
-    }
-    Ok(child)
+    })
 }
 
 /// Sends `signal` to the process group led by `pid` (each command leads its own).

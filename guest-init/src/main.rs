@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use guest_init::agent::{self, Config};
 use guest_init::channel::ListenAddr;
 use guest_init::pid1;
-use guest_init::reaper::{self, Managed};
+use guest_init::reaper;
 use guest_init::{audit, privilege, turn};
 
 #[derive(Parser)]
@@ -181,8 +181,7 @@ fn serve(a: ServeArgs) -> std::io::Result<ExitCode> {
         if let Err(e) = reaper::become_subreaper() {
             tracing::warn!(error = %e, "cannot become a child subreaper: daemonised processes escape process-tree tracking");
         }
-        let managed = Managed::default();
-        tokio::spawn(reaper::run(managed.clone()));
+        tokio::spawn(reaper::run());
         let cfg = Config {
             workspace: a.workspace,
             state_dir,
@@ -195,7 +194,7 @@ fn serve(a: ServeArgs) -> std::io::Result<ExitCode> {
             max_frame: a.max_frame,
         };
         let mut transport = a.listen.bind()?;
-        agent::serve(transport.as_mut(), cfg, managed).await?;
+        agent::serve(transport.as_mut(), cfg).await?;
         Ok(ExitCode::SUCCESS)
     })
 }

@@ -9,11 +9,47 @@
 //! child cannot turn into a zombie before it is registered.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 /// Pids of children someone else waits for.
 #[derive(Clone, Default)]
 pub struct Managed(Arc<Mutex<HashSet<u32>>>);
+
+/// The process-wide set: every child guest-init spawns must be in it while
+/// it is waited for elsewhere (use [`spawn`] or [`output`]).
+pub fn managed() -> Managed {
+    static MANAGED: OnceLock<Managed> = OnceLock::new();
+    MANAGED.get_or_init(Managed::default).clone()
+}
+
+/// Spawns `cmd` registered in [`managed`]; call [`release`] after waiting.
+pub fn spawn(cmd: &mut tokio::process::Command) -> std::io::Result<tokio::process::Child> {
+    let m = managed();
+    let mut guard = m.lock();
+    let child = cmd.spawn()?;
+    if let Some(pid) = child.id() {
+        guard.insert(pid);
+    }
+    Ok(child)
+}
+
+/// Forgets `pid` once its exit status was collected.
+pub fn release(pid: Option<u32>) {
+    if let Some(pid) = pid {
+        managed().lock().remove(&pid);
+    }
+}
+
+/// Runs `cmd` to completion (registered in [`managed`]) and collects its output.
+pub async fn output(cmd: &mut tokio::process::Command) -> std::io::Result<std::process::Output> {
+    cmd.stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = spawn(cmd)?;
+    let pid = child.id();
+    let out = child.wait_with_output().await;
+    release(pid);
+    out
+}
 
 impl Managed {
     /// Locks the set (hold it across a spawn, then insert the new pid).
@@ -81,10 +117,11 @@ pub fn self_pid() -> u32 {
     std::process::id()
 }
 
-/// Reaps zombie children not in `managed`; returns how many were reaped.
-pub fn reap_orphans(managed: &Managed) -> usize {
+/// Reaps zombie children not in [`managed`]; returns how many were reaped.
+pub fn reap_orphans() -> usize {
     let me = self_pid();
-    let guard = managed.lock();
+    let m = managed();
+    let guard = m.lock();
     let mut reaped = 0;
     for p in all_processes() {
         if p.ppid == me && p.state == 'Z' && !guard.contains(&p.pid) {
@@ -110,7 +147,7 @@ pub fn become_subreaper() -> std::io::Result<()> {
 
 /// Runs the reaper until the runtime stops: on every SIGCHLD, and once a
 /// second in case signals were coalesced.
-pub async fn run(managed: Managed) {
+pub async fn run() {
     let mut sigchld = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child()).ok();
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
     loop {
@@ -125,10 +162,7 @@ pub async fn run(managed: Managed) {
                 tick.tick().await;
             }
         }
-        let m = managed.clone();
-        let n = tokio::task::spawn_blocking(move || reap_orphans(&m))
-            .await
-            .unwrap_or(0);
+        let n = tokio::task::spawn_blocking(reap_orphans).await.unwrap_or(0);
         if n > 0 {
             tracing::debug!(reaped = n, "reaped orphans");
         }

@@ -117,9 +117,7 @@ pub fn git_command(dir: &Path, identity: Option<Identity>) -> Command {
 }
 
 async fn git(dir: &Path, args: &[&str]) -> Result<Vec<u8>, SessionError> {
-    let out = git_command(dir, None)
-        .args(args)
-        .output()
+    let out = crate::reaper::output(git_command(dir, None).args(args))
         .await
         .map_err(io("cannot run git (is it installed?)"))?;
     if !out.status.success() {
@@ -232,17 +230,19 @@ pub async fn read_at(
         })
 }
 
-/// Starts `git bundle create - <branch>` (as `identity`), stdout piped.
+/// Starts `git bundle create - <branch>` (as `identity`), stdout piped;
+/// registered with the reaper, so release it after waiting.
 pub fn bundle_branch(
     workspace: &Path,
     branch: &str,
     identity: Option<Identity>,
 ) -> std::io::Result<tokio::process::Child> {
-    git_command(workspace, identity)
-        .args(["bundle", "create", "--quiet", "-", branch])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
+    crate::reaper::spawn(
+        git_command(workspace, identity)
+            .args(["bundle", "create", "--quiet", "-", branch])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
 }
 
 /// Where an incoming bundle is stored.

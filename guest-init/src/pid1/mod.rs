@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::agent::{self, Config};
 use crate::channel::ListenAddr;
-use crate::reaper::{self, Managed};
+use crate::reaper;
 
 /// How PID 1 runs; the defaults are a guest's, tests override them.
 #[derive(Debug, Clone)]
@@ -75,8 +75,7 @@ pub fn run(opts: Options) -> std::io::Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let managed = Managed::default();
-        tokio::spawn(reaper::run(managed.clone()));
+        tokio::spawn(reaper::run());
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let cfg = Config {
             workspace: opts.workspace.clone(),
@@ -88,7 +87,7 @@ pub fn run(opts: Options) -> std::io::Result<()> {
         };
         let mut transport = opts.listen.bind()?;
         tokio::select! {
-            r = agent::serve(transport.as_mut(), cfg, managed.clone()) => {
+            r = agent::serve(transport.as_mut(), cfg) => {
                 r?;
                 tracing::info!("shutdown requested by the host");
             }
