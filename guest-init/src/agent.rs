@@ -282,7 +282,10 @@ impl Conn {
                 Ok(s) => {
                     tokio::spawn(s.exec(e));
                 }
-                Err(m) => self.send(m).await,
+                Err(mut m) => {
+                    m.exec_id = e.exec_id;
+                    self.send(m).await
+                }
             },
             In::Stdin(d) => match self.session() {
                 Ok(s) => {

@@ -150,6 +150,11 @@ pub fn unwrap_wrappers(mut words: Vec<String>) -> Vec<String> {
                 return words;
             }
         };
+        if 1 + skip >= words.len() {
+            // A wrapper with no command runs itself (`env` prints the environment).
+            words[0] = name;
+            return words;
+        }
         words.drain(..1 + skip);
     }
 }
@@ -401,6 +406,8 @@ mod tests {
             ["git push"]
         );
         assert_eq!(texts(&["A=1", "B=2", "git", "push"]), ["git push"]);
+        assert_eq!(texts(&["env"]), ["env"]);
+        assert_eq!(texts(&["/usr/bin/env", "-i"]), ["env -i"]);
     }
 
     #[test]

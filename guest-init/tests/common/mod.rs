@@ -22,24 +22,43 @@ use tokio::net::UnixStream;
 
 pub const TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Runs a command to completion. The agent's reaper runs in this process,
+/// so the child is registered with it like every child guest-init spawns.
+pub fn output(cmd: &mut Command) -> std::io::Result<std::process::Output> {
+    cmd.stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let m = reaper::managed();
+    let child = {
+        let mut guard = m.lock();
+        let child = cmd.spawn()?;
+        guard.insert(child.id());
+        child
+    };
+    let pid = child.id();
+    let out = child.wait_with_output();
+    reaper::release(Some(pid));
+    out
+}
+
 /// Runs git, panicking with its stderr on failure.
 pub fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args([
-            "-c",
-            "user.name=Test",
-            "-c",
-            "user.email=test@example.com",
-            "-c",
-            "safe.directory=*",
-        ])
-        .args(args)
-        .env("GIT_CONFIG_NOSYSTEM", "1")
-        .env("GIT_CONFIG_GLOBAL", "/dev/null")
-        .output()
-        .expect("git runs");
+    let out = output(
+        Command::new("git")
+            .arg("-C")
+            .arg(dir)
+            .args([
+                "-c",
+                "user.name=Test",
+                "-c",
+                "user.email=test@example.com",
+                "-c",
+                "safe.directory=*",
+            ])
+            .args(args)
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .env("GIT_CONFIG_GLOBAL", "/dev/null"),
+    )
+    .expect("git runs");
     assert!(
         out.status.success(),
         "git {args:?}: {}",
@@ -113,12 +132,13 @@ impl Repo {
 
     /// `git bundle create - --all`.
     pub fn bundle(&self) -> Vec<u8> {
-        let out = Command::new("git")
-            .arg("-C")
-            .arg(self.path())
-            .args(["bundle", "create", "-q", "-", "--all"])
-            .output()
-            .unwrap();
+        let out = output(
+            Command::new("git")
+                .arg("-C")
+                .arg(self.path())
+                .args(["bundle", "create", "-q", "-", "--all"]),
+        )
+        .unwrap();
         assert!(out.status.success());
         out.stdout
     }
