@@ -831,7 +831,7 @@ impl Session {
 
     async fn run(&self, e: Exec, cwd: PathBuf) {
         let prepared = lock(&self.turns).prepare(&e.turn_id);
-        let procs = match prepared {
+        let placement = match prepared {
             Ok(p) => p,
             Err(err) => {
                 self.reject(
@@ -849,13 +849,14 @@ impl Session {
         for (k, v) in self.secrets.env() {
             env.insert(k.clone(), v.clone());
         }
+        env.insert(crate::turn::TURN_ENV.to_string(), placement.tag.to_string());
         let spec = Spec {
             argv: e.argv.clone(),
             cwd,
             env,
             home: self.cfg.workspace.clone(),
             identity: self.cfg.identity,
-            cgroup_procs: procs,
+            cgroup_procs: placement.cgroup_procs,
         };
         let mut child = match exec::spawn(&spec) {
             Ok(c) => c,
@@ -1191,6 +1192,26 @@ impl Session {
         let ids = lock(&self.turns).ids();
         for id in ids {
             self.end_turn(&id).await;
+        }
+        if *lock(&self.turns).backend() == Backend::ProcessTree {
+            let managed: HashSet<u32> = reaper::managed().lock().clone();
+            let swept = tokio::task::spawn_blocking(move || crate::turn::sweep_orphans(&managed))
+                .await
+                .unwrap_or_default();
+            if !swept.is_empty() {
+                self.audit(Entry {
+                    actor: "guest-init",
+                    action: "session.orphans_killed",
+                    resource: &swept
+                        .iter()
+                        .map(|k| format!("{} {}", k.pid, k.command))
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                    result: &format!("killed {}", swept.len()),
+                    ..Default::default()
+                })
+                .await;
+            }
         }
         lock(&self.asks).clear();
         self.audit(Entry {

@@ -13,8 +13,12 @@
 //! * **process-tree** (fallback where no cgroup2 is writable): guest-init is
 //!   PID 1 or a child subreaper, so orphans re-parent to it. A turn's
 //!   processes are the descendants of its commands plus re-parented orphans
+//!   whose environment carries the turn's number ([`TURN_ENV`], set on every
+//!   command and inherited), or, for orphans that cleared their environment,
 //!   that started after the turn's first command (attributed to the latest
-//!   turn started before them). Killing repeats until a scan finds nothing,
+//!   turn started before them). An agent can defeat this fallback by
+//!   clearing or forging the variable; such a process is still killed when
+//!   the session ends. cgroup2 has no such gap. Killing repeats until a scan finds nothing,
 //!   to catch processes forked meanwhile.
 
 use std::collections::{HashMap, HashSet};
@@ -97,10 +101,24 @@ pub struct Killed {
     pub command: String,
 }
 
+/// Environment variable naming a command's turn (its number), which
+/// process-tree tracking uses to attribute re-parented orphans.
+pub const TURN_ENV: &str = "GUEST_INIT_TURN";
+
+/// Where a new command of a turn goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// `cgroup.procs` of the turn's cgroup, with the cgroup2 backend.
+    pub cgroup_procs: Option<PathBuf>,
+    /// The turn's number, exported as [`TURN_ENV`].
+    pub tag: u64,
+}
+
 /// One turn's tracking state.
 #[derive(Debug)]
 pub struct Turn {
     cgroup: Option<PathBuf>,
+    tag: u64,
     roots: HashSet<u32>,
     start: Option<u64>,
 }
@@ -128,13 +146,12 @@ impl Turns {
         &self.backend
     }
 
-    /// Makes sure `turn_id` exists; returns the `cgroup.procs` file a new
-    /// command must join, if the backend uses cgroups.
-    pub fn prepare(&mut self, turn_id: &str) -> std::io::Result<Option<PathBuf>> {
+    /// Makes sure `turn_id` exists; returns where a new command of it goes.
+    pub fn prepare(&mut self, turn_id: &str) -> std::io::Result<Placement> {
         if !self.turns.contains_key(turn_id) {
+            self.next += 1;
             let cgroup = match &self.backend {
                 Backend::Cgroup2(parent) => {
-                    self.next += 1;
                     let dir = parent.join(format!("turn-{}", self.next));
                     std::fs::create_dir(&dir)?;
                     Some(dir)
@@ -145,15 +162,17 @@ impl Turns {
                 turn_id.to_string(),
                 Turn {
                     cgroup,
+                    tag: self.next,
                     roots: HashSet::new(),
                     start: None,
                 },
             );
         }
-        Ok(self.turns[turn_id]
-            .cgroup
-            .as_ref()
-            .map(|d| d.join("cgroup.procs")))
+        let t = &self.turns[turn_id];
+        Ok(Placement {
+            cgroup_procs: t.cgroup.as_ref().map(|d| d.join("cgroup.procs")),
+            tag: t.tag,
+        })
     }
 
     /// Records a command started in `turn_id`.
@@ -253,9 +272,17 @@ impl Turn {
             if self.roots.contains(&p.pid) {
                 members.insert(p.pid);
             } else if p.ppid == me && !managed.contains(&p.pid) {
-                // A re-parented orphan: ours if it started after this turn did
-                // and no other turn started between the two.
-                if let Some(start) = self.start {
+                // A re-parented orphan: ours if its environment names this
+                // turn; without the tag, if it started after this turn did and
+                // no other turn started between the two.
+                if self.tag == 0 {
+                    // The session-end sweep takes every orphan.
+                    members.insert(p.pid);
+                } else if let Some(tag) = turn_tag(p.pid) {
+                    if tag == self.tag {
+                        members.insert(p.pid);
+                    }
+                } else if let Some(start) = self.start {
                     let later_turn = other_starts.iter().any(|&o| o > start && o <= p.start);
                     if p.start >= start && !later_turn {
                         members.insert(p.pid);
@@ -276,6 +303,27 @@ impl Turn {
         }
         members.into_iter().collect()
     }
+}
+
+/// Process-tree backend, session end: kills every re-parented orphan (and
+/// its descendants) that guest-init did not spawn itself, whatever turn it
+/// claims. Returns what was killed.
+pub fn sweep_orphans(managed: &HashSet<u32>) -> Vec<Killed> {
+    let sweep = Turn {
+        cgroup: None,
+        tag: 0,
+        roots: HashSet::new(),
+        start: None,
+    };
+    sweep.kill(managed, &[])
+}
+
+fn turn_tag(pid: u32) -> Option<u64> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{TURN_ENV}=");
+    env.split(|b| *b == 0)
+        .find_map(|kv| kv.strip_prefix(prefix.as_bytes()))
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
 }
 
 fn cgroup_members(dir: &Path) -> Vec<u32> {

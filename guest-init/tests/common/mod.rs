@@ -493,11 +493,11 @@ impl Client {
     }
 }
 
-/// Pids of live (non-zombie) processes whose command line contains `needle`.
-pub fn processes_matching(needle: &str) -> Vec<u32> {
+/// Pids of live (non-zombie) processes whose command line is `cmd`.
+pub fn processes_matching(cmd: &str) -> Vec<u32> {
     reaper::all_processes()
         .into_iter()
-        .filter(|p| p.state != 'Z' && reaper::cmdline(p.pid).contains(needle))
+        .filter(|p| p.state != 'Z' && reaper::cmdline(p.pid) == cmd)
         .map(|p| p.pid)
         .collect()
 }
