@@ -3,7 +3,8 @@
 //!
 //! Guest memory is recognised by shape: a readable and writable mapping of at
 //! least [`MIN_GUEST_MAPPING`] that is anonymous, a memfd, or a file under
-//! the snapshot folder being restored (the MAP_PRIVATE memory file). Nothing
+//! the snapshot folder being restored (the MAP_PRIVATE memory file); shared
+//! anonymous memory shows as `/dev/zero (deleted)` and counts too. Nothing
 //! else in a VMM is that large and writable: thread stacks are a few MiB and
 //! malloc arenas reserve 64 MiB but map it PROT_NONE until used.
 
@@ -61,6 +62,7 @@ pub fn parse(text: &str, snapshot: Option<&Path>) -> Residency {
             let rw = perms.starts_with("rw");
             let backing_ok = path.is_empty()
                 || path.starts_with("/memfd:")
+                || path.starts_with("/dev/zero")
                 || path.starts_with("[anon")
                 || snapshot.is_some_and(|s| Path::new(&path).starts_with(s));
             current_is_guest = rw && backing_ok && size >= MIN_GUEST_MAPPING;
@@ -98,17 +100,20 @@ Rss:                  40 kB
 7f3000000000-7f3008000000 rw-p 00000000 fd:01 77 /tmp/snap/memory
 Size:             131072 kB
 Rss:                 100 kB
+7f4000000000-7f4004000000 rw-s 00000000 00:01 1062 /dev/zero (deleted)
+Size:              65536 kB
+Rss:                  64 kB
 ";
 
     #[test]
     fn guest_mappings_are_told_apart() {
         let r = parse(SAMPLE, None);
-        assert_eq!(r.total_kib, 1240);
-        assert_eq!(r.guest_kib, 300);
-        assert_eq!(r.guest_mapped_kib, 131072);
+        assert_eq!(r.total_kib, 1304);
+        assert_eq!(r.guest_kib, 364);
+        assert_eq!(r.guest_mapped_kib, 131072 + 65536);
         assert_eq!(r.overhead_kib(), 940);
         let r = parse(SAMPLE, Some(Path::new("/tmp/snap")));
-        assert_eq!(r.guest_kib, 400);
+        assert_eq!(r.guest_kib, 464);
         assert_eq!(r.overhead_kib(), 840);
     }
 }

@@ -3,6 +3,7 @@
 //! resume), `PUT /snapshot/create` and `/snapshot/load`. The binary is the
 //! operator's; nothing of Firecracker lives in this repository.
 
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -47,6 +48,18 @@ impl FirecrackerBackend {
         ];
         let process = VmProcess::spawn(what, &self.binary, args)?;
         wait_for_path(&process, &api, timeout)?;
+        // The socket file appears at bind(), before listen(): wait until it accepts.
+        let deadline = Instant::now() + timeout;
+        while let Err(source) = UnixStream::connect(&api) {
+            if Instant::now() >= deadline {
+                return Err(PerfError::Socket {
+                    path: api,
+                    action: "Firecracker's API socket never accepted a connection".into(),
+                    source,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
         Ok((process, api))
     }
 
