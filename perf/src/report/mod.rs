@@ -33,15 +33,30 @@ pub fn write_all(results: &Results, out: &Path) -> Result<Vec<PathBuf>> {
     Ok(written)
 }
 
-/// Formats a number for tables and labels: three significant digits-ish.
+/// Formats a number for tables and labels with three significant digits
+/// (no exponent; at most six decimals).
 pub fn fmt_value(v: f64) -> String {
     if !v.is_finite() {
-        "-".into()
-    } else if v.abs() >= 100.0 {
-        format!("{v:.0}")
-    } else if v.abs() >= 10.0 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.2}")
+        return "-".into();
+    }
+    if v == 0.0 {
+        return "0".into();
+    }
+    let magnitude = v.abs().log10().floor() as i32;
+    let decimals = (2 - magnitude).clamp(0, 6) as usize;
+    format!("{v:.decimals$}")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn values_keep_three_significant_digits() {
+        assert_eq!(super::fmt_value(0.0), "0");
+        assert_eq!(super::fmt_value(1234.4), "1234");
+        assert_eq!(super::fmt_value(27.46), "27.5");
+        assert_eq!(super::fmt_value(6.333), "6.33");
+        assert_eq!(super::fmt_value(0.0625), "0.0625");
+        assert_eq!(super::fmt_value(0.003906), "0.00391");
+        assert_eq!(super::fmt_value(f64::NAN), "-");
     }
 }

@@ -18,6 +18,7 @@ const ROW_H: f64 = 26.0;
 const TITLE_H: f64 = 22.0;
 const AXIS_H: f64 = 18.0;
 const GAP: f64 = 12.0;
+const MUTED: &str = "#555";
 
 /// Escapes text for XML content and attribute values.
 pub fn escape(text: &str) -> String {
@@ -58,7 +59,7 @@ pub fn render(r: &Results) -> String {
         panels.entry(&m.id).or_default().push(m);
     }
     let mut body = String::new();
-    let mut y = 40.0;
+    let mut y = 52.0;
     for id in &order {
         let metrics = &panels[id];
         y = panel(&mut body, metrics, y);
@@ -84,9 +85,14 @@ pub fn render(r: &Results) -> String {
     );
     let _ = writeln!(
         s,
-        r#"<text x="20" y="24" font-size="16" font-weight="bold">perf: distributions ({} on {}; dots = samples, box = p25–p75, bar = median, ticks = p90/p99)</text>"#,
+        r#"<text x="20" y="20" font-size="16" font-weight="bold">perf: distributions, {} on {} ({} cores)</text>"#,
         escape(&r.started_at),
-        escape(&r.machine.cpu_model)
+        escape(&r.machine.cpu_model),
+        r.machine.cores
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="20" y="38" font-size="11" fill="{MUTED}">dots = samples (warm-up excluded) · box = p25 to p75 · whiskers = min to max · thick bar = median · thin ticks = p90, p99 · each panel scaled from 0</text>"#
     );
     s.push_str(&body);
     s.push_str("</svg>\n");
