@@ -3,6 +3,8 @@
 //! write, optionally side by side with a Firecracker binary. See README.md
 //! for the methodology.
 
+#![warn(missing_docs)]
+
 pub mod backend;
 pub mod cli;
 pub mod error;
