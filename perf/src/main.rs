@@ -1,5 +1,6 @@
 //! The `perf` command line: runs the scenarios and prints where the reports went.
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -10,9 +11,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match perf::run(cli) {
         Ok(outcome) => {
-            print!("{}", perf::report::markdown::render(&outcome.results));
+            // A closed stdout (`perf ... | head`) must not turn a finished run into a panic.
+            let mut stdout = std::io::stdout().lock();
+            let _ = write!(
+                stdout,
+                "{}",
+                perf::report::markdown::render(&outcome.results)
+            );
             for file in &outcome.files {
-                println!("wrote {}", file.display());
+                let _ = writeln!(stdout, "wrote {}", file.display());
             }
             if outcome.failed() {
                 eprintln!("perf: some scenarios failed; see results.md");

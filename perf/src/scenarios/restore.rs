@@ -56,7 +56,11 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
                 "ms",
                 subject,
             )
-            .param("mem_mib", mem_mib);
+            .param("mem_mib", mem_mib)
+            .param(
+                "memory_backend",
+                ctx.settings.memory_backend.as_deref().unwrap_or("default"),
+            );
             ctx.repeat(runs(ctx), |warmup| {
                 let dir = ctx.scratch()?;
                 let mut vm = backend.restore(&snapshot.path, dir.path(), false, ctx.timeout())?;
