@@ -11,10 +11,10 @@ pub enum PerfError {
          `--release`) or pass --vmm PATH"
     )]
     VmmNotFound(PathBuf),
-    /// A binary given on the command line does not exist.
-    #[error("no {what} binary at {path}: check the path given to {flag}")]
+    /// A binary or image given on the command line does not exist.
+    #[error("no {what} at {path}: check the path given to {flag}")]
     BinaryNotFound {
-        /// What the binary is.
+        /// What the file is (`Firecracker binary`, `kernel image`).
         what: &'static str,
         /// The path given.
         path: PathBuf,

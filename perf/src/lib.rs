@@ -71,7 +71,7 @@ pub fn run(cli: Cli) -> Result<Outcome> {
     if let Some(fc) = &cli.vs_firecracker {
         if !fc.is_file() {
             return Err(PerfError::BinaryNotFound {
-                what: "Firecracker",
+                what: "Firecracker binary",
                 path: fc.clone(),
                 flag: "--vs-firecracker",
             });
@@ -80,7 +80,7 @@ pub fn run(cli: Cli) -> Result<Outcome> {
     if let Some(kernel) = &cli.kernel {
         if !kernel.is_file() {
             return Err(PerfError::BinaryNotFound {
-                what: "kernel",
+                what: "kernel image",
                 path: kernel.clone(),
                 flag: "--kernel",
             });
