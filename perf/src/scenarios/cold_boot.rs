@@ -4,7 +4,8 @@
 //! Clocks: wall starts immediately before `fork` and stops when `wait4`
 //! reaps the exited VMM; CPU is the child's user + system time from `wait4`'s
 //! rusage (every thread of the VMM); first-output stops when the pipe read
-//! that completes the guest's line returns.
+//! that completes the guest's line returns. With several VMMs, each run
+//! boots each of them in turn.
 
 use crate::backend::BootSpec;
 use crate::error::Result;
@@ -23,9 +24,9 @@ fn runs(ctx: &Context) -> u32 {
     ctx.runs(20, 5)
 }
 
-/// Progress steps.
+/// Progress steps: one per run of every VMM.
 pub fn plan(ctx: &Context) -> u64 {
-    ctx.backends.len() as u64 * u64::from(ctx.warmup() + runs(ctx))
+    u64::from(ctx.warmup() + runs(ctx))
 }
 
 /// Runs the scenario.
@@ -68,29 +69,38 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
         spec.kernel.display(),
         spec.mem_mib
     ));
-    for backend in &ctx.backends {
-        let subject = backend.subject();
-        ctx.status(format!("{NAME} ({subject})"));
-        let param = |m: Metric| m.param("guest", guest).param("mem_mib", spec.mem_mib);
-        let mut wall = param(Metric::new(
-            "cold-boot.wall",
-            "cold boot: spawn -> guest output -> clean exit (wall)",
-            "ms",
-            subject,
-        ));
-        let mut cpu = param(Metric::new(
-            "cold-boot.cpu",
-            "cold boot: VMM CPU time, user + system",
-            "ms",
-            subject,
-        ));
-        let mut first = param(Metric::new(
-            "cold-boot.first-output",
-            "cold boot: spawn -> first guest output",
-            "ms",
-            subject,
-        ));
-        ctx.repeat(runs(ctx), |warmup| {
+    // One set of metrics per VMM; each run boots every VMM in turn, so a
+    // change in the machine's load hits all of them alike.
+    let mut sets: Vec<[Metric; 3]> = ctx
+        .backends
+        .iter()
+        .map(|backend| {
+            let subject = backend.subject();
+            let param = |m: Metric| m.param("guest", guest).param("mem_mib", spec.mem_mib);
+            [
+                param(Metric::new(
+                    "cold-boot.wall",
+                    "cold boot: spawn -> guest output -> clean exit (wall)",
+                    "ms",
+                    subject,
+                )),
+                param(Metric::new(
+                    "cold-boot.cpu",
+                    "cold boot: VMM CPU time, user + system",
+                    "ms",
+                    subject,
+                )),
+                param(Metric::new(
+                    "cold-boot.first-output",
+                    "cold boot: spawn -> first guest output",
+                    "ms",
+                    subject,
+                )),
+            ]
+        })
+        .collect();
+    ctx.repeat(runs(ctx), |warmup| {
+        for (backend, [wall, cpu, first]) in ctx.backends.iter().zip(sets.iter_mut()) {
             let dir = ctx.scratch()?;
             let mut vm = backend.boot(&spec, dir.path(), ctx.timeout())?;
             let (seen, _) = vm.process.wait_for(marker, 0, ctx.timeout())?;
@@ -100,11 +110,11 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
             wall.push(ms(exit.at - started), warmup);
             cpu.push(ms(exit.cpu), warmup);
             first.push(ms(seen - started), warmup);
-            Ok(())
-        })?;
-        result.metrics.push(wall.finish());
-        result.metrics.push(cpu.finish());
-        result.metrics.push(first.finish());
+        }
+        Ok(())
+    })?;
+    for set in sets {
+        result.metrics.extend(set.into_iter().map(Metric::finish));
     }
     Ok(())
 }

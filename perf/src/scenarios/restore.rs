@@ -6,7 +6,8 @@
 //! and stops when the pipe read returning the guest's first serial byte
 //! returns. The counter guest prints on every increment, so its first byte
 //! comes as soon as it runs again. After the clock stops, the count printed
-//! is checked to continue from the snapshot.
+//! is checked to continue from the snapshot. With several VMMs, each run
+//! restores each of them in turn.
 
 use crate::error::Result;
 use crate::results::{Metric, ScenarioResult};
@@ -21,11 +22,9 @@ fn runs(ctx: &Context) -> u32 {
     ctx.runs(30, 5)
 }
 
-/// Progress steps.
+/// Progress steps: one per run of every VMM, per memory size.
 pub fn plan(ctx: &Context) -> u64 {
-    ctx.backends.len() as u64
-        * ctx.settings.mem_sizes_mib.len() as u64
-        * u64::from(ctx.warmup() + runs(ctx))
+    ctx.settings.mem_sizes_mib.len() as u64 * u64::from(ctx.warmup() + runs(ctx))
 }
 
 /// Runs the scenario.
@@ -42,15 +41,17 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
             .notes
             .push(format!("vmm restore --memory-backend {backend}"));
     }
-    for backend in &ctx.backends {
-        let subject = backend.subject();
-        for &mem_mib in &ctx.settings.mem_sizes_mib {
+    for &mem_mib in &ctx.settings.mem_sizes_mib {
+        // Snapshots first, then runs that restore every VMM in turn, so a
+        // change in the machine's load hits all of them alike.
+        let mut sets = Vec::new();
+        for backend in &ctx.backends {
+            let subject = backend.subject();
             ctx.status(format!(
                 "{NAME} ({subject}, {mem_mib} MiB): taking the snapshot"
             ));
             let snapshot = counter_snapshot(ctx, backend.as_ref(), mem_mib)?;
-            ctx.status(format!("{NAME} ({subject}, {mem_mib} MiB)"));
-            let mut latency = Metric::new(
+            let latency = Metric::new(
                 format!("restore.latency.{}", super::mem_id(mem_mib)),
                 format!("restore: spawn -> first guest output, {mem_mib} MiB"),
                 "ms",
@@ -61,15 +62,21 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
                 "memory_backend",
                 ctx.settings.memory_backend.as_deref().unwrap_or("default"),
             );
-            ctx.repeat(runs(ctx), |warmup| {
+            sets.push((snapshot, latency));
+        }
+        ctx.status(format!("{NAME} ({mem_mib} MiB)"));
+        ctx.repeat(runs(ctx), |warmup| {
+            for (backend, (snapshot, latency)) in ctx.backends.iter().zip(sets.iter_mut()) {
                 let dir = ctx.scratch()?;
                 let mut vm = backend.restore(&snapshot.path, dir.path(), false, ctx.timeout())?;
                 let (seen, _) = vm.process.wait_for("", 0, ctx.timeout())?;
                 latency.push(ms(seen - vm.process.started()), warmup);
                 check_continues(&mut vm.process, snapshot.last_count, ctx.timeout())?;
                 vm.process.kill();
-                Ok(())
-            })?;
+            }
+            Ok(())
+        })?;
+        for (_, latency) in sets {
             result.metrics.push(latency.finish());
         }
     }
