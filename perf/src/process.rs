@@ -101,57 +101,38 @@ impl VmProcess {
             source,
         })?;
         let pid = child.id() as libc::pid_t;
-        let shared = Arc::new(Shared::default());
-        if let Some(mut stdout) = child.stdout.take() {
-            let shared = shared.clone();
-            std::thread::spawn(move || {
-                let mut buf = vec![0u8; 64 << 10];
-                loop {
-                    let n = match stdout.read(&mut buf) {
-                        Ok(0) | Err(_) => 0,
-                        Ok(n) => n,
-                    };
-                    let now = Instant::now();
-                    let mut out = lock(&shared.output);
-                    if n == 0 {
-                        out.eof = true;
-                        shared.changed.notify_all();
-                        return;
-                    }
-                    if out.data.len() + n <= MAX_KEPT_OUTPUT {
-                        out.data.extend_from_slice(&buf[..n]);
-                        let end = out.data.len();
-                        out.chunks.push((end, now));
-                    }
-                    shared.changed.notify_all();
-                }
-            });
-        }
-        if let Some(mut stderr) = child.stderr.take() {
-            let shared = shared.clone();
-            std::thread::spawn(move || {
-                let mut buf = [0u8; 4096];
-                while let Ok(n) = stderr.read(&mut buf) {
-                    if n == 0 {
-                        return;
-                    }
-                    let mut err = lock(&shared.stderr);
-                    if err.len() + n <= MAX_KEPT_STDERR {
-                        err.extend_from_slice(&buf[..n]);
-                    }
-                }
-            });
-        }
-        // The child is reaped with wait4 below, never through `Child`, whose
-        // drop neither waits nor kills.
+        let stdout = child.stdout.take();
+        let stderr = child.stderr.take();
+        // The child is reaped with wait4, never through `Child`, whose drop
+        // neither waits nor kills; from here on `VmProcess`'s drop kills it.
         drop(child);
-        Ok(VmProcess {
+        let process = VmProcess {
             what: what.into(),
             pid,
             started,
-            shared,
+            shared: Arc::new(Shared::default()),
             exit: None,
-        })
+        };
+        let thread_err = |source| PerfError::Io {
+            action: "cannot start an output reader thread for",
+            path: program.to_path_buf(),
+            source,
+        };
+        if let Some(stdout) = stdout {
+            let shared = process.shared.clone();
+            std::thread::Builder::new()
+                .name("vmm-stdout".into())
+                .spawn(move || read_output(stdout, &shared))
+                .map_err(thread_err)?;
+        }
+        if let Some(stderr) = stderr {
+            let shared = process.shared.clone();
+            std::thread::Builder::new()
+                .name("vmm-stderr".into())
+                .spawn(move || read_stderr(stderr, &shared))
+                .map_err(thread_err)?;
+        }
+        Ok(process)
     }
 
     /// The process id.
@@ -355,6 +336,48 @@ impl VmProcess {
 impl Drop for VmProcess {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// Reads the child's serial output until EOF, timestamping each chunk.
+fn read_output(mut stdout: impl Read, shared: &Shared) {
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match stdout.read(&mut buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Ok(0) | Err(_) => 0,
+            Ok(n) => n,
+        };
+        let now = Instant::now();
+        let mut out = lock(&shared.output);
+        if n == 0 {
+            out.eof = true;
+            shared.changed.notify_all();
+            return;
+        }
+        if out.data.len() + n <= MAX_KEPT_OUTPUT {
+            out.data.extend_from_slice(&buf[..n]);
+            let end = out.data.len();
+            out.chunks.push((end, now));
+        }
+        shared.changed.notify_all();
+    }
+}
+
+/// Keeps the start of the child's stderr for error messages.
+fn read_stderr(mut stderr: impl Read, shared: &Shared) {
+    let mut buf = [0u8; 4096];
+    loop {
+        match stderr.read(&mut buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                let mut err = lock(&shared.stderr);
+                if err.len() + n <= MAX_KEPT_STDERR {
+                    err.extend_from_slice(&buf[..n]);
+                }
+            }
+        }
     }
 }
 

@@ -94,7 +94,7 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
             let outcomes: Vec<Result<()>> = std::thread::scope(|s| {
                 let workers: Vec<_> = (0..concurrency)
                     .map(|_| {
-                        s.spawn(|| -> Result<()> {
+                        std::thread::Builder::new().spawn_scoped(s, || -> Result<()> {
                             while quota
                                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
                                     q.checked_sub(1)
@@ -122,12 +122,17 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
                     .collect();
                 workers
                     .into_iter()
-                    .map(|w| {
-                        w.join().unwrap_or_else(|_| {
+                    .map(|w| match w {
+                        Ok(handle) => handle.join().unwrap_or_else(|_| {
                             Err(PerfError::Guest(
                                 "a creation-rate worker thread panicked".into(),
                             ))
-                        })
+                        }),
+                        Err(source) => Err(PerfError::Io {
+                            action: "cannot start a creation-rate worker thread for",
+                            path: snapshot.path.clone(),
+                            source,
+                        }),
                     })
                     .collect()
             });
