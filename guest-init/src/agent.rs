@@ -1193,6 +1193,7 @@ impl Session {
         for id in ids {
             self.end_turn(&id).await;
         }
+        lock(&self.turns).remove_parent_if_idle();
         if *lock(&self.turns).backend() == Backend::ProcessTree {
             let managed: HashSet<u32> = reaper::managed().lock().clone();
             let swept = tokio::task::spawn_blocking(move || crate::turn::sweep_orphans(&managed))

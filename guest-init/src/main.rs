@@ -102,6 +102,9 @@ struct InitArgs {
     /// Exit instead of powering off.
     #[arg(long)]
     no_poweroff: bool,
+    /// Hostname to set instead of the kernel command line's.
+    #[arg(long)]
+    hostname: Option<String>,
 }
 
 fn init_logging() {
@@ -132,6 +135,7 @@ fn main() -> ExitCode {
         Some(Command::Init(a)) => {
             let cmd = pid1::cmdline::Cmdline::read();
             let mut o = pid1::Options::guest(&cmd);
+            o.hostname = a.hostname.or(o.hostname);
             if let Some(r) = a.root {
                 o.root = r;
             }

@@ -37,6 +37,8 @@ pub struct Options {
     pub poweroff: bool,
     /// Install egress rules.
     pub apply_egress: bool,
+    /// Hostname to set, if any.
+    pub hostname: Option<String>,
 }
 
 impl Options {
@@ -51,6 +53,7 @@ impl Options {
             state_dir: PathBuf::from("/run/guest-init"),
             poweroff: true,
             apply_egress: true,
+            hostname: cmd.hostname.clone(),
         }
     }
 }
@@ -58,12 +61,13 @@ impl Options {
 /// Runs PID 1 until shutdown; returns only when `poweroff` is false.
 pub fn run(opts: Options) -> std::io::Result<()> {
     let cmd = cmdline::Cmdline::read();
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), "guest-init starting");
     if opts.mounts {
         for e in mounts::mount_all(&opts.root) {
             tracing::warn!(error = %e, "mount failed");
         }
     }
-    if let Some(h) = &cmd.hostname {
+    if let Some(h) = &opts.hostname {
         if let Err(e) = net::set_hostname(h) {
             tracing::warn!(error = %e, hostname = %h, "cannot set hostname");
         }

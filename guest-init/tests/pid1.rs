@@ -1,0 +1,196 @@
+//! PID 1 duties inside PID, mount and UTS namespaces (unshare): mounts under
+//! a scratch root, hostname, orphan reaping, and SIGTERM shutdown.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use guest_init::reaper;
+
+/// Children of every thread of `pid`.
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .flat_map(|t| {
+            std::fs::read_to_string(t.path().join("children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|s| s.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+/// Kills unshare (and with it, through --kill-child, our PID 1) if the test fails.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn unshare_works() -> Result<(), String> {
+    let out = Command::new("unshare")
+        .args([
+            "--pid",
+            "--fork",
+            "--mount",
+            "--uts",
+            "--mount-proc",
+            "true",
+        ])
+        .output()
+        .map_err(|e| format!("cannot run unshare: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
+}
+
+async fn wait_for(path: &Path) {
+    let until = Instant::now() + Duration::from_secs(20);
+    while !path.exists() {
+        assert!(Instant::now() < until, "{} never appeared", path.display());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pid1_mounts_reaps_and_stops_on_sigterm() {
+    if let Err(why) = unshare_works() {
+        println!("SKIPPED pid1_mounts_reaps_and_stops_on_sigterm: unshare of PID/mount/UTS namespaces is not permitted here: {why}");
+        return;
+    }
+    let repo = Repo::new();
+    let dir = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let root = dir.path().join("root");
+    let sock = dir.path().join("pid1.sock");
+    let unshare = Command::new("unshare")
+        .args([
+            "--pid",
+            "--fork",
+            "--mount",
+            "--uts",
+            "--mount-proc",
+            "--kill-child",
+        ])
+        .arg(env!("CARGO_BIN_EXE_guest-init"))
+        .arg("init")
+        .arg("--root")
+        .arg(&root)
+        .arg("--listen")
+        .arg(format!("unix:{}", sock.display()))
+        .arg("--workspace")
+        .arg(dir.path().join("ws"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .args([
+            "--no-network",
+            "--no-poweroff",
+            "--hostname",
+            "guest-under-test",
+        ])
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut unshare = KillOnDrop(unshare);
+    wait_for(&sock).await;
+    let init = children(unshare.0.id());
+    assert_eq!(init.len(), 1, "unshare has one child, our PID 1");
+    let init = init[0];
+
+    let mut c = Client::connect(&sock).await;
+    c.hello().await;
+    let ready = c
+        .start_session(&SessionSpec::new("p1", "free", "main"), &repo.bundle())
+        .await;
+    assert!(
+        matches!(ready, proto::guest::guest_message::Kind::Ready(_)),
+        "{ready:?}"
+    );
+
+    let r = c.run("h", &["hostname"]).await;
+    assert_eq!(
+        r.stdout(),
+        "guest-under-test\n",
+        "{r:?} {}",
+        String::from_utf8_lossy(&r.stderr)
+    );
+    assert_eq!(
+        c.run("pid", &["sh", "-c", "cat /proc/1/cmdline | tr '\\0' ' '"])
+            .await
+            .stdout()
+            .split(' ')
+            .nth(1),
+        Some("init")
+    );
+    let mounts = c.run("m", &["cat", "/proc/self/mounts"]).await.stdout();
+    for (fs, at) in [
+        ("proc", "proc"),
+        ("sysfs", "sys"),
+        ("devtmpfs", "dev"),
+        ("tmpfs", "tmp"),
+        ("tmpfs", "run"),
+    ] {
+        let target = format!(" {} {fs} ", root.join(at).display());
+        assert!(mounts.contains(&target), "no {fs} at {at}:\n{mounts}");
+    }
+
+    // An orphan is re-parented to PID 1 and reaped when it exits.
+    let r = c
+        .run(
+            "orphan",
+            &["sh", "-c", "sleep 1.5 </dev/null >/dev/null 2>&1 & exit 0"],
+        )
+        .await;
+    assert_eq!(r.code(), Some(0));
+    let kids: Vec<(u32, String)> = children(init)
+        .into_iter()
+        .map(|p| (p, reaper::cmdline(p)))
+        .collect();
+    assert!(
+        kids.iter().any(|(_, c)| c == "sleep 1.5"),
+        "the orphan was not re-parented to PID 1: {kids:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let zombies: Vec<u32> = children(init)
+        .into_iter()
+        .filter(|p| reaper::stat(*p).is_some_and(|s| s.state == 'Z'))
+        .collect();
+    assert!(zombies.is_empty(), "unreaped: {zombies:?}");
+    assert!(!children(init)
+        .into_iter()
+        .any(|p| reaper::cmdline(p) == "sleep 1.5"));
+
+    // SIGTERM: every process stops, and PID 1 exits (no power-off in tests).
+    c.exec(exec_msg("long", "t", &["sleep", "4242"])).await;
+    c.expect(|m| matches!(m, proto::guest::guest_message::Kind::ExecStarted(_)).then_some(()))
+        .await;
+    assert_eq!(processes_matching("sleep 4242").len(), 1);
+    // SAFETY: kill(2) on the PID 1 we started.
+    unsafe { libc::kill(init as libc::pid_t, libc::SIGTERM) };
+    let until = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = unshare.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < until, "PID 1 did not stop on SIGTERM");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{status:?}");
+    assert!(
+        processes_matching("sleep 4242").is_empty(),
+        "a process survived shutdown"
+    );
+}
