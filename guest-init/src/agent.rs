@@ -66,10 +66,23 @@ pub struct Config {
 pub enum Stop {
     /// The host sent Shutdown.
     Shutdown,
+    /// The stop signal given to [`serve_until`] fired (e.g. SIGTERM).
+    Signalled,
 }
 
 /// Serves connections until a Shutdown.
 pub async fn serve(transport: &mut dyn Transport, cfg: Config) -> std::io::Result<Stop> {
+    let (_keep, never) = tokio::sync::watch::channel(false);
+    serve_until(transport, cfg, never).await
+}
+
+/// Like [`serve`], but also stops when `stop` turns true; the active
+/// session is ended (turns killed, end audited) first.
+pub async fn serve_until(
+    transport: &mut dyn Transport,
+    cfg: Config,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<Stop> {
     std::fs::create_dir_all(&cfg.state_dir)?;
     {
         use std::os::unix::fs::PermissionsExt;
@@ -79,7 +92,11 @@ pub async fn serve(transport: &mut dyn Transport, cfg: Config) -> std::io::Resul
     let cfg = Arc::new(cfg);
     tracing::info!(listen = %transport.describe(), workspace = %cfg.workspace.display(), turns = cfg.turn_backend.name(), "session agent listening");
     loop {
-        let conn = match transport.accept().await {
+        let accepted = tokio::select! {
+            a = transport.accept() => a,
+            _ = stop.wait_for(|s| *s) => return Ok(Stop::Signalled),
+        };
+        let conn = match accepted {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed");
@@ -87,9 +104,8 @@ pub async fn serve(transport: &mut dyn Transport, cfg: Config) -> std::io::Resul
                 continue;
             }
         };
-        let outcome = handle_connection(conn, cfg.clone()).await;
-        if outcome == Some(Stop::Shutdown) {
-            return Ok(Stop::Shutdown);
+        if let Some(why) = handle_connection(conn, cfg.clone(), stop.clone()).await {
+            return Ok(why);
         }
     }
 }
@@ -134,7 +150,11 @@ struct PendingStart {
     received: u64,
 }
 
-async fn handle_connection(conn: Connection, cfg: Arc<Config>) -> Option<Stop> {
+async fn handle_connection(
+    conn: Connection,
+    cfg: Arc<Config>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Option<Stop> {
     let (rd, wr) = tokio::io::split(conn);
     let (tx, mut rx) = mpsc::channel::<GuestMessage>(1024);
     let max = cfg.max_frame;
@@ -155,11 +175,14 @@ async fn handle_connection(conn: Connection, cfg: Arc<Config>) -> Option<Stop> {
         pending: None,
         session: None,
     };
-    let stop = conn.run(&mut reader).await;
-    conn.end_session(if stop.is_some() {
-        "shutdown"
-    } else {
-        "connection closed"
+    let stop = tokio::select! {
+        s = conn.run(&mut reader) => s,
+        _ = stop.wait_for(|s| *s) => Some(Stop::Signalled),
+    };
+    conn.end_session(match stop {
+        Some(Stop::Shutdown) => "shutdown",
+        Some(Stop::Signalled) => "guest-init stopping (SIGTERM)",
+        None => "connection closed",
     })
     .await;
     drop(conn);

@@ -193,4 +193,17 @@ async fn pid1_mounts_reaps_and_stops_on_sigterm() {
         processes_matching("sleep 4242").is_empty(),
         "a process survived shutdown"
     );
+    // The session was ended properly: turns killed and the end audited.
+    let log = std::fs::read_to_string(dir.path().join("state/audit-p1.jsonl")).unwrap();
+    let last = log.lines().last().unwrap();
+    assert!(
+        last.contains("\"action\":\"session.end\"") && last.contains("SIGTERM"),
+        "{last}"
+    );
+    assert!(log.contains("\"action\":\"turn.killed\""));
+    let verdict = guest_init::audit::verify(log.as_bytes()).unwrap();
+    assert!(
+        matches!(verdict, guest_init::audit::VerifyOutcome::Holds { .. }),
+        "{verdict}"
+    );
 }

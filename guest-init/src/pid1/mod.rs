@@ -90,13 +90,15 @@ pub fn run(opts: Options) -> std::io::Result<()> {
             max_frame: proto::framing::DEFAULT_MAX_FRAME,
         };
         let mut transport = opts.listen.bind()?;
-        tokio::select! {
-            r = agent::serve(transport.as_mut(), cfg) => {
-                r?;
-                tracing::info!("shutdown requested by the host");
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            if term.recv().await.is_some() {
+                tracing::info!("SIGTERM: shutting down");
+                let _ = stop_tx.send(true);
             }
-            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-        }
+        });
+        let why = agent::serve_until(transport.as_mut(), cfg, stop_rx).await?;
+        tracing::info!(?why, "session agent stopped");
         Ok::<(), std::io::Error>(())
     })?;
     stop_everything(Duration::from_secs(2));
