@@ -616,8 +616,13 @@ impl Session {
         Ok(s)
     }
 
+    /// Sends `m`; error messages are redacted, since they may quote input.
     async fn send(&self, m: impl Into<GuestMessage>) {
-        let _ = self.out.send(m.into()).await;
+        let mut m = m.into();
+        if let Some(Out::Error(e)) = &mut m.kind {
+            e.message = self.secrets.redactor().redact(&e.message);
+        }
+        let _ = self.out.send(m).await;
     }
 
     /// Appends to the audit log and streams the line to the host, in order.

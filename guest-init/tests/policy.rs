@@ -259,6 +259,12 @@ async fn secrets_are_scoped_and_never_echoed() {
         .audit
         .iter()
         .any(|l| l.contains("\"secret.delivered\"") && l.contains("OTHER")));
+    // An error quoting the value (a cwd named after it) is redacted too.
+    let mut e = exec_msg("cwd", "t", &["pwd"]);
+    e.cwd = b"oth-77e1b3".to_vec();
+    c.exec(e).await;
+    let (_, msg) = c.finish("cwd", None).await.error.expect("bad cwd");
+    assert!(msg.contains("[REDACTED:OTHER]"), "{msg}");
     // Nothing the agent sent, and nothing in the audit log, holds a value.
     let log = std::fs::read(h.audit_log("s1")).unwrap();
     for v in ["tok-5f2a9c1d", "oth-77e1b3", "ung-31c0aa"] {
