@@ -55,8 +55,10 @@ pub struct Config {
     pub identity: Option<Identity>,
     /// How turns are tracked.
     pub turn_backend: Backend,
-    /// Install nftables rules and /etc/hosts for egress (PID 1 mode).
+    /// Install nftables rules and the hosts file for egress (PID 1 mode).
     pub apply_egress: bool,
+    /// Where allowed host names are written (`/etc/hosts` in a guest).
+    pub hosts_file: PathBuf,
     /// Maximum frame size in both directions.
     pub max_frame: usize,
 }
@@ -601,10 +603,18 @@ impl Session {
             turn_id: "",
         })
         .await;
-        s.apply_egress(&plan).await.map_err(|m| {
+        if let Err(m) = s.apply_egress(&plan).await {
+            s.audit(Entry {
+                actor: "guest-init",
+                action: "session.end",
+                resource: &branch,
+                result: &format!("egress rules could not be applied: {m}"),
+                ..Default::default()
+            })
+            .await;
             session::clear_dir(&ws);
-            error(Code::Policy, format!("session not started: {m}"), "")
-        })?;
+            return Err(error(Code::Policy, format!("session not started: {m}"), ""));
+        }
         let backend = lock(&s.turns).backend().name().to_string();
         s.send(msg(Out::Ready(Ready {
             session_id: req.session_id,
@@ -676,8 +686,8 @@ impl Session {
             .await;
             return Ok(());
         }
-        std::fs::write("/etc/hosts", egress::hosts_file(plan))
-            .map_err(|e| format!("cannot write /etc/hosts: {e}"))?;
+        std::fs::write(&self.cfg.hosts_file, egress::hosts_file(plan))
+            .map_err(|e| format!("cannot write {}: {e}", self.cfg.hosts_file.display()))?;
         run_nft(&egress::nft_ruleset(plan)).await?;
         self.audit(Entry {
             actor: "guest-init",

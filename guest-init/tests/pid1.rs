@@ -44,6 +44,7 @@ fn unshare_works() -> Result<(), String> {
             "--fork",
             "--mount",
             "--uts",
+            "--net",
             "--mount-proc",
             "true",
         ])
@@ -76,12 +77,24 @@ async fn pid1_mounts_reaps_and_stops_on_sigterm() {
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let root = dir.path().join("root");
     let sock = dir.path().join("pid1.sock");
+    let has_nft = Command::new("nft").arg("--version").output().is_ok();
+    let mut egress_args = vec![];
+    if has_nft {
+        egress_args.push("--apply-egress".to_string());
+        egress_args.push(format!(
+            "--hosts-file={}",
+            dir.path().join("hosts").display()
+        ));
+    } else {
+        println!("SKIPPED egress part of pid1_mounts_reaps_and_stops_on_sigterm: the nft binary is not installed");
+    }
     let unshare = Command::new("unshare")
         .args([
             "--pid",
             "--fork",
             "--mount",
             "--uts",
+            "--net",
             "--mount-proc",
             "--kill-child",
         ])
@@ -95,12 +108,8 @@ async fn pid1_mounts_reaps_and_stops_on_sigterm() {
         .arg(dir.path().join("ws"))
         .arg("--state-dir")
         .arg(dir.path().join("state"))
-        .args([
-            "--no-network",
-            "--no-poweroff",
-            "--hostname",
-            "guest-under-test",
-        ])
+        .args(["--no-poweroff", "--hostname", "guest-under-test"])
+        .args(&egress_args)
         .stdin(Stdio::null())
         .spawn()
         .unwrap();
@@ -145,6 +154,35 @@ async fn pid1_mounts_reaps_and_stops_on_sigterm() {
     ] {
         let target = format!(" {} {fs} ", root.join(at).display());
         assert!(mounts.contains(&target), "no {fs} at {at}:\n{mounts}");
+    }
+
+    // PID 1 brought up lo in its network namespace.
+    let r = c.run("lo", &["cat", "/sys/class/net/lo/flags"]).await;
+    let flags = u32::from_str_radix(r.stdout().trim().trim_start_matches("0x"), 16).unwrap();
+    assert_eq!(flags & 1, 1, "lo is not up: {r:?}");
+
+    // The agent's commands are unprivileged: they cannot signal PID 1, read
+    // the audit log or (with nftables) touch the egress rules.
+    let r = c.run("kill", &["kill", "-TERM", "1"]).await;
+    assert_ne!(r.code(), Some(0), "an agent command signalled PID 1");
+    let log = dir.path().join("state/audit-p1.jsonl");
+    let r = c.run("read-log", &["cat", log.to_str().unwrap()]).await;
+    assert_ne!(r.code(), Some(0), "an agent command read the audit log");
+    assert!(
+        String::from_utf8_lossy(&r.stderr).contains("Permission denied"),
+        "{r:?}"
+    );
+    let r = c.run("id", &["id", "-u"]).await;
+    assert_eq!(r.stdout(), "65534\n");
+    if has_nft {
+        let r = c.run("nft", &["nft", "flush", "ruleset"]).await;
+        assert_ne!(
+            r.code(),
+            Some(0),
+            "an agent command changed the egress rules"
+        );
+        let hosts = std::fs::read_to_string(dir.path().join("hosts")).unwrap();
+        assert!(hosts.starts_with("# written by guest-init"), "{hosts}");
     }
 
     // An orphan is re-parented to PID 1 and reaped when it exits.
@@ -201,6 +239,9 @@ async fn pid1_mounts_reaps_and_stops_on_sigterm() {
         "{last}"
     );
     assert!(log.contains("\"action\":\"turn.killed\""));
+    if has_nft {
+        assert!(log.contains("\"action\":\"egress.applied\""), "{log}");
+    }
     let verdict = guest_init::audit::verify(log.as_bytes()).unwrap();
     assert!(
         matches!(verdict, guest_init::audit::VerifyOutcome::Holds { .. }),

@@ -37,6 +37,8 @@ pub struct Options {
     pub poweroff: bool,
     /// Install egress rules.
     pub apply_egress: bool,
+    /// Hosts file for allowed names.
+    pub hosts_file: PathBuf,
     /// Hostname to set, if any.
     pub hostname: Option<String>,
 }
@@ -53,6 +55,7 @@ impl Options {
             state_dir: PathBuf::from("/run/guest-init"),
             poweroff: true,
             apply_egress: true,
+            hosts_file: PathBuf::from("/etc/hosts"),
             hostname: cmd.hostname.clone(),
         }
     }
@@ -87,6 +90,7 @@ pub fn run(opts: Options) -> std::io::Result<()> {
             identity: crate::privilege::agent_identity(None),
             turn_backend: crate::turn::detect(),
             apply_egress: opts.apply_egress,
+            hosts_file: opts.hosts_file.clone(),
             max_frame: proto::framing::DEFAULT_MAX_FRAME,
         };
         let mut transport = opts.listen.bind()?;
