@@ -181,6 +181,29 @@ async fn pid1_mounts_reaps_and_stops_on_sigterm() {
             Some(0),
             "an agent command changed the egress rules"
         );
+        // Loopback is not listed: the connection is dropped, and the denial
+        // is reported when the turn ends.
+        let r = c
+            .run(
+                "egress",
+                &[
+                    "timeout",
+                    "2",
+                    "bash",
+                    "-c",
+                    "echo x > /dev/tcp/127.0.0.1/9",
+                ],
+            )
+            .await;
+        assert_ne!(r.code(), Some(0), "{r:?}");
+        c.end_turn("t").await;
+        assert!(
+            c.audit
+                .iter()
+                .any(|l| l.contains("\"egress.denied\"") && l.contains("packets denied")),
+            "no egress.denied event: {:#?}",
+            c.audit
+        );
         let hosts = std::fs::read_to_string(dir.path().join("hosts")).unwrap();
         assert!(hosts.starts_with("# written by guest-init"), "{hosts}");
     }
