@@ -487,7 +487,8 @@ pub struct Session {
     out: Outbox,
     audit: tokio::sync::Mutex<AuditLog>,
     always: Mutex<HashSet<String>>,
-    asks: Mutex<HashMap<String, oneshot::Sender<Reply>>>,
+    /// Pending asks: ask id -> (turn id, where the answer goes).
+    asks: Mutex<HashMap<String, (String, oneshot::Sender<Reply>)>>,
     exec_ids: Mutex<HashSet<String>>,
     running: Mutex<HashMap<String, Running>>,
     turns: Mutex<Turns>,
@@ -788,7 +789,7 @@ impl Session {
     async fn ask(&self, e: &Exec, subject: &str, rule: &str) -> bool {
         let ask_id = format!("ask-{}", e.exec_id);
         let (tx, rx) = oneshot::channel();
-        lock(&self.asks).insert(ask_id.clone(), tx);
+        lock(&self.asks).insert(ask_id.clone(), (e.turn_id.clone(), tx));
         self.audit(Entry {
             turn_id: &e.turn_id,
             actor: "guest-init",
@@ -808,15 +809,19 @@ impl Session {
             timeout_ms: u32::try_from(self.ask_timeout.as_millis()).unwrap_or(u32::MAX),
         })))
         .await;
-        let reply = match tokio::time::timeout(self.ask_timeout, rx).await {
-            Ok(Ok(r)) => Some(r),
+        // Err(Elapsed): timed out; Ok(Err(_)): the turn or session ended.
+        let outcome = tokio::time::timeout(self.ask_timeout, rx).await;
+        lock(&self.asks).remove(&ask_id);
+        let reply = match &outcome {
+            Ok(Ok(r)) => Some(*r),
             _ => None,
         };
-        lock(&self.asks).remove(&ask_id);
+        let cancelled = matches!(outcome, Ok(Err(_)));
         let (word, ok) = match reply {
             Some(Reply::Once) => ("once", true),
             Some(Reply::Always) => ("always", true),
             Some(_) => ("reject", false),
+            None if cancelled => ("cancelled", false),
             None => ("timeout", false),
         };
         self.audit(Entry {
@@ -832,7 +837,9 @@ impl Session {
             lock(&self.always).extend(Policy::subjects_of(&e.argv));
         }
         if !ok {
-            let reason = if reply.is_none() {
+            let reason = if cancelled {
+                "the turn or session ended before the command was approved".to_string()
+            } else if reply.is_none() {
                 format!(
                     "approval timed out after {} ms",
                     self.ask_timeout.as_millis()
@@ -856,7 +863,7 @@ impl Session {
                     "",
                 )
             })?;
-        let tx = lock(&self.asks).remove(ask_id).ok_or_else(|| {
+        let (_, tx) = lock(&self.asks).remove(ask_id).ok_or_else(|| {
             error(
                 Code::InvalidArgument,
                 format!("no pending ask {ask_id:?} (answered already, timed out, or never asked)"),
@@ -1087,6 +1094,8 @@ impl Session {
     }
 
     async fn end_turn(&self, turn_id: &str) {
+        // Commands of this turn still waiting for approval never run.
+        lock(&self.asks).retain(|_, (turn, _)| turn != turn_id);
         let taken = lock(&self.turns).take(turn_id);
         let killed = match taken {
             Some((turn, others)) => {

@@ -139,6 +139,34 @@ async fn ask_times_out_as_reject() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ending_the_turn_cancels_its_pending_asks() {
+    let repo = Repo::new();
+    let h = Harness::start().await;
+    let mut c = h.session(&repo, "coder", "main").await;
+    c.exec(exec_msg("held", "t1", &["uname"])).await;
+    let ask = c
+        .expect(|m| match m {
+            Out::AskRequest(a) => Some(a.clone()),
+            _ => None,
+        })
+        .await;
+    c.end_turn("t1").await;
+    let r = c.finish("held", None).await;
+    let (reason, _) = r.rejected.expect("rejected");
+    assert!(reason.contains("turn or session ended"), "{reason}");
+    // A late answer finds nothing to approve.
+    c.send(proto::guest::host_message::Kind::Answer(
+        proto::guest::Answer {
+            ask_id: ask.ask_id,
+            reply: Reply::Once as i32,
+        },
+    ))
+    .await;
+    assert!(c.expect_error().await.1.contains("no pending ask"));
+    assert!(r.pid.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rules_edited_on_the_session_branch_change_nothing() {
     let repo = Repo::new();
     let h = Harness::start().await;
