@@ -267,9 +267,13 @@ impl Turn {
             match &self.cgroup {
                 Some(dir) => kill_cgroup(dir, &members),
                 None => {
-                    for pid in &members {
-                        // SAFETY: kill(2) with a pid we found in this turn; no pointers.
-                        unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
+                    // Stop them all first, so that no parent sees a child die
+                    // and exits (or forks) before its own SIGKILL arrives.
+                    for sig in [libc::SIGSTOP, libc::SIGKILL] {
+                        for pid in &members {
+                            // SAFETY: kill(2) with a pid we found in this turn; no pointers.
+                            unsafe { libc::kill(*pid as libc::pid_t, sig) };
+                        }
                     }
                 }
             }
