@@ -105,6 +105,9 @@ pub struct Killed {
     pub command: String,
 }
 
+/// Next turn number; 0 is reserved for the session-end sweep.
+static NEXT_TAG: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// Environment variable naming a command's turn (its number), which
 /// process-tree tracking uses to attribute re-parented orphans.
 pub const TURN_ENV: &str = "GUEST_INIT_TURN";
@@ -132,7 +135,6 @@ pub struct Turn {
 pub struct Turns {
     backend: Backend,
     turns: HashMap<String, Turn>,
-    next: u64,
 }
 
 impl Turns {
@@ -141,7 +143,6 @@ impl Turns {
         Self {
             backend,
             turns: HashMap::new(),
-            next: 0,
         }
     }
 
@@ -153,11 +154,13 @@ impl Turns {
     /// Makes sure `turn_id` exists; returns where a new command of it goes.
     pub fn prepare(&mut self, turn_id: &str) -> std::io::Result<Placement> {
         if !self.turns.contains_key(turn_id) {
-            self.next += 1;
+            // Unique in the process, so turns of different sessions (tests
+            // run several in one process) never share a tag.
+            let tag = NEXT_TAG.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let cgroup = match &self.backend {
                 Backend::Cgroup2(parent) => {
                     std::fs::create_dir_all(parent)?;
-                    let dir = parent.join(format!("turn-{}", self.next));
+                    let dir = parent.join(format!("turn-{tag}"));
                     std::fs::create_dir(&dir)?;
                     Some(dir)
                 }
@@ -167,7 +170,7 @@ impl Turns {
                 turn_id.to_string(),
                 Turn {
                     cgroup,
-                    tag: self.next,
+                    tag,
                     roots: HashSet::new(),
                     start: None,
                 },
