@@ -55,8 +55,10 @@ pub struct Config {
     pub identity: Option<Identity>,
     /// How turns are tracked.
     pub turn_backend: Backend,
-    /// Install nftables rules and /etc/hosts for egress (PID 1 mode).
+    /// Install nftables rules and the hosts file for egress (PID 1 mode).
     pub apply_egress: bool,
+    /// Where allowed host names are written (`/etc/hosts` in a guest).
+    pub hosts_file: PathBuf,
     /// Maximum frame size in both directions.
     pub max_frame: usize,
 }
@@ -66,10 +68,23 @@ pub struct Config {
 pub enum Stop {
     /// The host sent Shutdown.
     Shutdown,
+    /// The stop signal given to [`serve_until`] fired (e.g. SIGTERM).
+    Signalled,
 }
 
 /// Serves connections until a Shutdown.
 pub async fn serve(transport: &mut dyn Transport, cfg: Config) -> std::io::Result<Stop> {
+    let (_keep, never) = tokio::sync::watch::channel(false);
+    serve_until(transport, cfg, never).await
+}
+
+/// Like [`serve`], but also stops when `stop` turns true; the active
+/// session is ended (turns killed, end audited) first.
+pub async fn serve_until(
+    transport: &mut dyn Transport,
+    cfg: Config,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<Stop> {
     std::fs::create_dir_all(&cfg.state_dir)?;
     {
         use std::os::unix::fs::PermissionsExt;
@@ -79,7 +94,11 @@ pub async fn serve(transport: &mut dyn Transport, cfg: Config) -> std::io::Resul
     let cfg = Arc::new(cfg);
     tracing::info!(listen = %transport.describe(), workspace = %cfg.workspace.display(), turns = cfg.turn_backend.name(), "session agent listening");
     loop {
-        let conn = match transport.accept().await {
+        let accepted = tokio::select! {
+            a = transport.accept() => a,
+            _ = stop.wait_for(|s| *s) => return Ok(Stop::Signalled),
+        };
+        let conn = match accepted {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed");
@@ -87,9 +106,8 @@ pub async fn serve(transport: &mut dyn Transport, cfg: Config) -> std::io::Resul
                 continue;
             }
         };
-        let outcome = handle_connection(conn, cfg.clone()).await;
-        if outcome == Some(Stop::Shutdown) {
-            return Ok(Stop::Shutdown);
+        if let Some(why) = handle_connection(conn, cfg.clone(), stop.clone()).await {
+            return Ok(why);
         }
     }
 }
@@ -134,7 +152,11 @@ struct PendingStart {
     received: u64,
 }
 
-async fn handle_connection(conn: Connection, cfg: Arc<Config>) -> Option<Stop> {
+async fn handle_connection(
+    conn: Connection,
+    cfg: Arc<Config>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Option<Stop> {
     let (rd, wr) = tokio::io::split(conn);
     let (tx, mut rx) = mpsc::channel::<GuestMessage>(1024);
     let max = cfg.max_frame;
@@ -155,11 +177,14 @@ async fn handle_connection(conn: Connection, cfg: Arc<Config>) -> Option<Stop> {
         pending: None,
         session: None,
     };
-    let stop = conn.run(&mut reader).await;
-    conn.end_session(if stop.is_some() {
-        "shutdown"
-    } else {
-        "connection closed"
+    let stop = tokio::select! {
+        s = conn.run(&mut reader) => s,
+        _ = stop.wait_for(|s| *s) => Some(Stop::Signalled),
+    };
+    conn.end_session(match stop {
+        Some(Stop::Shutdown) => "shutdown",
+        Some(Stop::Signalled) => "guest-init stopping (SIGTERM)",
+        None => "connection closed",
     })
     .await;
     drop(conn);
@@ -462,7 +487,8 @@ pub struct Session {
     out: Outbox,
     audit: tokio::sync::Mutex<AuditLog>,
     always: Mutex<HashSet<String>>,
-    asks: Mutex<HashMap<String, oneshot::Sender<Reply>>>,
+    /// Pending asks: ask id -> (turn id, where the answer goes).
+    asks: Mutex<HashMap<String, (String, oneshot::Sender<Reply>)>>,
     exec_ids: Mutex<HashSet<String>>,
     running: Mutex<HashMap<String, Running>>,
     turns: Mutex<Turns>,
@@ -578,10 +604,18 @@ impl Session {
             turn_id: "",
         })
         .await;
-        s.apply_egress(&plan).await.map_err(|m| {
+        if let Err(m) = s.apply_egress(&plan).await {
+            s.audit(Entry {
+                actor: "guest-init",
+                action: "session.end",
+                resource: &branch,
+                result: &format!("egress rules could not be applied: {m}"),
+                ..Default::default()
+            })
+            .await;
             session::clear_dir(&ws);
-            error(Code::Policy, format!("session not started: {m}"), "")
-        })?;
+            return Err(error(Code::Policy, format!("session not started: {m}"), ""));
+        }
         let backend = lock(&s.turns).backend().name().to_string();
         s.send(msg(Out::Ready(Ready {
             session_id: req.session_id,
@@ -593,8 +627,13 @@ impl Session {
         Ok(s)
     }
 
+    /// Sends `m`; error messages are redacted, since they may quote input.
     async fn send(&self, m: impl Into<GuestMessage>) {
-        let _ = self.out.send(m.into()).await;
+        let mut m = m.into();
+        if let Some(Out::Error(e)) = &mut m.kind {
+            e.message = self.secrets.redactor().redact(&e.message);
+        }
+        let _ = self.out.send(m).await;
     }
 
     /// Appends to the audit log and streams the line to the host, in order.
@@ -648,8 +687,8 @@ impl Session {
             .await;
             return Ok(());
         }
-        std::fs::write("/etc/hosts", egress::hosts_file(plan))
-            .map_err(|e| format!("cannot write /etc/hosts: {e}"))?;
+        std::fs::write(&self.cfg.hosts_file, egress::hosts_file(plan))
+            .map_err(|e| format!("cannot write {}: {e}", self.cfg.hosts_file.display()))?;
         run_nft(&egress::nft_ruleset(plan)).await?;
         self.audit(Entry {
             actor: "guest-init",
@@ -750,7 +789,7 @@ impl Session {
     async fn ask(&self, e: &Exec, subject: &str, rule: &str) -> bool {
         let ask_id = format!("ask-{}", e.exec_id);
         let (tx, rx) = oneshot::channel();
-        lock(&self.asks).insert(ask_id.clone(), tx);
+        lock(&self.asks).insert(ask_id.clone(), (e.turn_id.clone(), tx));
         self.audit(Entry {
             turn_id: &e.turn_id,
             actor: "guest-init",
@@ -770,15 +809,19 @@ impl Session {
             timeout_ms: u32::try_from(self.ask_timeout.as_millis()).unwrap_or(u32::MAX),
         })))
         .await;
-        let reply = match tokio::time::timeout(self.ask_timeout, rx).await {
-            Ok(Ok(r)) => Some(r),
+        // Err(Elapsed): timed out; Ok(Err(_)): the turn or session ended.
+        let outcome = tokio::time::timeout(self.ask_timeout, rx).await;
+        lock(&self.asks).remove(&ask_id);
+        let reply = match &outcome {
+            Ok(Ok(r)) => Some(*r),
             _ => None,
         };
-        lock(&self.asks).remove(&ask_id);
+        let cancelled = matches!(outcome, Ok(Err(_)));
         let (word, ok) = match reply {
             Some(Reply::Once) => ("once", true),
             Some(Reply::Always) => ("always", true),
             Some(_) => ("reject", false),
+            None if cancelled => ("cancelled", false),
             None => ("timeout", false),
         };
         self.audit(Entry {
@@ -794,7 +837,9 @@ impl Session {
             lock(&self.always).extend(Policy::subjects_of(&e.argv));
         }
         if !ok {
-            let reason = if reply.is_none() {
+            let reason = if cancelled {
+                "the turn or session ended before the command was approved".to_string()
+            } else if reply.is_none() {
                 format!(
                     "approval timed out after {} ms",
                     self.ask_timeout.as_millis()
@@ -818,7 +863,7 @@ impl Session {
                     "",
                 )
             })?;
-        let tx = lock(&self.asks).remove(ask_id).ok_or_else(|| {
+        let (_, tx) = lock(&self.asks).remove(ask_id).ok_or_else(|| {
             error(
                 Code::InvalidArgument,
                 format!("no pending ask {ask_id:?} (answered already, timed out, or never asked)"),
@@ -1049,6 +1094,8 @@ impl Session {
     }
 
     async fn end_turn(&self, turn_id: &str) {
+        // Commands of this turn still waiting for approval never run.
+        lock(&self.asks).retain(|_, (turn, _)| turn != turn_id);
         let taken = lock(&self.turns).take(turn_id);
         let killed = match taken {
             Some((turn, others)) => {
@@ -1193,6 +1240,7 @@ impl Session {
         for id in ids {
             self.end_turn(&id).await;
         }
+        lock(&self.turns).remove_parent_if_idle();
         if *lock(&self.turns).backend() == Backend::ProcessTree {
             let managed: HashSet<u32> = reaper::managed().lock().clone();
             let swept = tokio::task::spawn_blocking(move || crate::turn::sweep_orphans(&managed))

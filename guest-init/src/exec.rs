@@ -49,7 +49,7 @@ pub enum ExecError {
     /// spawn failed.
     #[error("cannot start {program:?}: {source}")]
     Spawn {
-        /// argv[0].
+        /// `argv[0]`.
         program: String,
         /// The OS error.
         source: std::io::Error,

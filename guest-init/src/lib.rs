@@ -9,6 +9,11 @@
 //! * [`turn`]: grouping a turn's processes and killing them.
 //! * [`audit`]: the hash-chained audit log and its verifier.
 //! * [`privilege`]: the unprivileged user agent commands run as.
+//! * [`reaper`]: orphan reaping that never steals a managed child's status.
+//! * [`workspace`]: checks on paths sent by the host.
+//!
+//! See README.md for the protocol, repository mechanism, policy files and
+//! audit format.
 
 pub mod agent;
 pub mod audit;

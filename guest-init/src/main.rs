@@ -102,6 +102,15 @@ struct InitArgs {
     /// Exit instead of powering off.
     #[arg(long)]
     no_poweroff: bool,
+    /// Hostname to set instead of the kernel command line's.
+    #[arg(long)]
+    hostname: Option<String>,
+    /// Install egress rules (off by default in this test mode).
+    #[arg(long)]
+    apply_egress: bool,
+    /// Hosts file to write allowed names to.
+    #[arg(long)]
+    hosts_file: Option<PathBuf>,
 }
 
 fn init_logging() {
@@ -132,6 +141,7 @@ fn main() -> ExitCode {
         Some(Command::Init(a)) => {
             let cmd = pid1::cmdline::Cmdline::read();
             let mut o = pid1::Options::guest(&cmd);
+            o.hostname = a.hostname.or(o.hostname);
             if let Some(r) = a.root {
                 o.root = r;
             }
@@ -146,7 +156,10 @@ fn main() -> ExitCode {
             }
             o.network = !a.no_network;
             o.poweroff = !a.no_poweroff;
-            o.apply_egress = false;
+            o.apply_egress = a.apply_egress;
+            if let Some(h) = a.hosts_file {
+                o.hosts_file = h;
+            }
             pid1::run(o).map(|_| ExitCode::SUCCESS)
         }
         Some(Command::Serve(a)) => serve(a),
@@ -191,6 +204,7 @@ fn serve(a: ServeArgs) -> std::io::Result<ExitCode> {
                 Turns::ProcessTree => turn::Backend::ProcessTree,
             },
             apply_egress: a.apply_egress,
+            hosts_file: PathBuf::from("/etc/hosts"),
             max_frame: a.max_frame,
         };
         let mut transport = a.listen.bind()?;

@@ -59,7 +59,7 @@ impl Managed {
     }
 }
 
-/// One process as /proc/<pid>/stat describes it.
+/// One process as `/proc/<pid>/stat` describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcStat {
     /// Process id.
@@ -74,7 +74,7 @@ pub struct ProcStat {
     pub start: u64,
 }
 
-/// Reads /proc/<pid>/stat.
+/// Reads `/proc/<pid>/stat`.
 pub fn stat(pid: u32) -> Option<ProcStat> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name is in parentheses and may hold spaces or ')'.

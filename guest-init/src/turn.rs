@@ -5,7 +5,7 @@
 //!
 //! * **cgroup2** (preferred; what a guest uses, since PID 1 mounts cgroup2 at
 //!   /sys/fs/cgroup): each turn gets a cgroup `turn-<n>` under
-//!   `<our cgroup>/guest-init-<pid>`; a command joins it between fork and
+//!   `<our cgroup>/guest-init-<pid>-<nanos>`; a command joins it between fork and
 //!   exec, so nothing it starts can leave. Killing writes `cgroup.kill`
 //!   (Linux 5.14+) or freezes the group and SIGKILLs every member.
 //!   Works on hybrid hosts too, where a writable cgroup2 is mounted beside
@@ -72,22 +72,26 @@ fn cgroup2_parent() -> Result<PathBuf, String> {
         .lines()
         .find_map(|l| l.strip_prefix("0::"))
         .ok_or("no cgroup2 entry in /proc/self/cgroup")?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or_default();
+    // Unique per run: a stale directory from a crashed run never collides.
     let dir = mount
         .join(rel.trim_start_matches('/'))
-        .join(format!("guest-init-{}", std::process::id()));
-    match std::fs::create_dir(&dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(format!("cannot create {}: {e}", dir.display())),
-    }
-    // Prove that a process can be placed: a probe cgroup must accept writes.
+        .join(format!("guest-init-{}-{nanos:09}", std::process::id()));
+    std::fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    // Prove that a turn cgroup can be made; the directories are created
+    // again on first use and removed when the session's turns are dropped.
     let probe = dir.join("probe");
-    let _ = std::fs::create_dir(&probe);
-    let ok = probe.join("cgroup.procs").exists();
+    let ok = std::fs::create_dir(&probe).is_ok() && probe.join("cgroup.procs").exists();
     let _ = std::fs::remove_dir(&probe);
+    let _ = std::fs::remove_dir(&dir);
     if !ok {
-        let _ = std::fs::remove_dir(&dir);
-        return Err(format!("{} has no cgroup.procs", probe.display()));
+        return Err(format!(
+            "cannot create a usable cgroup under {}",
+            dir.display()
+        ));
     }
     Ok(dir)
 }
@@ -100,6 +104,9 @@ pub struct Killed {
     /// Its command line.
     pub command: String,
 }
+
+/// Next turn number; 0 is reserved for the session-end sweep.
+static NEXT_TAG: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// Environment variable naming a command's turn (its number), which
 /// process-tree tracking uses to attribute re-parented orphans.
@@ -128,7 +135,6 @@ pub struct Turn {
 pub struct Turns {
     backend: Backend,
     turns: HashMap<String, Turn>,
-    next: u64,
 }
 
 impl Turns {
@@ -137,7 +143,6 @@ impl Turns {
         Self {
             backend,
             turns: HashMap::new(),
-            next: 0,
         }
     }
 
@@ -149,10 +154,13 @@ impl Turns {
     /// Makes sure `turn_id` exists; returns where a new command of it goes.
     pub fn prepare(&mut self, turn_id: &str) -> std::io::Result<Placement> {
         if !self.turns.contains_key(turn_id) {
-            self.next += 1;
+            // Unique in the process, so turns of different sessions (tests
+            // run several in one process) never share a tag.
+            let tag = NEXT_TAG.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let cgroup = match &self.backend {
                 Backend::Cgroup2(parent) => {
-                    let dir = parent.join(format!("turn-{}", self.next));
+                    std::fs::create_dir_all(parent)?;
+                    let dir = parent.join(format!("turn-{tag}"));
                     std::fs::create_dir(&dir)?;
                     Some(dir)
                 }
@@ -162,7 +170,7 @@ impl Turns {
                 turn_id.to_string(),
                 Turn {
                     cgroup,
-                    tag: self.next,
+                    tag,
                     roots: HashSet::new(),
                     start: None,
                 },
@@ -193,6 +201,15 @@ impl Turns {
         Some((t, others))
     }
 
+    /// Removes the turns' parent cgroup once no turn is left.
+    pub fn remove_parent_if_idle(&self) {
+        if let Backend::Cgroup2(parent) = &self.backend {
+            if self.turns.is_empty() {
+                let _ = std::fs::remove_dir(parent);
+            }
+        }
+    }
+
     /// Ids of every live turn.
     pub fn ids(&self) -> Vec<String> {
         self.turns.keys().cloned().collect()
@@ -200,11 +217,22 @@ impl Turns {
 }
 
 impl Drop for Turns {
+    /// The session is gone: kill what its turns left (cgroup2) and remove
+    /// the directories, so nothing outlives the session on a shared host.
     fn drop(&mut self) {
         if let Backend::Cgroup2(parent) = &self.backend {
             for t in self.turns.values() {
                 if let Some(dir) = &t.cgroup {
-                    let _ = std::fs::remove_dir(dir);
+                    let members = cgroup_members(dir);
+                    if !members.is_empty() {
+                        kill_cgroup(dir, &members);
+                    }
+                    for _ in 0..20 {
+                        if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
                 }
             }
             let _ = std::fs::remove_dir(parent);
@@ -242,9 +270,13 @@ impl Turn {
             match &self.cgroup {
                 Some(dir) => kill_cgroup(dir, &members),
                 None => {
-                    for pid in &members {
-                        // SAFETY: kill(2) with a pid we found in this turn; no pointers.
-                        unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
+                    // Stop them all first, so that no parent sees a child die
+                    // and exits (or forks) before its own SIGKILL arrives.
+                    for sig in [libc::SIGSTOP, libc::SIGKILL] {
+                        for pid in &members {
+                            // SAFETY: kill(2) with a pid we found in this turn; no pointers.
+                            unsafe { libc::kill(*pid as libc::pid_t, sig) };
+                        }
                     }
                 }
             }

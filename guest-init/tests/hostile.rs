@@ -123,6 +123,40 @@ async fn paths_that_are_not_utf8_or_escape_the_workspace_are_refused() {
     assert_eq!(c.run("dup", &["true"]).await.code(), Some(0));
     let r = c.run("dup", &["true"]).await;
     assert!(r.error.unwrap().1.contains("already used"));
+    // Signals and stdin for commands that are not running, and bad signals.
+    c.send(In::Signal(proto::guest::Signal {
+        exec_id: "ghost".into(),
+        signal: 15,
+    }))
+    .await;
+    assert!(c.expect_error().await.1.contains("no running command"));
+    c.exec(exec_msg("victim", "t", &["sleep", "30"])).await;
+    c.expect(|m| matches!(m, Out::ExecStarted(s) if s.exec_id == "victim").then_some(()))
+        .await;
+    for bad in [0, 65, -9] {
+        c.send(In::Signal(proto::guest::Signal {
+            exec_id: "victim".into(),
+            signal: bad,
+        }))
+        .await;
+        assert!(c.expect_error().await.1.contains("is not between 1 and 64"));
+    }
+    c.send(In::Stdin(proto::guest::StdinData {
+        exec_id: "victim".into(),
+        data: b"x".to_vec(),
+        eof: true,
+    }))
+    .await;
+    assert!(c.expect_error().await.1.contains("keep_stdin_open"));
+    c.send(In::Signal(proto::guest::Signal {
+        exec_id: "victim".into(),
+        signal: 9,
+    }))
+    .await;
+    assert_eq!(
+        c.finish("victim", None).await.status,
+        Some(proto::guest::exec_exited::Status::Signal(9))
+    );
     // And the session still works.
     assert_eq!(c.run("ok", &["echo", "fine"]).await.stdout(), "fine\n");
 }

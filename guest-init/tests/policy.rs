@@ -139,6 +139,34 @@ async fn ask_times_out_as_reject() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ending_the_turn_cancels_its_pending_asks() {
+    let repo = Repo::new();
+    let h = Harness::start().await;
+    let mut c = h.session(&repo, "coder", "main").await;
+    c.exec(exec_msg("held", "t1", &["uname"])).await;
+    let ask = c
+        .expect(|m| match m {
+            Out::AskRequest(a) => Some(a.clone()),
+            _ => None,
+        })
+        .await;
+    c.end_turn("t1").await;
+    let r = c.finish("held", None).await;
+    let (reason, _) = r.rejected.expect("rejected");
+    assert!(reason.contains("turn or session ended"), "{reason}");
+    // A late answer finds nothing to approve.
+    c.send(proto::guest::host_message::Kind::Answer(
+        proto::guest::Answer {
+            ask_id: ask.ask_id,
+            reply: Reply::Once as i32,
+        },
+    ))
+    .await;
+    assert!(c.expect_error().await.1.contains("no pending ask"));
+    assert!(r.pid.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rules_edited_on_the_session_branch_change_nothing() {
     let repo = Repo::new();
     let h = Harness::start().await;
@@ -259,6 +287,12 @@ async fn secrets_are_scoped_and_never_echoed() {
         .audit
         .iter()
         .any(|l| l.contains("\"secret.delivered\"") && l.contains("OTHER")));
+    // An error quoting the value (a cwd named after it) is redacted too.
+    let mut e = exec_msg("cwd", "t", &["pwd"]);
+    e.cwd = b"oth-77e1b3".to_vec();
+    c.exec(e).await;
+    let (_, msg) = c.finish("cwd", None).await.error.expect("bad cwd");
+    assert!(msg.contains("[REDACTED:OTHER]"), "{msg}");
     // Nothing the agent sent, and nothing in the audit log, holds a value.
     let log = std::fs::read(h.audit_log("s1")).unwrap();
     for v in ["tok-5f2a9c1d", "oth-77e1b3", "ung-31c0aa"] {

@@ -6,7 +6,7 @@
 //! and `hash`) in that order; `hash = hex(sha256(prev_hash || canonical))`,
 //! where `prev_hash` is the previous line's hash as 64 hex characters (64
 //! zeros for the first line) and `seq` counts from 1. So an edited, removed
-//! or reordered line breaks the chain; [`verify`] finds the first break.
+//! or reordered line breaks the chain; [`verify()`] finds the first break.
 
 pub mod time;
 pub mod verify;

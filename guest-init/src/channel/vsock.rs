@@ -1,7 +1,7 @@
 //! The vsock transport: an `AF_VSOCK` stream socket listening on a port for
 //! any CID. Guests listen on [`proto::guest::DEFAULT_VSOCK_PORT`] (1024);
 //! host-agent connects through the vmm's vsock device, whose host side is a
-//! Unix socket (`CONNECT 1024\n` in the Firecracker-style handshake).
+//! Unix socket (for example with a Firecracker-style `CONNECT 1024\n` handshake).
 
 use std::future::Future;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

@@ -37,6 +37,10 @@ pub struct Options {
     pub poweroff: bool,
     /// Install egress rules.
     pub apply_egress: bool,
+    /// Hosts file for allowed names.
+    pub hosts_file: PathBuf,
+    /// Hostname to set, if any.
+    pub hostname: Option<String>,
 }
 
 impl Options {
@@ -51,6 +55,8 @@ impl Options {
             state_dir: PathBuf::from("/run/guest-init"),
             poweroff: true,
             apply_egress: true,
+            hosts_file: PathBuf::from("/etc/hosts"),
+            hostname: cmd.hostname.clone(),
         }
     }
 }
@@ -58,12 +64,13 @@ impl Options {
 /// Runs PID 1 until shutdown; returns only when `poweroff` is false.
 pub fn run(opts: Options) -> std::io::Result<()> {
     let cmd = cmdline::Cmdline::read();
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), "guest-init starting");
     if opts.mounts {
         for e in mounts::mount_all(&opts.root) {
             tracing::warn!(error = %e, "mount failed");
         }
     }
-    if let Some(h) = &cmd.hostname {
+    if let Some(h) = &opts.hostname {
         if let Err(e) = net::set_hostname(h) {
             tracing::warn!(error = %e, hostname = %h, "cannot set hostname");
         }
@@ -83,16 +90,19 @@ pub fn run(opts: Options) -> std::io::Result<()> {
             identity: crate::privilege::agent_identity(None),
             turn_backend: crate::turn::detect(),
             apply_egress: opts.apply_egress,
+            hosts_file: opts.hosts_file.clone(),
             max_frame: proto::framing::DEFAULT_MAX_FRAME,
         };
         let mut transport = opts.listen.bind()?;
-        tokio::select! {
-            r = agent::serve(transport.as_mut(), cfg) => {
-                r?;
-                tracing::info!("shutdown requested by the host");
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            if term.recv().await.is_some() {
+                tracing::info!("SIGTERM: shutting down");
+                let _ = stop_tx.send(true);
             }
-            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-        }
+        });
+        let why = agent::serve_until(transport.as_mut(), cfg, stop_rx).await?;
+        tracing::info!(?why, "session agent stopped");
         Ok::<(), std::io::Error>(())
     })?;
     stop_everything(Duration::from_secs(2));

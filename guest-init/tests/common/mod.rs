@@ -93,7 +93,7 @@ permission:
 # Coder
 "#;
 
-pub const MANIFEST: &str = "version: 1\nagents:\n  coder:\n    secrets: [TOKEN, OTHER]\n    egress:\n      - cidr: 198.51.100.0/24\n        ports: [443]\n  free: {}\n";
+pub const MANIFEST: &str = "version: 1\nagents:\n  coder:\n    secrets: [TOKEN, OTHER]\n    egress:\n      - cidr: 198.51.100.0/24\n        ports: [443]\n  free:\n    egress:\n      - cidr: 203.0.113.0/24\n        ports: [443]\n";
 
 pub const FREE_RULES: &str = "---\npermission:\n  bash: allow\n---\n";
 
@@ -189,6 +189,7 @@ impl Harness {
             identity: guest_init::privilege::agent_identity(None),
             turn_backend: opts.backend.unwrap_or_else(guest_init::turn::detect),
             apply_egress: false,
+            hosts_file: dir.path().join("hosts"),
             max_frame: opts.max_frame,
         };
         let mut transport = UnixTransport::bind(&socket).unwrap();
