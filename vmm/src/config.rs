@@ -15,7 +15,7 @@ pub const DEFAULT_VCPUS: u8 = 1;
 /// Kernel command line when none is given: serial console, reset through the
 /// i8042, no PCI, and an i8042 driver that does not probe for a mouse.
 pub const DEFAULT_CMDLINE: &str =
-    "console=ttyS0 reboot=k panic=1 pci=off nomodule i8042.noaux i8042.nomux i8042.dumbkbd";
+    "console=ttyS0 reboot=k panic=1 pci=off i8042.noaux i8042.nomux i8042.dumbkbd";
 
 /// Where the guest's serial output goes.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,6 +9,7 @@ use vmm::config::{ConfigFile, SerialConfig, VmConfig};
 use vmm::control::server::ControlServer;
 use vmm::exit::{EXIT_BAD_INPUT, EXIT_VM_FAILURE};
 use vmm::machine::{Machine, RestoreConfig};
+use vmm::seccomp::{self, ThreadKind};
 use vmm::signals;
 use vmm::snapshot::restore_memory::MemoryBackend;
 
@@ -25,6 +26,14 @@ struct Cli {
     /// Log filter (tracing EnvFilter syntax); RUST_LOG wins when set.
     #[arg(long, default_value = "warn", global = true)]
     log_level: String,
+    /// Run without seccomp filters (debugging only: a compromised device model is then
+    /// free to make any system call).
+    #[arg(long, global = true)]
+    no_seccomp: bool,
+    /// Test hook: make a thread of this kind (main, vcpu, control, device) call a
+    /// forbidden system call right after its filter is installed.
+    #[arg(long, global = true, hide = true)]
+    seccomp_selftest: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -178,6 +187,7 @@ fn serve(
         },
         None => None,
     };
+    seccomp::apply_or_die(ThreadKind::Main);
     let reason = machine.wait();
     let code = reason.exit_code();
     if code == 0 {
@@ -192,6 +202,18 @@ fn serve(
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format, &cli.log_level);
+    let selftest = match cli.seccomp_selftest.as_deref().map(ThreadKind::from_name) {
+        Some(None) => {
+            eprintln!("vmm: --seccomp-selftest takes main, vcpu, control or device");
+            return ExitCode::from(EXIT_BAD_INPUT as u8);
+        }
+        Some(Some(kind)) => Some(kind),
+        None => None,
+    };
+    if let Err(e) = seccomp::init(!cli.no_seccomp, selftest) {
+        eprintln!("vmm: {e}");
+        return ExitCode::from(EXIT_VM_FAILURE as u8);
+    }
     let code = match cli.command {
         Command::Run(args) => run(args),
         Command::Restore(args) => restore(args),

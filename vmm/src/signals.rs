@@ -43,6 +43,7 @@ pub fn spawn_termination_watcher(
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || loop {
+            crate::seccomp::apply_or_die(crate::seccomp::ThreadKind::Device);
             let mut sig: libc::c_int = 0;
             // SAFETY: `blocked.set` is an initialised sigset of signals blocked in this thread.
             let rc = unsafe { libc::sigwait(&blocked.set, &mut sig) };

@@ -64,6 +64,8 @@ impl Drop for ControlServer {
 }
 
 fn accept_loop(listener: UnixListener, target: Arc<dyn ControlTarget>, clients: Arc<AtomicUsize>) {
+    // Client threads inherit this filter.
+    crate::seccomp::apply_or_die(crate::seccomp::ThreadKind::Control);
     for stream in listener.incoming() {
         let Ok(mut stream) = stream else { continue };
         if clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {

@@ -80,6 +80,7 @@ pub(super) fn build(
 
 impl Handler {
     fn run(self) {
+        crate::seccomp::apply_or_die(crate::seccomp::ThreadKind::Device);
         let mut page = vec![0u8; PAGE];
         loop {
             match self.uffd.read_event() {

@@ -183,6 +183,7 @@ impl Vcpu {
         let target: *mut u8 = &mut lock_fd(&self.fd).get_kvm_run().immediate_exit;
         kick::set_immediate_exit_target(target);
         coordinator.register_current_thread();
+        crate::seccomp::apply_or_die(crate::seccomp::ThreadKind::Vcpu);
         while coordinator.next() == Next::Run {
             let exit = {
                 let mut fd = lock_fd(&self.fd);

@@ -88,6 +88,7 @@ pub fn spawn_stdin_forwarder(serial: Arc<Mutex<SerialDevice>>) -> std::io::Resul
     std::thread::Builder::new()
         .name("serial-stdin".into())
         .spawn(move || {
+            crate::seccomp::apply_or_die(crate::seccomp::ThreadKind::Device);
             let mut stdin = std::io::stdin().lock();
             let mut buf = [0u8; 256];
             loop {
