@@ -17,6 +17,7 @@ use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT_BASE, I8042_
 use crate::devices::legacy::serial::{
     spawn_stdin_forwarder, SerialDevice, SerialOut, COM1_IRQ, COM1_PORT_BASE, COM1_PORT_LEN,
 };
+use crate::devices::virtio::setup::{self as virtio_setup, SetupError, VirtioRuntime};
 use crate::exit::{ExitReason, EXIT_BAD_INPUT, EXIT_VM_FAILURE};
 use crate::kvm::{KvmError, KvmHandle};
 use crate::memory::{create_guest_memory, MemoryError};
@@ -65,6 +66,9 @@ pub enum StartError {
         #[source]
         source: std::io::Error,
     },
+    /// A virtio device could not be set up.
+    #[error(transparent)]
+    Virtio(#[from] SetupError),
     /// KVM_GET_SUPPORTED_CPUID failed.
     #[error("cannot read the CPUID KVM supports: {0}")]
     Cpuid(#[source] kvm_ioctls::Error),
@@ -82,6 +86,12 @@ impl StartError {
             StartError::Device { what, .. } if what.starts_with("serial output file") => {
                 EXIT_BAD_INPUT
             }
+            StartError::Virtio(
+                SetupError::Block(_)
+                | SetupError::Net(_)
+                | SetupError::Vsock(_)
+                | SetupError::TooMany(_),
+            ) => EXIT_BAD_INPUT,
             _ => EXIT_VM_FAILURE,
         }
     }
@@ -92,6 +102,8 @@ pub struct Machine {
     coordinator: Arc<Coordinator>,
     threads: Vec<JoinHandle<()>>,
     serial: Arc<Mutex<SerialDevice>>,
+    /// The virtio devices and their event thread.
+    virtio: VirtioRuntime,
     // Kept alive for the VM's lifetime: the fds and guest memory.
     _vm: Vm,
 }
@@ -128,7 +140,13 @@ impl Machine {
         let memory = create_guest_memory(config.mem_mib)?;
 
         let kernel = loader::load_kernel(&memory, &config.kernel)?;
-        let cmdline = loader::build_cmdline(&config.cmdline, loader::cmdline_limit(&kernel))?;
+        let virtio_devices = virtio_setup::create_devices(config)?;
+        let mut cmdline_text = config.cmdline.clone();
+        if !virtio_devices.is_empty() {
+            cmdline_text.push(' ');
+            cmdline_text.push_str(&virtio_setup::cmdline_params(&virtio_devices));
+        }
+        let cmdline = loader::build_cmdline(&cmdline_text, loader::cmdline_limit(&kernel))?;
         let initrd = match &config.initrd {
             Some(path) => Some(loader::load_initrd(&memory, path, &kernel)?),
             None => None,
@@ -168,9 +186,11 @@ impl Machine {
         let mut io = Bus::new();
         io.insert(serial.clone(), COM1_PORT_BASE, COM1_PORT_LEN)?;
         io.insert(i8042, I8042_PORT_BASE, I8042_PORT_LEN)?;
+        let mut mmio = Bus::new();
+        let virtio = virtio_setup::attach(vm.fd(), vm.memory(), &mut mmio, virtio_devices)?;
         let buses = Buses {
             io: Arc::new(io),
-            mmio: Arc::new(Bus::new()),
+            mmio: Arc::new(mmio),
         };
 
         let supported = kvm
@@ -215,6 +235,7 @@ impl Machine {
             coordinator,
             threads,
             serial,
+            virtio,
             _vm: vm,
         })
     }
@@ -222,6 +243,11 @@ impl Machine {
     /// The coordinator, for the control socket.
     pub fn coordinator(&self) -> Arc<Coordinator> {
         self.coordinator.clone()
+    }
+
+    /// The virtio-mmio transports, in device order (block, net, vsock, rng).
+    pub fn virtio_transports(&self) -> &[Arc<Mutex<crate::devices::virtio::mmio::MmioTransport>>] {
+        &self.virtio.transports
     }
 
     /// Waits until the VM ends and returns why.
