@@ -4,7 +4,16 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const GUESTS: &[&str] = &["hello", "counter", "report", "triplefault"];
+const GUESTS: &[&str] = &[
+    "hello",
+    "counter",
+    "report",
+    "triplefault",
+    "virtio_blk",
+    "virtio_rng",
+    "virtio_net",
+    "virtio_hostile",
+];
 
 const FLAGS: &[&str] = &[
     "-ffreestanding",

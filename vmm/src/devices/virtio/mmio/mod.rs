@@ -172,7 +172,7 @@ impl MmioTransport {
                 let dev = lock(&self.device);
                 let acked = dev.common().acked_features;
                 if acked & VIRTIO_F_VERSION_1 == 0 {
-                    tracing::warn!("virtio driver did not accept VERSION_1: FEATURES_OK refused");
+                    tracing::debug!("virtio driver did not accept VERSION_1: FEATURES_OK refused");
                     return;
                 }
                 drop(dev);
@@ -186,7 +186,7 @@ impl MmioTransport {
                         self.device_status = new;
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "virtio device activation failed");
+                        tracing::debug!(error = %e, "virtio device activation failed");
                         drop(dev);
                         self.device_status |= S_NEEDS_RESET;
                         self.interrupt.signal_config();
@@ -300,7 +300,7 @@ impl MmioTransport {
                         self.size_refused[sel] = false;
                     }
                     None => {
-                        tracing::warn!(sel, value, "virtio queue size refused");
+                        tracing::debug!(sel, value, "virtio queue size refused");
                         self.size_refused[sel] = true;
                     }
                 }
