@@ -13,6 +13,7 @@ const GUESTS: &[&str] = &[
     "virtio_rng",
     "virtio_net",
     "virtio_hostile",
+    "virtio_vsock",
 ];
 
 const FLAGS: &[&str] = &[
