@@ -395,3 +395,105 @@ mod net {
         );
     }
 }
+
+mod vsock {
+    use super::*;
+    use std::io::{BufRead, BufReader, Write};
+    use std::os::unix::net::{UnixListener, UnixStream};
+
+    fn socket_path(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("vmm-it-{}-{name}.sock", std::process::id()))
+    }
+
+    #[test]
+    fn guest_connects_to_a_host_listener_and_accepts_a_host_connect() {
+        let uds = socket_path("vsock");
+        let listener_path = PathBuf::from(format!("{}_5000", uds.display()));
+        let _ = std::fs::remove_file(&listener_path);
+        let host_listener = UnixListener::bind(&listener_path).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = host_listener.accept().unwrap();
+            let mut line = String::new();
+            BufReader::new(&s).read_line(&mut line).unwrap();
+            s.write_all(b"pong from host\n").unwrap();
+            line
+        });
+
+        let kernel = test_guests::path("virtio_vsock").unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_vmm"))
+            .arg("run")
+            .arg("--kernel")
+            .arg(&kernel)
+            .args(["--serial", "stdout"])
+            .args([
+                "--cmdline",
+                "console=ttyS0 vsock_port=5000 vsock_listen=6000",
+            ])
+            .arg("--vsock")
+            .arg(format!("3:{}", uds.display()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut out = String::new();
+        let mut host_side = None;
+        for line in stdout.lines() {
+            let line = line.unwrap();
+            out.push_str(&line);
+            out.push('\n');
+            if line == "vsock: listening" {
+                // The host connects with Firecracker's handshake.
+                let mut s = UnixStream::connect(&uds).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                s.write_all(b"CONNECT 6000\n").unwrap();
+                let mut r = BufReader::new(s.try_clone().unwrap());
+                let mut ok = String::new();
+                r.read_line(&mut ok).unwrap();
+                s.write_all(b"hello guest\n")
+                    .unwrap_or_else(|e| panic!("{e}: ok line {ok:?}; guest output so far:\n{out}"));
+                let mut reply = String::new();
+                r.read_line(&mut reply).unwrap();
+                host_side = Some((ok, reply));
+            }
+        }
+        let status = child.wait().unwrap();
+        assert!(status.success(), "{out}");
+        assert_eq!(server.join().unwrap(), "ping from guest\n");
+        assert_eq!(value(&out, "vsock.cid"), Some("3"), "{out}");
+        assert_eq!(
+            value(&out, "vsock.connect_op"),
+            Some("2"),
+            "RESPONSE: {out}"
+        );
+        assert_eq!(value(&out, "vsock.reply"), Some("pong from host"));
+        assert_eq!(
+            value(&out, "vsock.shutdown_answer_op"),
+            Some("3"),
+            "RST after SHUTDOWN"
+        );
+        assert_eq!(value(&out, "vsock.incoming_op"), Some("1"), "REQUEST");
+        assert_eq!(value(&out, "vsock.incoming_dst_port"), Some("6000"));
+        assert_eq!(value(&out, "vsock.incoming_data"), Some("hello guest"));
+        let (ok, reply) = host_side.expect("the guest never listened");
+        let port: u32 = ok.strip_prefix("OK ").unwrap().trim().parse().unwrap();
+        assert!(port >= 1 << 30, "{ok}");
+        assert_eq!(reply, "hello host\n");
+        let _ = std::fs::remove_file(&listener_path);
+        let _ = std::fs::remove_file(&uds);
+    }
+
+    #[test]
+    fn guest_connecting_to_a_port_nobody_listens_on_gets_a_reset() {
+        let uds = socket_path("vsock-rst");
+        let (code, out, err) = run_guest(
+            "virtio_vsock",
+            &["--vsock", &format!("3:{}", uds.display())],
+            "console=ttyS0 vsock_port=5999",
+        );
+        assert_eq!(code, 0, "{out}\n{err}");
+        assert_eq!(value(&out, "vsock.connect_op"), Some("3"), "{out}");
+        let _ = std::fs::remove_file(&uds);
+    }
+}

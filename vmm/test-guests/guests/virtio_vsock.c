@@ -105,12 +105,16 @@ void guest_main(const u8 *zp) {
                 puts("vsock.reply="); puts(data);
             }
             send(OP_SHUTDOWN, 1234, (u32)port, 3, 0);
-            if (recv(&h, data, sizeof(data))) kv_dec("vsock.shutdown_answer_op", h.op);
+            /* The host may have shut down its side first; the connection ends with a reset. */
+            while (recv(&h, data, sizeof(data)) && h.op != OP_RST) { }
+            kv_dec("vsock.shutdown_answer_op", h.op);
         }
     }
     if (listen) {
         puts("vsock: listening\n");
-        if (!recv(&h, data, sizeof(data))) { puts("vsock: nobody connected\n"); reset(); }
+        do {
+            if (!recv(&h, data, sizeof(data))) { puts("vsock: nobody connected\n"); reset(); }
+        } while (h.op != OP_REQUEST);
         kv_dec("vsock.incoming_op", h.op);
         kv_dec("vsock.incoming_dst_port", h.dst_port);
         u32 hport = h.src_port;
