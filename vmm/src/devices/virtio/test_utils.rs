@@ -23,12 +23,29 @@ pub fn interrupt() -> Arc<Interrupt> {
     Arc::new(Interrupt::new(IrqLine::new(5).unwrap()))
 }
 
+/// Entries of the queues the tests drive.
+pub const TEST_QUEUE_SIZE: u16 = 16;
+
+/// A driver-side queue of `TEST_QUEUE_SIZE` entries at `addr`.
+///
+/// `MockSplitQueue` places its used ring right after `len` *bytes* of the
+/// available ring (not `2 * len`), so with `len` entries the two rings
+/// overlap from entry `len / 2` on. Laying the mock out for twice the size
+/// keeps the used ring clear of the available entries the device reads.
+pub fn mock_queue(
+    mem: &GuestMemoryMmap,
+    addr: GuestAddress,
+) -> MockSplitQueue<'_, GuestMemoryMmap> {
+    MockSplitQueue::create(mem, addr, 2 * TEST_QUEUE_SIZE)
+}
+
 /// A descriptor: (guest address, length, device-writable).
 pub type Desc = (u64, u32, bool);
 
-/// Writes a chain at descriptor `first` and makes it available.
+/// Writes a chain at descriptor `first` and makes it available (the
+/// available ring wraps, unlike `MockSplitQueue::add_desc_chains`).
 pub fn add_chain(q: &MockSplitQueue<GuestMemoryMmap>, first: u16, descs: &[Desc]) {
-    let raw: Vec<RawDescriptor> = descs
+    let raw: Vec<SplitDescriptor> = descs
         .iter()
         .enumerate()
         .map(|(i, &(addr, len, writable))| {
@@ -36,15 +53,10 @@ pub fn add_chain(q: &MockSplitQueue<GuestMemoryMmap>, first: u16, descs: &[Desc]
             if i + 1 < descs.len() {
                 flags |= VRING_DESC_F_NEXT;
             }
-            RawDescriptor::from(SplitDescriptor::new(
-                addr,
-                len,
-                flags as u16,
-                first + i as u16 + 1,
-            ))
+            SplitDescriptor::new(addr, len, flags as u16, first + i as u16 + 1)
         })
         .collect();
-    q.add_desc_chains(&raw, first).unwrap();
+    add_raw_chain(q, first, &raw);
 }
 
 /// Writes raw descriptors at `first` and makes `first` available as one chain
@@ -64,8 +76,8 @@ pub fn add_raw_chain(q: &MockSplitQueue<GuestMemoryMmap>, first: u16, descs: &[S
     q.avail().idx().store(idx.wrapping_add(1));
 }
 
-fn q_len(q: &MockSplitQueue<GuestMemoryMmap>) -> u16 {
-    ((q.avail_addr().0 - q.desc_table_addr().0) / 16) as u16
+fn q_len(_q: &MockSplitQueue<GuestMemoryMmap>) -> u16 {
+    TEST_QUEUE_SIZE
 }
 
 /// Gives `dev` queues built from `mocks`, accepts all features and activates it.

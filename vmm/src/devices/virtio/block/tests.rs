@@ -7,7 +7,7 @@ use vm_memory::{Bytes, GuestAddress};
 use super::persist::BlockConstructorArgs;
 use super::*;
 use crate::devices::virtio::test_utils::{
-    activate, add_chain, add_raw_chain, interrupt, memory, used, used_idx,
+    activate, add_chain, add_raw_chain, interrupt, memory, mock_queue, used, used_idx,
 };
 use crate::snapshot::persist::Persist;
 
@@ -66,7 +66,7 @@ fn setup(read_only: bool) -> (TempDisk, Block, GuestMemoryMmap) {
 fn reads_and_writes_sectors_and_the_file_changes() {
     let (disk, mut block, mem) = setup(false);
     assert_eq!(block.sectors(), 16);
-    let q = MockSplitQueue::create(&mem, GuestAddress(0), 16);
+    let q = mock_queue(&mem, GuestAddress(0));
     activate(&mut block, &mem, &[&q]);
 
     // Read sectors 2..4.
@@ -107,7 +107,7 @@ fn reads_and_writes_sectors_and_the_file_changes() {
 #[test]
 fn flush_and_get_id() {
     let (_disk, mut block, mem) = setup(false);
-    let q = MockSplitQueue::create(&mem, GuestAddress(0), 16);
+    let q = mock_queue(&mem, GuestAddress(0));
     activate(&mut block, &mem, &[&q]);
     header(&mem, VIRTIO_BLK_T_FLUSH, 0);
     add_chain(&q, 0, &[(HDR, 16, false), (STATUS, 1, true)]);
@@ -136,7 +136,7 @@ fn flush_and_get_id() {
 fn writes_to_a_read_only_disk_fail_and_leave_the_file_alone() {
     let (disk, mut block, mem) = setup(true);
     assert!(block.common.avail_features & (1 << VIRTIO_BLK_F_RO) != 0);
-    let q = MockSplitQueue::create(&mem, GuestAddress(0), 16);
+    let q = mock_queue(&mem, GuestAddress(0));
     activate(&mut block, &mem, &[&q]);
     let before = std::fs::read(&disk.0).unwrap();
     mem.write_slice(&[0xcdu8; 512], GuestAddress(DATA)).unwrap();
@@ -154,7 +154,7 @@ fn writes_to_a_read_only_disk_fail_and_leave_the_file_alone() {
 #[test]
 fn requests_past_the_end_of_the_disk_fail() {
     let (_disk, mut block, mem) = setup(false);
-    let q = MockSplitQueue::create(&mem, GuestAddress(0), 16);
+    let q = mock_queue(&mem, GuestAddress(0));
     activate(&mut block, &mem, &[&q]);
     header(&mem, VIRTIO_BLK_T_IN, 15);
     add_chain(
@@ -179,7 +179,7 @@ fn requests_past_the_end_of_the_disk_fail() {
 #[test]
 fn descriptors_outside_guest_memory_end_in_an_error_status() {
     let (_disk, mut block, mem) = setup(false);
-    let q = MockSplitQueue::create(&mem, GuestAddress(0), 16);
+    let q = mock_queue(&mem, GuestAddress(0));
     activate(&mut block, &mem, &[&q]);
     // Data buffer far outside the 4 MiB guest.
     header(&mem, VIRTIO_BLK_T_OUT, 0);
@@ -217,7 +217,7 @@ fn descriptors_outside_guest_memory_end_in_an_error_status() {
 #[test]
 fn lengths_larger_than_guest_memory_end_in_an_error_status_or_a_dropped_request() {
     let (_disk, mut block, mem) = setup(false);
-    let q = MockSplitQueue::create(&mem, GuestAddress(0), 16);
+    let q = mock_queue(&mem, GuestAddress(0));
     activate(&mut block, &mem, &[&q]);
     let huge = 0xf000_0000u32;
     // A huge readable buffer: the request fails with an error status.
@@ -257,7 +257,7 @@ fn lengths_larger_than_guest_memory_end_in_an_error_status_or_a_dropped_request(
 #[test]
 fn looping_chains_terminate() {
     let (_disk, mut block, mem) = setup(false);
-    let q = MockSplitQueue::create(&mem, GuestAddress(0), 16);
+    let q = mock_queue(&mem, GuestAddress(0));
     activate(&mut block, &mem, &[&q]);
     header(&mem, VIRTIO_BLK_T_IN, 0);
     let next = virtio_bindings::virtio_ring::VRING_DESC_F_NEXT as u16;
@@ -281,7 +281,7 @@ fn looping_chains_terminate() {
 #[test]
 fn a_bogus_available_index_is_not_followed() {
     let (_disk, mut block, mem) = setup(false);
-    let q = MockSplitQueue::create(&mem, GuestAddress(0), 16);
+    let q = mock_queue(&mem, GuestAddress(0));
     activate(&mut block, &mem, &[&q]);
     // Claims 1000 new entries in a 16-entry ring.
     q.avail().idx().store(1000);
@@ -304,7 +304,7 @@ fn nothing_happens_before_activation() {
 #[test]
 fn state_survives_a_save_and_restore_and_bad_state_is_refused() {
     let (disk, mut block, mem) = setup(false);
-    let q = MockSplitQueue::create(&mem, GuestAddress(0), 16);
+    let q = mock_queue(&mem, GuestAddress(0));
     activate(&mut block, &mem, &[&q]);
     header(&mem, VIRTIO_BLK_T_FLUSH, 0);
     add_chain(&q, 0, &[(HDR, 16, false), (STATUS, 1, true)]);
