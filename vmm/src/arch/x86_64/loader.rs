@@ -194,7 +194,7 @@ pub fn load_kernel(mem: &GuestMemoryMmap, path: &Path) -> Result<LoadedKernel, L
     let (magic, hdr_magic) = read_magic(&mut file).map_err(unreadable)?;
     let mem_mib = mem
         .iter()
-        .map(|r| vm_memory::GuestMemoryRegion::len(r))
+        .map(vm_memory::GuestMemoryRegion::len)
         .sum::<u64>()
         >> 20;
     let map_err = |e: loader::Error| classify_load_error(path, mem_mib, e);

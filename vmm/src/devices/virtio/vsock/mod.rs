@@ -414,7 +414,10 @@ impl Vsock {
         let mut updates = Vec::new();
         for (key, c) in self.conns.iter_mut() {
             if !c.dead && c.state == ConnState::Established && c.wants_credit_update() {
+                // Counted as announced now, so one update is queued at a time; the
+                // packet carries the then-current count when it is sent.
                 c.credit_update_needed = false;
+                c.announce_fwd_cnt();
                 updates.push(*key);
             }
         }
