@@ -245,9 +245,9 @@ impl Machine {
         self.coordinator.clone()
     }
 
-    /// The virtio-mmio transports, in device order (block, net, vsock, rng).
-    pub fn virtio_transports(&self) -> &[Arc<Mutex<crate::devices::virtio::mmio::MmioTransport>>] {
-        &self.virtio.transports
+    /// The virtio devices (transports, and `save` for snapshots).
+    pub fn virtio(&self) -> &VirtioRuntime {
+        &self.virtio
     }
 
     /// Waits until the VM ends and returns why.

@@ -1,22 +1,31 @@
 //! Builds the configured virtio devices, places each at its MMIO window with
 //! its GSI, registers the irqfd and queue ioeventfds with KVM, and starts the
-//! event thread. Also writes the `virtio_mmio.device=` kernel parameters.
+//! event thread. Also writes the `virtio_mmio.device=` kernel parameters, and
+//! saves and restores the whole set for snapshots.
 
 use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::{IoEventAddress, VmFd};
+use serde::{Deserialize, Serialize};
 
+use super::block::persist::{BlockConstructorArgs, BlockState};
 use super::block::{Block, BlockError};
 use super::event_loop::{EventLoop, EventLoopError, Subscriber};
+use super::mmio::persist::{MmioConstructorArgs, MmioState};
 use super::mmio::{MmioTransport, SharedVirtioDevice, MMIO_WINDOW, QUEUE_NOTIFY_OFFSET};
+use super::net::persist::{NetConstructorArgs, NetState};
 use super::net::{Net, NetError};
+use super::persist::VirtioPersistError;
+use super::rng::persist::{RngConstructorArgs, RngState};
 use super::rng::{Rng, RngError};
+use super::vsock::persist::{VsockConstructorArgs, VsockState};
 use super::vsock::{Vsock, VsockError};
 use super::Interrupt;
 use crate::config::VmConfig;
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::irq::IrqLine;
 use crate::memory::GuestMemoryMmap;
+use crate::snapshot::persist::Persist;
 
 /// MMIO address of the first virtio device; each next one is `MMIO_WINDOW` higher.
 pub const VIRTIO_MMIO_BASE: u64 = 0xd000_0000;
@@ -75,68 +84,295 @@ pub enum SetupError {
     /// The event thread could not start.
     #[error(transparent)]
     EventLoop(#[from] EventLoopError),
+    /// A snapshot's virtio state does not fit the configured devices.
+    #[error("cannot restore {what}: {source}")]
+    Restore {
+        /// Which device.
+        what: String,
+        /// Why.
+        #[source]
+        source: VirtioPersistError,
+    },
+}
+
+/// A typed handle on a device, for saving its state.
+#[derive(Clone)]
+pub enum DeviceHandle {
+    /// virtio-blk.
+    Block(Arc<Mutex<Block>>),
+    /// virtio-net.
+    Net(Arc<Mutex<Net>>),
+    /// virtio-vsock.
+    Vsock(Arc<Mutex<Vsock>>),
+    /// virtio-rng.
+    Rng(Arc<Mutex<Rng>>),
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl DeviceHandle {
+    fn shared(&self) -> SharedVirtioDevice {
+        match self {
+            DeviceHandle::Block(d) => d.clone(),
+            DeviceHandle::Net(d) => d.clone(),
+            DeviceHandle::Vsock(d) => d.clone(),
+            DeviceHandle::Rng(d) => d.clone(),
+        }
+    }
+
+    fn subscriber(&self) -> Subscriber {
+        match self {
+            DeviceHandle::Block(d) => d.clone(),
+            DeviceHandle::Net(d) => d.clone(),
+            DeviceHandle::Vsock(d) => d.clone(),
+            DeviceHandle::Rng(d) => d.clone(),
+        }
+    }
+
+    fn save(&self) -> Result<DeviceState, VirtioPersistError> {
+        Ok(match self {
+            DeviceHandle::Block(d) => DeviceState::Block(locked(d).save()?),
+            DeviceHandle::Net(d) => DeviceState::Net(locked(d).save()?),
+            DeviceHandle::Vsock(d) => DeviceState::Vsock(locked(d).save()?),
+            DeviceHandle::Rng(d) => DeviceState::Rng(locked(d).save()?),
+        })
+    }
 }
 
 /// A device built from the config, not yet attached to a VM.
 pub struct PlannedDevice {
     /// Name for messages ("virtio-blk 0", ...).
     pub name: String,
-    /// The device, as the transport sees it.
-    pub device: SharedVirtioDevice,
-    /// The device, as the event thread sees it.
-    pub subscriber: Subscriber,
+    /// The device.
+    pub handle: DeviceHandle,
     /// Base of its MMIO window.
     pub addr: u64,
     /// Its GSI.
     pub gsi: u32,
+    /// Its interrupt (the device holds it once activated).
+    pub interrupt: Arc<Interrupt>,
+    /// Transport registers to restore, for a device rebuilt from a snapshot.
+    pub transport_state: Option<MmioState>,
 }
 
-fn plan<T>(devices: &mut Vec<PlannedDevice>, name: String, dev: T)
-where
-    T: super::VirtioDevice + event_manager::MutEventSubscriber + 'static,
-{
-    let i = devices.len() as u64;
-    let shared = Arc::new(Mutex::new(dev));
-    devices.push(PlannedDevice {
-        name,
-        device: shared.clone(),
-        subscriber: shared,
-        addr: VIRTIO_MMIO_BASE + i * MMIO_WINDOW,
-        gsi: VIRTIO_FIRST_GSI + i as u32,
-    });
+/// What each configured device is, in device order: (name, kind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Block(usize),
+    Net,
+    Vsock,
+    Rng,
+}
+
+fn kinds(config: &VmConfig) -> Vec<(String, Kind)> {
+    let mut kinds: Vec<(String, Kind)> = (0..config.disks.len())
+        .map(|i| (format!("virtio-blk {i}"), Kind::Block(i)))
+        .collect();
+    if config.net.is_some() {
+        kinds.push(("virtio-net".into(), Kind::Net));
+    }
+    if config.vsock.is_some() {
+        kinds.push(("virtio-vsock".into(), Kind::Vsock));
+    }
+    if config.rng {
+        kinds.push(("virtio-rng".into(), Kind::Rng));
+    }
+    kinds
+}
+
+fn slot(i: usize) -> (u64, u32) {
+    (
+        VIRTIO_MMIO_BASE + i as u64 * MMIO_WINDOW,
+        VIRTIO_FIRST_GSI + i as u32,
+    )
+}
+
+fn new_interrupt(name: &str, gsi: u32) -> Result<Arc<Interrupt>, SetupError> {
+    let irq = IrqLine::new(gsi).map_err(|source| SetupError::Eventfd {
+        what: name.into(),
+        source,
+    })?;
+    Ok(Arc::new(Interrupt::new(irq)))
+}
+
+fn check_count(n: usize) -> Result<(), SetupError> {
+    if n > (VIRTIO_LAST_GSI - VIRTIO_FIRST_GSI + 1) as usize {
+        return Err(SetupError::TooMany(n));
+    }
+    Ok(())
 }
 
 /// Opens every configured backend (disks, tap, vsock socket, rng), in the
 /// order block, net, vsock, rng, and assigns addresses and GSIs.
 pub fn create_devices(config: &VmConfig) -> Result<Vec<PlannedDevice>, SetupError> {
-    let mut devices = Vec::new();
-    for (i, disk) in config.disks.iter().enumerate() {
-        plan(
-            &mut devices,
-            format!("virtio-blk {i}"),
-            Block::new(&disk.path, disk.read_only)?,
-        );
+    let kinds = kinds(config);
+    check_count(kinds.len())?;
+    let mut devices = Vec::with_capacity(kinds.len());
+    for (i, (name, kind)) in kinds.into_iter().enumerate() {
+        let handle = match kind {
+            Kind::Block(d) => {
+                let disk = &config.disks[d];
+                DeviceHandle::Block(Arc::new(Mutex::new(Block::new(
+                    &disk.path,
+                    disk.read_only,
+                )?)))
+            }
+            Kind::Net => {
+                let net = config.net.as_ref().ok_or(SetupError::TooMany(0))?;
+                DeviceHandle::Net(Arc::new(Mutex::new(Net::new(&net.tap, net.mac)?)))
+            }
+            Kind::Vsock => {
+                let v = config.vsock.as_ref().ok_or(SetupError::TooMany(0))?;
+                DeviceHandle::Vsock(Arc::new(Mutex::new(Vsock::new(v.cid, &v.uds_path)?)))
+            }
+            Kind::Rng => DeviceHandle::Rng(Arc::new(Mutex::new(Rng::new()?))),
+        };
+        let (addr, gsi) = slot(i);
+        devices.push(PlannedDevice {
+            interrupt: new_interrupt(&name, gsi)?,
+            name,
+            handle,
+            addr,
+            gsi,
+            transport_state: None,
+        });
     }
-    if let Some(net) = &config.net {
-        plan(
-            &mut devices,
-            "virtio-net".into(),
-            Net::new(&net.tap, net.mac)?,
-        );
+    Ok(devices)
+}
+
+/// The state of one device for a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeviceState {
+    /// virtio-blk.
+    Block(BlockState),
+    /// virtio-net.
+    Net(NetState),
+    /// virtio-vsock.
+    Vsock(VsockState),
+    /// virtio-rng.
+    Rng(RngState),
+}
+
+/// The state of one virtio-mmio slot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotState {
+    /// MMIO base.
+    pub addr: u64,
+    /// GSI.
+    pub gsi: u32,
+    /// Transport registers.
+    pub transport: MmioState,
+    /// The device.
+    pub device: DeviceState,
+}
+
+/// The state of every virtio device, in device order.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VirtioState {
+    /// One entry per slot.
+    pub slots: Vec<SlotState>,
+}
+
+/// Rebuilds the configured devices from `state` (the config supplies the
+/// backends: disk paths, tap, socket path). The state is untrusted: its slots
+/// must match the configuration one for one, and each device checks its own.
+pub fn restore_devices(
+    config: &VmConfig,
+    mem: &GuestMemoryMmap,
+    state: &VirtioState,
+) -> Result<Vec<PlannedDevice>, SetupError> {
+    let kinds = kinds(config);
+    check_count(kinds.len())?;
+    let mismatch = |what: &str, why: String| SetupError::Restore {
+        what: what.into(),
+        source: VirtioPersistError::Mismatch(why),
+    };
+    if state.slots.len() != kinds.len() {
+        return Err(mismatch(
+            "virtio devices",
+            format!(
+                "the snapshot has {} devices, the configuration {}",
+                state.slots.len(),
+                kinds.len()
+            ),
+        ));
     }
-    if let Some(vsock) = &config.vsock {
-        plan(
-            &mut devices,
-            "virtio-vsock".into(),
-            Vsock::new(vsock.cid, &vsock.uds_path)?,
-        );
-    }
-    if config.rng {
-        plan(&mut devices, "virtio-rng".into(), Rng::new()?);
-    }
-    let max = (VIRTIO_LAST_GSI - VIRTIO_FIRST_GSI + 1) as usize;
-    if devices.len() > max {
-        return Err(SetupError::TooMany(devices.len()));
+    let mut devices = Vec::with_capacity(kinds.len());
+    for (i, ((name, kind), s)) in kinds.into_iter().zip(&state.slots).enumerate() {
+        let (addr, gsi) = slot(i);
+        if (s.addr, s.gsi) != (addr, gsi) {
+            return Err(mismatch(
+                &name,
+                format!("snapshot slot at {:#x}:{} differs", s.addr, s.gsi),
+            ));
+        }
+        let interrupt = new_interrupt(&name, gsi)?;
+        let err = |source| SetupError::Restore {
+            what: name.clone(),
+            source,
+        };
+        let (mem, irq) = (mem.clone(), interrupt.clone());
+        let handle = match (kind, &s.device) {
+            (Kind::Block(d), DeviceState::Block(st)) => {
+                let disk = &config.disks[d];
+                let args = BlockConstructorArgs {
+                    path: disk.path.clone(),
+                    read_only: disk.read_only,
+                    mem,
+                    interrupt: irq,
+                };
+                DeviceHandle::Block(Arc::new(Mutex::new(Block::restore(args, st).map_err(err)?)))
+            }
+            (Kind::Net, DeviceState::Net(st)) => {
+                let tap = config
+                    .net
+                    .as_ref()
+                    .map(|n| n.tap.clone())
+                    .unwrap_or_default();
+                let args = NetConstructorArgs {
+                    tap,
+                    mem,
+                    interrupt: irq,
+                };
+                DeviceHandle::Net(Arc::new(Mutex::new(Net::restore(args, st).map_err(err)?)))
+            }
+            (Kind::Vsock, DeviceState::Vsock(st)) => {
+                let v = config
+                    .vsock
+                    .as_ref()
+                    .ok_or_else(|| mismatch(&name, "no vsock configured".into()))?;
+                let args = VsockConstructorArgs {
+                    cid: v.cid,
+                    uds_path: v.uds_path.clone(),
+                    mem,
+                    interrupt: irq,
+                };
+                DeviceHandle::Vsock(Arc::new(Mutex::new(Vsock::restore(args, st).map_err(err)?)))
+            }
+            (Kind::Rng, DeviceState::Rng(st)) => {
+                let args = RngConstructorArgs {
+                    mem,
+                    interrupt: irq,
+                };
+                DeviceHandle::Rng(Arc::new(Mutex::new(Rng::restore(args, st).map_err(err)?)))
+            }
+            _ => {
+                return Err(mismatch(
+                    &name,
+                    "the snapshot has a different device in this slot".into(),
+                ))
+            }
+        };
+        devices.push(PlannedDevice {
+            name,
+            handle,
+            addr,
+            gsi,
+            interrupt,
+            transport_state: Some(s.transport.clone()),
+        });
     }
     Ok(devices)
 }
@@ -150,11 +386,39 @@ pub fn cmdline_params(devices: &[PlannedDevice]) -> String {
         .join(" ")
 }
 
+/// One attached device.
+struct Attached {
+    handle: DeviceHandle,
+    addr: u64,
+    gsi: u32,
+    transport: Arc<Mutex<MmioTransport>>,
+}
+
 /// The attached devices and their event thread; keep it alive for the VM's lifetime.
 pub struct VirtioRuntime {
-    /// The transports, in device order.
-    pub transports: Vec<Arc<Mutex<MmioTransport>>>,
+    devices: Vec<Attached>,
     _event_loop: Option<EventLoop>,
+}
+
+impl VirtioRuntime {
+    /// The transports, in device order.
+    pub fn transports(&self) -> Vec<Arc<Mutex<MmioTransport>>> {
+        self.devices.iter().map(|d| d.transport.clone()).collect()
+    }
+
+    /// Saves every device and transport. Call while the vCPUs are paused.
+    pub fn save(&self) -> Result<VirtioState, VirtioPersistError> {
+        let mut slots = Vec::with_capacity(self.devices.len());
+        for d in &self.devices {
+            slots.push(SlotState {
+                addr: d.addr,
+                gsi: d.gsi,
+                transport: locked(&d.transport).save()?,
+                device: d.handle.save()?,
+            });
+        }
+        Ok(VirtioState { slots })
+    }
 }
 
 /// Registers `devices` with KVM, puts them on `mmio` and starts the event thread.
@@ -164,22 +428,19 @@ pub fn attach(
     mmio: &mut Bus,
     devices: Vec<PlannedDevice>,
 ) -> Result<VirtioRuntime, SetupError> {
-    let mut transports = Vec::with_capacity(devices.len());
+    let mut attached = Vec::with_capacity(devices.len());
     let mut subscribers = Vec::with_capacity(devices.len());
     for d in devices {
         let what = format!("{} at {:#x}", d.name, d.addr);
-        let irq = IrqLine::new(d.gsi).map_err(|source| SetupError::Eventfd {
-            what: what.clone(),
-            source,
-        })?;
-        vm.register_irqfd(irq.eventfd(), irq.gsi())
+        vm.register_irqfd(d.interrupt.irq().eventfd(), d.gsi)
             .map_err(|source| SetupError::Kvm {
                 kind: "irqfd",
                 what: what.clone(),
                 source,
             })?;
+        let shared = d.handle.shared();
         {
-            let dev = d.device.lock().unwrap_or_else(|p| p.into_inner());
+            let dev = shared.lock().unwrap_or_else(|p| p.into_inner());
             for (i, evt) in dev.common().queue_evts.iter().enumerate() {
                 let addr = IoEventAddress::Mmio(d.addr + QUEUE_NOTIFY_OFFSET);
                 vm.register_ioevent(evt, &addr, i as u32)
@@ -190,15 +451,30 @@ pub fn attach(
                     })?;
             }
         }
-        let transport = Arc::new(Mutex::new(MmioTransport::new(
-            d.device,
-            mem.clone(),
-            Arc::new(Interrupt::new(irq)),
-        )));
+        let transport = match &d.transport_state {
+            Some(state) => {
+                let args = MmioConstructorArgs {
+                    device: shared,
+                    mem: mem.clone(),
+                    interrupt: d.interrupt.clone(),
+                };
+                MmioTransport::restore(args, state).map_err(|source| SetupError::Restore {
+                    what: what.clone(),
+                    source,
+                })?
+            }
+            None => MmioTransport::new(shared, mem.clone(), d.interrupt.clone()),
+        };
+        let transport = Arc::new(Mutex::new(transport));
         mmio.insert(transport.clone(), d.addr, MMIO_WINDOW)
             .map_err(|source| SetupError::Bus { what, source })?;
-        transports.push(transport);
-        subscribers.push(d.subscriber);
+        subscribers.push(d.handle.subscriber());
+        attached.push(Attached {
+            handle: d.handle,
+            addr: d.addr,
+            gsi: d.gsi,
+            transport,
+        });
     }
     let event_loop = if subscribers.is_empty() {
         None
@@ -206,7 +482,10 @@ pub fn attach(
         Some(EventLoop::start(subscribers)?)
     };
     Ok(VirtioRuntime {
-        transports,
+        devices: attached,
         _event_loop: event_loop,
     })
 }
+
+#[cfg(test)]
+mod tests;

@@ -334,4 +334,4 @@ impl MutEventSubscriber for Block {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
