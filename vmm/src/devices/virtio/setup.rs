@@ -21,7 +21,7 @@ use super::rng::{Rng, RngError};
 use super::vsock::persist::{VsockConstructorArgs, VsockState};
 use super::vsock::{Vsock, VsockError};
 use super::Interrupt;
-use crate::config::VmConfig;
+use crate::config::{DiskConfig, NetConfig, VmConfig, VsockConfig};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::irq::IrqLine;
 use crate::memory::GuestMemoryMmap;
@@ -157,24 +157,28 @@ pub struct PlannedDevice {
     pub transport_state: Option<MmioState>,
 }
 
-/// What each configured device is, in device order: (name, kind).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Block(usize),
-    Net,
-    Vsock,
+/// What each configured device is, in device order.
+#[derive(Debug, Clone, Copy)]
+enum Kind<'a> {
+    Block(&'a DiskConfig),
+    Net(&'a NetConfig),
+    Vsock(&'a VsockConfig),
     Rng,
 }
 
-fn kinds(config: &VmConfig) -> Vec<(String, Kind)> {
-    let mut kinds: Vec<(String, Kind)> = (0..config.disks.len())
-        .map(|i| (format!("virtio-blk {i}"), Kind::Block(i)))
+/// The configured devices with their names, in device order: block, net, vsock, rng.
+fn kinds(config: &VmConfig) -> Vec<(String, Kind<'_>)> {
+    let mut kinds: Vec<(String, Kind)> = config
+        .disks
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (format!("virtio-blk {i}"), Kind::Block(d)))
         .collect();
-    if config.net.is_some() {
-        kinds.push(("virtio-net".into(), Kind::Net));
+    if let Some(net) = &config.net {
+        kinds.push(("virtio-net".into(), Kind::Net(net)));
     }
-    if config.vsock.is_some() {
-        kinds.push(("virtio-vsock".into(), Kind::Vsock));
+    if let Some(vsock) = &config.vsock {
+        kinds.push(("virtio-vsock".into(), Kind::Vsock(vsock)));
     }
     if config.rng {
         kinds.push(("virtio-rng".into(), Kind::Rng));
@@ -212,19 +216,12 @@ pub fn create_devices(config: &VmConfig) -> Result<Vec<PlannedDevice>, SetupErro
     let mut devices = Vec::with_capacity(kinds.len());
     for (i, (name, kind)) in kinds.into_iter().enumerate() {
         let handle = match kind {
-            Kind::Block(d) => {
-                let disk = &config.disks[d];
-                DeviceHandle::Block(Arc::new(Mutex::new(Block::new(
-                    &disk.path,
-                    disk.read_only,
-                )?)))
-            }
-            Kind::Net => {
-                let net = config.net.as_ref().ok_or(SetupError::TooMany(0))?;
-                DeviceHandle::Net(Arc::new(Mutex::new(Net::new(&net.tap, net.mac)?)))
-            }
-            Kind::Vsock => {
-                let v = config.vsock.as_ref().ok_or(SetupError::TooMany(0))?;
+            Kind::Block(disk) => DeviceHandle::Block(Arc::new(Mutex::new(Block::new(
+                &disk.path,
+                disk.read_only,
+            )?))),
+            Kind::Net(net) => DeviceHandle::Net(Arc::new(Mutex::new(Net::new(&net.tap, net.mac)?))),
+            Kind::Vsock(v) => {
                 DeviceHandle::Vsock(Arc::new(Mutex::new(Vsock::new(v.cid, &v.uds_path)?)))
             }
             Kind::Rng => DeviceHandle::Rng(Arc::new(Mutex::new(Rng::new()?))),
@@ -315,8 +312,7 @@ pub fn restore_devices(
         };
         let (mem, irq) = (mem.clone(), interrupt.clone());
         let handle = match (kind, &s.device) {
-            (Kind::Block(d), DeviceState::Block(st)) => {
-                let disk = &config.disks[d];
+            (Kind::Block(disk), DeviceState::Block(st)) => {
                 let args = BlockConstructorArgs {
                     path: disk.path.clone(),
                     read_only: disk.read_only,
@@ -325,24 +321,15 @@ pub fn restore_devices(
                 };
                 DeviceHandle::Block(Arc::new(Mutex::new(Block::restore(args, st).map_err(err)?)))
             }
-            (Kind::Net, DeviceState::Net(st)) => {
-                let tap = config
-                    .net
-                    .as_ref()
-                    .map(|n| n.tap.clone())
-                    .unwrap_or_default();
+            (Kind::Net(net), DeviceState::Net(st)) => {
                 let args = NetConstructorArgs {
-                    tap,
+                    tap: net.tap.clone(),
                     mem,
                     interrupt: irq,
                 };
                 DeviceHandle::Net(Arc::new(Mutex::new(Net::restore(args, st).map_err(err)?)))
             }
-            (Kind::Vsock, DeviceState::Vsock(st)) => {
-                let v = config
-                    .vsock
-                    .as_ref()
-                    .ok_or_else(|| mismatch(&name, "no vsock configured".into()))?;
+            (Kind::Vsock(v), DeviceState::Vsock(st)) => {
                 let args = VsockConstructorArgs {
                     cid: v.cid,
                     uds_path: v.uds_path.clone(),

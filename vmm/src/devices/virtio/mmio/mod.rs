@@ -252,7 +252,8 @@ impl MmioTransport {
                 self.write_queue_reg(offset, value)
             }
             QUEUE_NOTIFY_OFFSET => {
-                // Reached only when the ioeventfd is not registered with KVM.
+                // Reached only when KVM did not take the write through the ioeventfd.
+                tracing::debug!(queue = value, "QueueNotify handled in userspace");
                 let dev = lock(&self.device);
                 if let Some(evt) = dev.common().queue_evts.get(value as usize) {
                     if let Err(e) = evt.write(1) {
