@@ -138,6 +138,49 @@ fn listen(path: &Path) -> Result<UnixListener, VsockError> {
     Ok(listener)
 }
 
+/// Connects to the Unix socket at `path` without blocking: a listener whose
+/// backlog is full refuses (EAGAIN) instead of stalling the event thread.
+fn connect_nonblocking(path: &std::ffi::OsStr) -> io::Result<UnixStream> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+
+    // SAFETY: sockaddr_un is plain data; all-zero is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    let bytes = path.as_bytes();
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(io::ErrorKind::InvalidInput.into());
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (dst, src) in addr.sun_path.iter_mut().zip(bytes) {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: plain socket(2) call with constant arguments.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and is owned by nothing else; the stream closes it.
+    let stream = unsafe { UnixStream::from_raw_fd(fd) };
+    // SAFETY: `addr` is a valid, NUL-terminated sockaddr_un and the length is its size.
+    let rc = unsafe {
+        libc::connect(
+            fd,
+            &addr as *const libc::sockaddr_un as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(stream)
+}
+
 impl Vsock {
     /// A device for guest `cid`, with its host socket at `uds_path`.
     pub fn new(cid: u32, uds_path: &Path) -> Result<Vsock, VsockError> {
@@ -372,9 +415,9 @@ impl Vsock {
         }
         let mut path = self.uds_path.clone().into_os_string();
         path.push(format!("_{}", key.0));
-        let stream = match UnixStream::connect(&path) {
-            Ok(s) if s.set_nonblocking(true).is_ok() => s,
-            _ => {
+        let stream = match connect_nonblocking(&path) {
+            Ok(s) => s,
+            Err(_) => {
                 tracing::debug!(path = ?path, "vsock: nothing listens for the guest's connection");
                 self.send_rst(key.0, key.1);
                 return;
@@ -777,8 +820,16 @@ impl MutEventSubscriber for Vsock {
             let _ = evts[EVENT_QUEUE].read();
         } else if fd == self.kick_evt.as_raw_fd() {
             let _ = self.kick_evt.read();
+            // Host connections that arrived before the guest started the device
+            // waited in the listen backlog; take them now.
+            if self.is_activated() {
+                self.accept_host_connections(ops);
+            }
         } else if fd == self.listener.as_raw_fd() {
-            self.accept_host_connections(ops);
+            // Until the guest starts the device, connections wait in the backlog.
+            if self.is_activated() {
+                self.accept_host_connections(ops);
+            }
         } else if self.pending_hosts.contains_key(&fd) {
             self.read_connect_line(fd, ops);
         } else {

@@ -563,3 +563,63 @@ fn bench_vsock_packet_cost() {
     drop(host);
     let _ = drain.join();
 }
+
+#[test]
+fn host_connections_made_before_the_guest_starts_the_device_wait() {
+    let mem: &'static GuestMemoryMmap = Box::leak(Box::new(memory(8)));
+    let uds = uds_path();
+    let dev = Arc::new(Mutex::new(Vsock::new(GUEST_CID as u32, &uds).unwrap()));
+    let mut em: EventManager<Arc<Mutex<Vsock>>> = EventManager::new().unwrap();
+    em.add_subscriber(dev.clone());
+    let mut host = UnixStream::connect(&uds).unwrap();
+    host.write_all(b"CONNECT 77\n").unwrap();
+    for _ in 0..3 {
+        em.run_with_timeout(20).unwrap();
+    }
+    assert!(
+        dev.lock().unwrap().pending_hosts.is_empty(),
+        "not accepted before activation"
+    );
+
+    let rx = mock_queue(mem, GuestAddress(0));
+    let tx = mock_queue(mem, GuestAddress(0x1_0000));
+    let ev = mock_queue(mem, GuestAddress(0x2_0000));
+    add_chain(&rx, 0, &[(RX_BUFS, RX_BUF_LEN, true)]);
+    activate(&mut *dev.lock().unwrap(), mem, &[&rx, &tx, &ev]);
+    for _ in 0..5 {
+        em.run_with_timeout(20).unwrap();
+    }
+    assert_eq!(used_idx(&rx), 1);
+    let hdr: PacketHeader = mem.read_obj(GuestAddress(RX_BUFS)).unwrap();
+    assert_eq!(({ hdr.op }, { hdr.dst_port }), (OP_REQUEST, 77));
+    let _ = std::fs::remove_file(&uds);
+}
+
+#[test]
+fn a_host_listener_that_never_accepts_does_not_stall_the_device() {
+    let mut h = Harness::new();
+    let listener = h.host_listener(5000);
+    // SAFETY: listen(2) on a socket this test owns, only shrinking its backlog.
+    assert_eq!(
+        unsafe { libc::listen(std::os::fd::AsRawFd::as_raw_fd(&listener), 2) },
+        0
+    );
+    // Far more connections than a listen backlog holds: once it is full the
+    // device refuses them instead of blocking in connect().
+    for round in 0..4u32 {
+        for j in 0..16u32 {
+            h.queue_tx(h.hdr(OP_REQUEST, round * 16 + j, 5000), &[]);
+        }
+        h.dev.lock().unwrap().common.queue_evts[TX_QUEUE]
+            .write(1)
+            .unwrap();
+        h.pump();
+    }
+    let dev = h.dev.lock().unwrap();
+    assert_eq!(dev.stats().tx_packets, 64);
+    assert!(
+        dev.connection_count() < 64,
+        "{} connections open",
+        dev.connection_count()
+    );
+}
