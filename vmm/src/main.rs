@@ -11,11 +11,7 @@ use vmm::exit::{EXIT_BAD_INPUT, EXIT_VM_FAILURE};
 use vmm::machine::Machine;
 
 #[derive(Parser)]
-#[command(
-    name = "vmm",
-    version,
-    about = "A KVM microVM monitor: one process per VM"
-)]
+#[command(name = "vmm", version, about = "A KVM microVM monitor: one process per VM")]
 struct Cli {
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]

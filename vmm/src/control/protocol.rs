@@ -5,8 +5,8 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::exit::ExitReason;
 use crate::vcpu::coordinator::{Coordinator, VmState};
+use crate::exit::ExitReason;
 
 /// Longest request line accepted, in bytes.
 pub const MAX_REQUEST_LEN: usize = 64 * 1024;
@@ -117,25 +117,15 @@ mod tests {
 
     #[test]
     fn bad_requests_get_messages() {
-        assert!(parse_request("status")
-            .unwrap_err()
-            .starts_with("request is not valid JSON"));
+        assert!(parse_request("status").unwrap_err().starts_with("request is not valid JSON"));
         assert!(parse_request("[1]").unwrap_err().contains("JSON object"));
-        assert_eq!(
-            parse_request("{}").unwrap_err(),
-            "request has no \"op\" field"
-        );
-        assert_eq!(
-            parse_request(r#"{"op":3}"#).unwrap_err(),
-            "\"op\" must be a string"
-        );
+        assert_eq!(parse_request("{}").unwrap_err(), "request has no \"op\" field");
+        assert_eq!(parse_request(r#"{"op":3}"#).unwrap_err(), "\"op\" must be a string");
         assert_eq!(
             parse_request(r#"{"op":"reboot"}"#).unwrap_err(),
             "unknown op \"reboot\"; known ops: status, pause, resume, stop"
         );
-        assert!(parse_request(r#"{"op":"stop","now":true}"#)
-            .unwrap_err()
-            .contains("\"now\""));
+        assert!(parse_request(r#"{"op":"stop","now":true}"#).unwrap_err().contains("\"now\""));
     }
 
     #[test]

@@ -160,10 +160,7 @@ mod tests {
     fn lines_are_split_and_eof_is_none() {
         let data = b"{\"op\":\"status\"}\n\xff\n";
         let mut reader = BufReader::new(&data[..]);
-        assert_eq!(
-            read_line(&mut reader).unwrap().unwrap().unwrap(),
-            "{\"op\":\"status\"}\n"
-        );
+        assert_eq!(read_line(&mut reader).unwrap().unwrap().unwrap(), "{\"op\":\"status\"}\n");
         assert!(read_line(&mut reader).unwrap().unwrap().is_err());
         assert!(read_line(&mut reader).unwrap().is_none());
     }

@@ -145,9 +145,7 @@ impl Coordinator {
         let mut inner = self.lock();
         // Forget this thread so it is never signalled after it ends.
         // SAFETY: pthread_equal only compares two thread ids.
-        inner
-            .threads
-            .retain(|t| unsafe { libc::pthread_equal(*t, me) } == 0);
+        inner.threads.retain(|t| unsafe { libc::pthread_equal(*t, me) } == 0);
         inner.exited += 1;
         self.changed.notify_all();
     }

@@ -7,9 +7,7 @@ pub mod kick;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use kvm_bindings::{
-    CpuId, KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
-};
+use kvm_bindings::{CpuId, KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
 use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
 
 use crate::arch::x86_64::{cpuid, loader::BootEntry, msr, regs};
@@ -117,19 +115,14 @@ impl Vcpu {
         let index = self.index;
         let mut cpuid = supported_cpuid.clone();
         cpuid::normalize(&mut cpuid, index, count);
-        self.fd
-            .set_cpuid2(&cpuid)
-            .map_err(self.ioctl("KVM_SET_CPUID2"))?;
+        self.fd.set_cpuid2(&cpuid).map_err(self.ioctl("KVM_SET_CPUID2"))?;
 
         let entries = msr::boot_msr_entries();
         let msrs = msr::boot_msrs().map_err(|e| VcpuError::MsrList {
             index,
             message: format!("{e:?}"),
         })?;
-        let set = self
-            .fd
-            .set_msrs(&msrs)
-            .map_err(self.ioctl("KVM_SET_MSRS"))?;
+        let set = self.fd.set_msrs(&msrs).map_err(self.ioctl("KVM_SET_MSRS"))?;
         if set < entries.len() {
             return Err(VcpuError::MsrRefused {
                 index,
@@ -143,17 +136,13 @@ impl Vcpu {
         let mut sregs = self.fd.get_sregs().map_err(self.ioctl("KVM_GET_SREGS"))?;
         regs::setup_sregs(mem, entry, &mut sregs)
             .map_err(|source| VcpuError::Memory { index, source })?;
-        self.fd
-            .set_sregs(&sregs)
-            .map_err(self.ioctl("KVM_SET_SREGS"))?;
+        self.fd.set_sregs(&sregs).map_err(self.ioctl("KVM_SET_SREGS"))?;
         self.fd
             .set_fpu(&regs::boot_fpu())
             .map_err(self.ioctl("KVM_SET_FPU"))?;
         let mut lapic = self.fd.get_lapic().map_err(self.ioctl("KVM_GET_LAPIC"))?;
         regs::setup_lint(&mut lapic);
-        self.fd
-            .set_lapic(&lapic)
-            .map_err(self.ioctl("KVM_SET_LAPIC"))?;
+        self.fd.set_lapic(&lapic).map_err(self.ioctl("KVM_SET_LAPIC"))?;
         Ok(())
     }
 
@@ -223,8 +212,7 @@ impl Vcpu {
                 VcpuExit::InternalError => {
                     // SAFETY: exit_reason is KVM_EXIT_INTERNAL_ERROR, so `internal` is the
                     // active union member.
-                    let suberror =
-                        unsafe { self.fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
+                    let suberror = unsafe { self.fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
                     Some(ExitReason::KvmInternalError {
                         vcpu: index,
                         suberror,

@@ -20,8 +20,8 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use super::e820;
 use super::layout::{
-    CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, INITRD_ALIGN, PVH_INFO_START, PVH_MEMMAP_START,
-    ZERO_PAGE_START,
+    CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, INITRD_ALIGN, PVH_INFO_START,
+    PVH_MEMMAP_START, ZERO_PAGE_START,
 };
 use crate::memory::{low_ram_end, GuestMemoryMmap};
 
@@ -192,11 +192,7 @@ pub fn load_kernel(mem: &GuestMemoryMmap, path: &Path) -> Result<LoadedKernel, L
     };
     let mut file = File::open(path).map_err(unreadable)?;
     let (magic, hdr_magic) = read_magic(&mut file).map_err(unreadable)?;
-    let mem_mib = mem
-        .iter()
-        .map(vm_memory::GuestMemoryRegion::len)
-        .sum::<u64>()
-        >> 20;
+    let mem_mib = mem.iter().map(vm_memory::GuestMemoryRegion::len).sum::<u64>() >> 20;
     let map_err = |e: loader::Error| classify_load_error(path, mem_mib, e);
 
     if &magic == ELF_MAGIC {
@@ -214,11 +210,9 @@ pub fn load_kernel(mem: &GuestMemoryMmap, path: &Path) -> Result<LoadedKernel, L
         });
     }
     if hdr_magic == Some(BZIMAGE_HEADER_MAGIC) {
-        let result = BzImage::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START)))
-            .map_err(map_err)?;
-        let hdr = result
-            .setup_header
-            .ok_or_else(|| LoaderError::NotAKernel(path.into()))?;
+        let result =
+            BzImage::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START))).map_err(map_err)?;
+        let hdr = result.setup_header.ok_or_else(|| LoaderError::NotAKernel(path.into()))?;
         let version = hdr.version;
         if version < MIN_BOOT_PROTOCOL {
             return Err(LoaderError::OldBootProtocol {
@@ -402,10 +396,7 @@ fn zero_page(
         params.hdr.ramdisk_size = initrd.size as u32;
     }
     if map.len() > params.e820_table.len() {
-        return Err(format!(
-            "{} e820 entries do not fit in the zero page",
-            map.len()
-        ));
+        return Err(format!("{} e820 entries do not fit in the zero page", map.len()));
     }
     for (slot, e) in params.e820_table.iter_mut().zip(map) {
         slot.addr = e.addr;
