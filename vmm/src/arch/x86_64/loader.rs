@@ -192,7 +192,11 @@ pub fn load_kernel(mem: &GuestMemoryMmap, path: &Path) -> Result<LoadedKernel, L
     };
     let mut file = File::open(path).map_err(unreadable)?;
     let (magic, hdr_magic) = read_magic(&mut file).map_err(unreadable)?;
-    let mem_mib = mem.iter().map(vm_memory::GuestMemoryRegion::len).sum::<u64>() >> 20;
+    let mem_mib = mem
+        .iter()
+        .map(vm_memory::GuestMemoryRegion::len)
+        .sum::<u64>()
+        >> 20;
     let map_err = |e: loader::Error| classify_load_error(path, mem_mib, e);
 
     if &magic == ELF_MAGIC {
