@@ -353,7 +353,10 @@ mod tests {
 
     #[test]
     fn serial_forms_parse() {
-        assert_eq!("stdout".parse::<SerialConfig>().unwrap(), SerialConfig::Stdout);
+        assert_eq!(
+            "stdout".parse::<SerialConfig>().unwrap(),
+            SerialConfig::Stdout
+        );
         assert_eq!("none".parse::<SerialConfig>().unwrap(), SerialConfig::None);
         assert_eq!(
             "file:/tmp/x".parse::<SerialConfig>().unwrap(),
@@ -390,13 +393,19 @@ mod tests {
             vcpus: Some(0),
             ..Default::default()
         };
-        assert!(matches!(VmConfig::try_from(zero), Err(ConfigError::VcpuCount(0))));
+        assert!(matches!(
+            VmConfig::try_from(zero),
+            Err(ConfigError::VcpuCount(0))
+        ));
         let many = ConfigFile {
             kernel: Some("/k".into()),
             vcpus: Some(300),
             ..Default::default()
         };
-        assert!(matches!(VmConfig::try_from(many), Err(ConfigError::VcpuCount(300))));
+        assert!(matches!(
+            VmConfig::try_from(many),
+            Err(ConfigError::VcpuCount(300))
+        ));
         assert!(serde_json::from_str::<ConfigFile>(r#"{"kernal":"/k"}"#).is_err());
     }
 }

@@ -31,7 +31,10 @@ pub enum ExitReason {
     /// KVM refused to enter the guest (KVM_EXIT_FAIL_ENTRY).
     FailEntry { vcpu: usize, reason: u64 },
     /// A KVM_RUN ioctl or another VMM operation failed.
-    VmmError { vcpu: Option<usize>, message: String },
+    VmmError {
+        vcpu: Option<usize>,
+        message: String,
+    },
 }
 
 impl ExitReason {

@@ -29,7 +29,9 @@ const REQUIRED_CAPS: &[(Cap, &str)] = &[
 #[derive(Debug, thiserror::Error)]
 pub enum KvmError {
     /// /dev/kvm could not be opened.
-    #[error("cannot open /dev/kvm: {0} (is the kvm module loaded and do you have access to /dev/kvm?)")]
+    #[error(
+        "cannot open /dev/kvm: {0} (is the kvm module loaded and do you have access to /dev/kvm?)"
+    )]
     Open(#[source] kvm_ioctls::Error),
     /// The kernel speaks another KVM API version.
     #[error("KVM API version {found} is not supported (need {KVM_API_VERSION})")]

@@ -11,6 +11,7 @@ pub mod exit;
 pub mod kvm;
 pub mod machine;
 pub mod memory;
+pub mod signals;
 pub mod snapshot;
 pub mod vcpu;
 pub mod vm;

@@ -1,17 +1,23 @@
 //! The `vmm` command line. Everything but argument handling lives in the library.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use vmm::config::{ConfigFile, VmConfig};
+use vmm::config::{ConfigFile, SerialConfig, VmConfig};
 use vmm::control::server::ControlServer;
 use vmm::exit::{EXIT_BAD_INPUT, EXIT_VM_FAILURE};
-use vmm::machine::Machine;
+use vmm::machine::{Machine, RestoreConfig};
+use vmm::signals;
+use vmm::snapshot::restore_memory::MemoryBackend;
 
 #[derive(Parser)]
-#[command(name = "vmm", version, about = "A KVM microVM monitor: one process per VM")]
+#[command(
+    name = "vmm",
+    version,
+    about = "A KVM microVM monitor: one process per VM"
+)]
 struct Cli {
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
@@ -33,6 +39,28 @@ enum LogFormat {
 enum Command {
     /// Boot a kernel and run the VM until it ends.
     Run(RunArgs),
+    /// Restore a VM from a snapshot in this new process and run it until it ends.
+    Restore(RestoreArgs),
+}
+
+#[derive(clap::Args)]
+struct RestoreArgs {
+    /// Snapshot directory (for a diff, its parents are found through the manifests).
+    #[arg(long)]
+    snapshot: PathBuf,
+    /// How guest memory is populated: file (MAP_PRIVATE of the memory file) or uffd
+    /// (userfaultfd, pages served by the vmm on first touch).
+    #[arg(long, default_value = "file")]
+    memory_backend: String,
+    /// Serial output: stdout, none or file:PATH.
+    #[arg(long, default_value = "stdout")]
+    serial: String,
+    /// Unix socket for JSON-lines control requests.
+    #[arg(long)]
+    control_socket: Option<PathBuf>,
+    /// Leave the vCPUs paused after the restore (resume through the control socket).
+    #[arg(long)]
+    paused: bool,
 }
 
 #[derive(clap::Args)]
@@ -110,9 +138,49 @@ fn run(args: RunArgs) -> Result<i32, (i32, String)> {
         rng: args.rng.then_some(true),
     };
     let config = VmConfig::try_from(file.overridden_by(flags)).map_err(|e| bad(&e))?;
+    let blocked = signals::block_termination_signals().map_err(|e| {
+        (
+            EXIT_VM_FAILURE,
+            format!("cannot block termination signals: {e}"),
+        )
+    })?;
     let machine = Machine::start(&config).map_err(|e| (e.exit_code(), e.to_string()))?;
-    let _control = match &config.control_socket {
-        Some(path) => match ControlServer::start(path, machine.coordinator()) {
+    serve(machine, blocked, config.control_socket.as_deref())
+}
+
+fn restore(args: RestoreArgs) -> Result<i32, (i32, String)> {
+    let bad = |e: &dyn std::fmt::Display| (EXIT_BAD_INPUT, e.to_string());
+    let config = RestoreConfig {
+        snapshot: args.snapshot,
+        backend: args
+            .memory_backend
+            .parse::<MemoryBackend>()
+            .map_err(|e| bad(&e))?,
+        serial: args.serial.parse::<SerialConfig>().map_err(|e| bad(&e))?,
+        control_socket: args.control_socket,
+        paused: args.paused,
+    };
+    let blocked = signals::block_termination_signals().map_err(|e| {
+        (
+            EXIT_VM_FAILURE,
+            format!("cannot block termination signals: {e}"),
+        )
+    })?;
+    let machine = Machine::restore(&config).map_err(|e| (e.exit_code(), e.to_string()))?;
+    serve(machine, blocked, config.control_socket.as_deref())
+}
+
+/// Serves the control socket and signals until the VM ends; returns the exit code.
+fn serve(
+    machine: Machine,
+    blocked: signals::BlockedSignals,
+    control_socket: Option<&Path>,
+) -> Result<i32, (i32, String)> {
+    if let Err(e) = signals::spawn_termination_watcher(blocked, machine.coordinator()) {
+        tracing::warn!("cannot watch termination signals: {e}");
+    }
+    let _control = match control_socket {
+        Some(path) => match ControlServer::start(path, machine.shared()) {
             Ok(server) => Some(server),
             Err(e) => {
                 machine
@@ -122,7 +190,7 @@ fn run(args: RunArgs) -> Result<i32, (i32, String)> {
                         message: e.to_string(),
                     });
                 machine.wait();
-                return Err((EXIT_VM_FAILURE, e.to_string()));
+                return Err((EXIT_BAD_INPUT, e.to_string()));
             }
         },
         None => None,
@@ -142,14 +210,16 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format, &cli.log_level);
     let code = match cli.command {
-        Command::Run(args) => match run(args) {
-            Ok(code) => code,
-            Err((code, message)) => {
-                tracing::error!(code, "{message}");
-                eprintln!("vmm: {message}");
-                code
-            }
-        },
+        Command::Run(args) => run(args),
+        Command::Restore(args) => restore(args),
+    };
+    let code = match code {
+        Ok(code) => code,
+        Err((code, message)) => {
+            tracing::error!(code, "{message}");
+            eprintln!("vmm: {message}");
+            code
+        }
     };
     ExitCode::from(code as u8)
 }

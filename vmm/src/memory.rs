@@ -24,7 +24,9 @@ pub enum MemoryError {
     #[error("guest memory of {0} MiB is too small: at least {MIN_MEM_MIB} MiB is needed")]
     TooSmall(u64),
     /// The requested size exceeds what the host has.
-    #[error("guest memory of {requested_mib} MiB is more than the host has ({host_mib} MiB of RAM)")]
+    #[error(
+        "guest memory of {requested_mib} MiB is more than the host has ({host_mib} MiB of RAM)"
+    )]
     MoreThanHost {
         /// Requested size.
         requested_mib: u64,
@@ -117,7 +119,10 @@ mod tests {
 
     #[test]
     fn sizes_are_checked() {
-        assert!(matches!(validate_size(0, Some(1024)), Err(MemoryError::TooSmall(0))));
+        assert!(matches!(
+            validate_size(0, Some(1024)),
+            Err(MemoryError::TooSmall(0))
+        ));
         assert!(matches!(
             validate_size(4096, Some(1024)),
             Err(MemoryError::MoreThanHost { .. })

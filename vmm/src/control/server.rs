@@ -7,8 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use super::protocol::{self, MAX_REQUEST_LEN};
-use crate::vcpu::coordinator::Coordinator;
+use super::protocol::{self, ControlTarget, MAX_REQUEST_LEN};
 
 /// Most clients served at once; more are answered with an error and closed.
 pub const MAX_CLIENTS: usize = 16;
@@ -37,7 +36,7 @@ pub struct ControlServer {
 
 impl ControlServer {
     /// Binds `path` (replacing a stale socket nobody listens on) and serves it.
-    pub fn start(path: &Path, coordinator: Arc<Coordinator>) -> Result<Self, ControlError> {
+    pub fn start(path: &Path, target: Arc<dyn ControlTarget>) -> Result<Self, ControlError> {
         if path.exists() {
             if UnixStream::connect(path).is_ok() {
                 return Err(ControlError::InUse(path.into()));
@@ -52,7 +51,7 @@ impl ControlServer {
         let clients = Arc::new(AtomicUsize::new(0));
         std::thread::Builder::new()
             .name("control".into())
-            .spawn(move || accept_loop(listener, coordinator, clients))
+            .spawn(move || accept_loop(listener, target, clients))
             .map_err(bind_err)?;
         Ok(ControlServer { path: path.into() })
     }
@@ -64,7 +63,7 @@ impl Drop for ControlServer {
     }
 }
 
-fn accept_loop(listener: UnixListener, coordinator: Arc<Coordinator>, clients: Arc<AtomicUsize>) {
+fn accept_loop(listener: UnixListener, target: Arc<dyn ControlTarget>, clients: Arc<AtomicUsize>) {
     for stream in listener.incoming() {
         let Ok(mut stream) = stream else { continue };
         if clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
@@ -72,12 +71,12 @@ fn accept_loop(listener: UnixListener, coordinator: Arc<Coordinator>, clients: A
             let _ = write_response(&mut stream, &protocol::error("too many control clients"));
             continue;
         }
-        let coordinator = coordinator.clone();
+        let target = target.clone();
         let clients_done = clients.clone();
         let spawned = std::thread::Builder::new()
             .name("control-client".into())
             .spawn(move || {
-                serve_client(stream, &coordinator);
+                serve_client(stream, target.as_ref());
                 clients_done.fetch_sub(1, Ordering::SeqCst);
             });
         if spawned.is_err() {
@@ -113,7 +112,7 @@ fn read_line(reader: &mut impl BufRead) -> std::io::Result<Option<Result<String,
     ))
 }
 
-fn serve_client(stream: UnixStream, coordinator: &Coordinator) {
+fn serve_client(stream: UnixStream, target: &dyn ControlTarget) {
     let Ok(mut writer) = stream.try_clone() else {
         return;
     };
@@ -127,7 +126,7 @@ fn serve_client(stream: UnixStream, coordinator: &Coordinator) {
             Err(message) => (protocol::error(message), None, true),
             Ok(text) if text.trim().is_empty() => continue,
             Ok(text) => match protocol::parse_request(&text) {
-                Ok(req) => (protocol::handle(&req, coordinator), Some(req), false),
+                Ok(req) => (protocol::handle(&req, target), Some(req), false),
                 Err(message) => (protocol::error(message), None, false),
             },
         };
@@ -135,7 +134,7 @@ fn serve_client(stream: UnixStream, coordinator: &Coordinator) {
             return;
         }
         if let Some(req) = request {
-            protocol::after_response(&req, coordinator);
+            protocol::after_response(&req, target);
         }
         if fatal {
             // The rest of an over-long line cannot be resynchronised.
@@ -160,7 +159,10 @@ mod tests {
     fn lines_are_split_and_eof_is_none() {
         let data = b"{\"op\":\"status\"}\n\xff\n";
         let mut reader = BufReader::new(&data[..]);
-        assert_eq!(read_line(&mut reader).unwrap().unwrap().unwrap(), "{\"op\":\"status\"}\n");
+        assert_eq!(
+            read_line(&mut reader).unwrap().unwrap().unwrap(),
+            "{\"op\":\"status\"}\n"
+        );
         assert!(read_line(&mut reader).unwrap().unwrap().is_err());
         assert!(read_line(&mut reader).unwrap().is_none());
     }

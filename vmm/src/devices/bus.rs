@@ -136,7 +136,8 @@ mod tests {
     #[test]
     fn overlaps_and_empty_ranges_are_refused() {
         let mut bus = Bus::new();
-        bus.insert(Arc::new(Mutex::new(Recorder::default())), 0x60, 5).unwrap();
+        bus.insert(Arc::new(Mutex::new(Recorder::default())), 0x60, 5)
+            .unwrap();
         let other = Arc::new(Mutex::new(Recorder::default()));
         assert_eq!(
             bus.insert(other.clone(), 0x64, 2),
@@ -147,6 +148,9 @@ mod tests {
             Err(BusError::Overlap { base: 0x5f, len: 2 })
         );
         assert!(bus.insert(other.clone(), 0x65, 1).is_ok());
-        assert!(matches!(bus.insert(other, 0x70, 0), Err(BusError::BadRange { .. })));
+        assert!(matches!(
+            bus.insert(other, 0x70, 0),
+            Err(BusError::BadRange { .. })
+        ));
     }
 }

@@ -107,6 +107,13 @@ impl Coordinator {
         }
     }
 
+    /// A coordinator whose vCPUs park before their first instruction (restore --paused).
+    pub fn new_paused(vcpus: usize) -> Self {
+        let c = Coordinator::new(vcpus);
+        c.lock().request = Request::Pause;
+        c
+    }
+
     /// Number of vCPUs.
     pub fn vcpu_count(&self) -> usize {
         self.vcpus
@@ -145,7 +152,9 @@ impl Coordinator {
         let mut inner = self.lock();
         // Forget this thread so it is never signalled after it ends.
         // SAFETY: pthread_equal only compares two thread ids.
-        inner.threads.retain(|t| unsafe { libc::pthread_equal(*t, me) } == 0);
+        inner
+            .threads
+            .retain(|t| unsafe { libc::pthread_equal(*t, me) } == 0);
         inner.exited += 1;
         self.changed.notify_all();
     }
@@ -178,6 +187,19 @@ impl Coordinator {
             return Err(CoordinatorError::Stopping);
         }
         Ok(())
+    }
+
+    /// Returns once every vCPU is parked, or an error if the VM is not paused.
+    pub fn wait_until_parked(&self) -> Result<(), CoordinatorError> {
+        let mut inner = self.lock();
+        loop {
+            match inner.request {
+                Request::Run => return Err(CoordinatorError::NotPaused),
+                Request::Stop => return Err(CoordinatorError::Stopping),
+                Request::Pause if inner.parked + inner.exited >= self.vcpus => return Ok(()),
+                Request::Pause => inner = self.wait(inner),
+            }
+        }
     }
 
     /// Lets paused vCPUs run again.

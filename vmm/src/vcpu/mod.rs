@@ -3,11 +3,14 @@
 
 pub mod coordinator;
 pub mod kick;
+pub mod persist;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use kvm_bindings::{CpuId, KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
+use kvm_bindings::{
+    CpuId, KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
+};
 use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
 
 use crate::arch::x86_64::{cpuid, loader::BootEntry, msr, regs};
@@ -75,10 +78,20 @@ pub struct Buses {
     pub mmio: Arc<Bus>,
 }
 
+/// A vCPU fd shared between its thread (which holds the lock only while in
+/// KVM_RUN and handling the exit) and the snapshot code (which locks it while
+/// the vCPU is parked).
+pub type SharedVcpuFd = Arc<Mutex<VcpuFd>>;
+
+/// Locks a vCPU fd, recovering from poisoning.
+pub fn lock_fd(fd: &SharedVcpuFd) -> MutexGuard<'_, VcpuFd> {
+    fd.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// One vCPU.
 pub struct Vcpu {
     index: u8,
-    fd: VcpuFd,
+    fd: SharedVcpuFd,
     buses: Buses,
 }
 
@@ -92,37 +105,50 @@ impl Vcpu {
                 what: "KVM_CREATE_VCPU",
                 source,
             })?;
-        Ok(Vcpu { index, fd, buses })
+        Ok(Vcpu {
+            index,
+            fd: Arc::new(Mutex::new(fd)),
+            buses,
+        })
     }
 
-    fn ioctl(&self, what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VcpuError {
-        let index = self.index;
-        move |source| VcpuError::Ioctl {
-            index,
-            what,
-            source,
-        }
+    /// The shared fd, for saving and restoring state.
+    pub fn fd(&self) -> SharedVcpuFd {
+        self.fd.clone()
+    }
+
+    /// The vCPU's index.
+    pub fn index(&self) -> u8 {
+        self.index
     }
 
     /// Sets CPUID, MSRs, registers, FPU and LAPIC for the first instruction.
     pub fn configure(
-        &mut self,
+        &self,
         mem: &GuestMemoryMmap,
         supported_cpuid: &CpuId,
         count: u8,
         entry: BootEntry,
     ) -> Result<(), VcpuError> {
         let index = self.index;
+        let ioctl = |what: &'static str| {
+            move |source| VcpuError::Ioctl {
+                index,
+                what,
+                source,
+            }
+        };
+        let fd = lock_fd(&self.fd);
         let mut cpuid = supported_cpuid.clone();
         cpuid::normalize(&mut cpuid, index, count);
-        self.fd.set_cpuid2(&cpuid).map_err(self.ioctl("KVM_SET_CPUID2"))?;
+        fd.set_cpuid2(&cpuid).map_err(ioctl("KVM_SET_CPUID2"))?;
 
         let entries = msr::boot_msr_entries();
         let msrs = msr::boot_msrs().map_err(|e| VcpuError::MsrList {
             index,
             message: format!("{e:?}"),
         })?;
-        let set = self.fd.set_msrs(&msrs).map_err(self.ioctl("KVM_SET_MSRS"))?;
+        let set = fd.set_msrs(&msrs).map_err(ioctl("KVM_SET_MSRS"))?;
         if set < entries.len() {
             return Err(VcpuError::MsrRefused {
                 index,
@@ -130,19 +156,17 @@ impl Vcpu {
             });
         }
 
-        self.fd
-            .set_regs(&regs::boot_regs(entry))
-            .map_err(self.ioctl("KVM_SET_REGS"))?;
-        let mut sregs = self.fd.get_sregs().map_err(self.ioctl("KVM_GET_SREGS"))?;
+        fd.set_regs(&regs::boot_regs(entry))
+            .map_err(ioctl("KVM_SET_REGS"))?;
+        let mut sregs = fd.get_sregs().map_err(ioctl("KVM_GET_SREGS"))?;
         regs::setup_sregs(mem, entry, &mut sregs)
             .map_err(|source| VcpuError::Memory { index, source })?;
-        self.fd.set_sregs(&sregs).map_err(self.ioctl("KVM_SET_SREGS"))?;
-        self.fd
-            .set_fpu(&regs::boot_fpu())
-            .map_err(self.ioctl("KVM_SET_FPU"))?;
-        let mut lapic = self.fd.get_lapic().map_err(self.ioctl("KVM_GET_LAPIC"))?;
+        fd.set_sregs(&sregs).map_err(ioctl("KVM_SET_SREGS"))?;
+        fd.set_fpu(&regs::boot_fpu())
+            .map_err(ioctl("KVM_SET_FPU"))?;
+        let mut lapic = fd.get_lapic().map_err(ioctl("KVM_GET_LAPIC"))?;
         regs::setup_lint(&mut lapic);
-        self.fd.set_lapic(&lapic).map_err(self.ioctl("KVM_SET_LAPIC"))?;
+        fd.set_lapic(&lapic).map_err(ioctl("KVM_SET_LAPIC"))?;
         Ok(())
     }
 
@@ -155,12 +179,16 @@ impl Vcpu {
             .map_err(|source| VcpuError::Spawn { index, source })
     }
 
-    fn run_loop(mut self, coordinator: &Coordinator) {
-        let target: *mut u8 = &mut self.fd.get_kvm_run().immediate_exit;
+    fn run_loop(self, coordinator: &Coordinator) {
+        let target: *mut u8 = &mut lock_fd(&self.fd).get_kvm_run().immediate_exit;
         kick::set_immediate_exit_target(target);
         coordinator.register_current_thread();
         while coordinator.next() == Next::Run {
-            if let Some(reason) = self.run_once() {
+            let exit = {
+                let mut fd = lock_fd(&self.fd);
+                run_once(&mut fd, self.index, &self.buses)
+            };
+            if let Some(reason) = exit {
                 tracing::debug!(vcpu = self.index, %reason, "vCPU ends the VM");
                 coordinator.request_exit(reason);
             }
@@ -168,30 +196,32 @@ impl Vcpu {
         kick::set_immediate_exit_target(std::ptr::null_mut());
         coordinator.vcpu_exited();
     }
+}
 
-    /// Runs the guest until one exit; returns a reason when the VM must end.
-    fn run_once(&mut self) -> Option<ExitReason> {
-        let index = usize::from(self.index);
-        match self.fd.run() {
+/// Runs the guest until one exit; returns a reason when the VM must end.
+fn run_once(fd: &mut VcpuFd, index: u8, buses: &Buses) -> Option<ExitReason> {
+    let index = usize::from(index);
+    {
+        match fd.run() {
             Ok(exit) => match exit {
                 VcpuExit::IoIn(port, data) => {
-                    if !self.buses.io.read(u64::from(port), data) {
+                    if !buses.io.read(u64::from(port), data) {
                         data.fill(0xff);
                     }
                     None
                 }
                 VcpuExit::IoOut(port, data) => {
-                    self.buses.io.write(u64::from(port), data);
+                    buses.io.write(u64::from(port), data);
                     None
                 }
                 VcpuExit::MmioRead(addr, data) => {
-                    if !self.buses.mmio.read(addr, data) {
+                    if !buses.mmio.read(addr, data) {
                         data.fill(0);
                     }
                     None
                 }
                 VcpuExit::MmioWrite(addr, data) => {
-                    self.buses.mmio.write(addr, data);
+                    buses.mmio.write(addr, data);
                     None
                 }
                 // Only seen without an in-kernel LAPIC: the vCPU stopped for good.
@@ -212,7 +242,7 @@ impl Vcpu {
                 VcpuExit::InternalError => {
                     // SAFETY: exit_reason is KVM_EXIT_INTERNAL_ERROR, so `internal` is the
                     // active union member.
-                    let suberror = unsafe { self.fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
+                    let suberror = unsafe { fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
                     Some(ExitReason::KvmInternalError {
                         vcpu: index,
                         suberror,
@@ -229,7 +259,7 @@ impl Vcpu {
                 }),
             },
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-                self.fd.set_kvm_immediate_exit(0);
+                fd.set_kvm_immediate_exit(0);
                 None
             }
             Err(e) => Some(ExitReason::VmmError {

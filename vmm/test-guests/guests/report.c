@@ -55,7 +55,7 @@ void guest_main(const u8 *zp) {
     puts("mp.signature=");
     for (int i = 0; i < 4; i++) putc((char)mp[i]);
     putc('\n');
-    kv_dec("mp.cpus", mp[16 + 34] | (mp[16 + 35] << 8));
+    kv_dec("mp.entries", mp[16 + 34] | (mp[16 + 35] << 8));
 
     puts("report: end\n");
     reset();

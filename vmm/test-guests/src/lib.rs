@@ -21,6 +21,7 @@ pub const ALL: &[&str] = &[
     "counter",
     "report",
     "triplefault",
+    "dirtier",
     "virtio_blk",
     "virtio_rng",
     "virtio_net",

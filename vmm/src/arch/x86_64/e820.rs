@@ -61,7 +61,14 @@ mod tests {
         let mem = GuestMemoryMmap::from_ranges(&ram_ranges(4 << 30)).unwrap();
         let e = entries(&mem);
         assert_eq!(e.len(), 4);
-        assert_eq!(e[0], E820Entry { addr: 0, size: EBDA_START, kind: E820_RAM });
+        assert_eq!(
+            e[0],
+            E820Entry {
+                addr: 0,
+                size: EBDA_START,
+                kind: E820_RAM
+            }
+        );
         assert_eq!(e[1].kind, E820_RESERVED);
         assert_eq!(e[2].addr, HIMEM_START);
         assert_eq!(e[2].addr + e[2].size, crate::memory::MMIO_HOLE_START);

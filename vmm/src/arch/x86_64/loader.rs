@@ -20,8 +20,8 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use super::e820;
 use super::layout::{
-    CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, INITRD_ALIGN, PVH_INFO_START,
-    PVH_MEMMAP_START, ZERO_PAGE_START,
+    CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, INITRD_ALIGN, PVH_INFO_START, PVH_MEMMAP_START,
+    ZERO_PAGE_START,
 };
 use crate::memory::{low_ram_end, GuestMemoryMmap};
 
@@ -214,9 +214,11 @@ pub fn load_kernel(mem: &GuestMemoryMmap, path: &Path) -> Result<LoadedKernel, L
         });
     }
     if hdr_magic == Some(BZIMAGE_HEADER_MAGIC) {
-        let result =
-            BzImage::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START))).map_err(map_err)?;
-        let hdr = result.setup_header.ok_or_else(|| LoaderError::NotAKernel(path.into()))?;
+        let result = BzImage::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START)))
+            .map_err(map_err)?;
+        let hdr = result
+            .setup_header
+            .ok_or_else(|| LoaderError::NotAKernel(path.into()))?;
         let version = hdr.version;
         if version < MIN_BOOT_PROTOCOL {
             return Err(LoaderError::OldBootProtocol {
@@ -400,7 +402,10 @@ fn zero_page(
         params.hdr.ramdisk_size = initrd.size as u32;
     }
     if map.len() > params.e820_table.len() {
-        return Err(format!("{} e820 entries do not fit in the zero page", map.len()));
+        return Err(format!(
+            "{} e820 entries do not fit in the zero page",
+            map.len()
+        ));
     }
     for (slot, e) in params.e820_table.iter_mut().zip(map) {
         slot.addr = e.addr;

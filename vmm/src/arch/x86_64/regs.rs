@@ -6,7 +6,9 @@ use kvm_bindings::{kvm_fpu, kvm_lapic_state, kvm_regs, kvm_sregs};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::gdt::{gdt_entry, kvm_segment_from_gdt};
-use super::layout::{BOOT_GDT_START, BOOT_IDT_START, BOOT_STACK_POINTER, PVH_INFO_START, ZERO_PAGE_START};
+use super::layout::{
+    BOOT_GDT_START, BOOT_IDT_START, BOOT_STACK_POINTER, PVH_INFO_START, ZERO_PAGE_START,
+};
 use super::loader::BootEntry;
 use super::paging::write_identity_map;
 use crate::memory::GuestMemoryMmap;

@@ -1,9 +1,16 @@
-//! Builds a whole microVM from a validated config: KVM, memory, kernel and
-//! boot structures, devices on the buses, vCPUs; starts it and waits for it
-//! to end.
+//! Builds a whole microVM, from a kernel (boot) or from a snapshot
+//! (restore): KVM, memory, devices on the buses, vCPUs; starts it, serves
+//! snapshot requests, and waits for it to end.
+
+mod restore;
+mod snapshot;
+
+pub use restore::RestoreConfig;
+pub use snapshot::SnapshotRequestError;
 
 use std::fs::OpenOptions;
 use std::io::LineWriter;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -17,12 +24,14 @@ use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT_BASE, I8042_
 use crate::devices::legacy::serial::{
     spawn_stdin_forwarder, SerialDevice, SerialOut, COM1_IRQ, COM1_PORT_BASE, COM1_PORT_LEN,
 };
-use crate::devices::virtio::setup::{self as virtio_setup, SetupError, VirtioRuntime};
+use crate::devices::virtio::setup::{
+    self as virtio_setup, PlannedDevice, SetupError, VirtioRuntime,
+};
 use crate::exit::{ExitReason, EXIT_BAD_INPUT, EXIT_VM_FAILURE};
 use crate::kvm::{KvmError, KvmHandle};
 use crate::memory::{create_guest_memory, MemoryError};
 use crate::vcpu::coordinator::Coordinator;
-use crate::vcpu::{kick, Buses, Vcpu, VcpuError};
+use crate::vcpu::{kick, Buses, SharedVcpuFd, Vcpu, VcpuError};
 use crate::vm::{Vm, VmError};
 
 /// Errors building or starting a VM.
@@ -57,6 +66,15 @@ pub enum StartError {
     /// Devices could not be placed on the bus.
     #[error("device setup failed: {0}")]
     Bus(#[from] BusError),
+    /// The serial output file cannot be opened.
+    #[error("cannot set up serial output file {path}: {source}")]
+    SerialFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
     /// A device could not be created.
     #[error("cannot set up {what}: {source}")]
     Device {
@@ -72,6 +90,24 @@ pub enum StartError {
     /// KVM_GET_SUPPORTED_CPUID failed.
     #[error("cannot read the CPUID KVM supports: {0}")]
     Cpuid(#[source] kvm_ioctls::Error),
+    /// The snapshot's manifests or chain are invalid.
+    #[error(transparent)]
+    Manifest(#[from] crate::snapshot::manifest::ManifestError),
+    /// The snapshot's state file is invalid.
+    #[error(transparent)]
+    State(#[from] crate::snapshot::state::StateError),
+    /// Restored memory could not be built.
+    #[error(transparent)]
+    RestoreMemory(#[from] crate::snapshot::restore_memory::RestoreMemoryError),
+    /// VM-wide state could not be restored.
+    #[error("cannot restore VM state: {0}")]
+    VmState(#[from] crate::vm::persist::VmStateError),
+    /// A vCPU's state could not be restored.
+    #[error("cannot restore vCPU state: {0}")]
+    VcpuState(#[from] crate::vcpu::persist::VcpuStateError),
+    /// The serial device's state could not be restored.
+    #[error("cannot restore the serial console: {0}")]
+    SerialState(#[from] crate::devices::legacy::serial::persist::SerialPersistError),
 }
 
 impl StartError {
@@ -81,11 +117,12 @@ impl StartError {
             StartError::Memory(MemoryError::Allocate { .. }) => EXIT_VM_FAILURE,
             StartError::Memory(_)
             | StartError::Loader(_)
+            | StartError::Manifest(_)
+            | StartError::State(_)
+            | StartError::SerialState(_)
             | StartError::TooManyVcpus { .. }
+            | StartError::SerialFile { .. }
             | StartError::MpTable(mptable::MpTableError::TooManyCpus(_)) => EXIT_BAD_INPUT,
-            StartError::Device { what, .. } if what.starts_with("serial output file") => {
-                EXIT_BAD_INPUT
-            }
             StartError::Virtio(
                 SetupError::Block(_)
                 | SetupError::Net(_)
@@ -99,13 +136,72 @@ impl StartError {
 
 /// A running microVM.
 pub struct Machine {
-    coordinator: Arc<Coordinator>,
+    shared: Arc<MachineShared>,
     threads: Vec<JoinHandle<()>>,
+}
+
+/// The parts of a running VM that the control socket reaches.
+pub struct MachineShared {
+    kvm: KvmHandle,
+    vm: Vm,
+    coordinator: Arc<Coordinator>,
+    vcpus: Vec<SharedVcpuFd>,
     serial: Arc<Mutex<SerialDevice>>,
+    mem_mib: u64,
+    /// The snapshot the current memory descends from (the parent of the next diff).
+    last_snapshot: Mutex<Option<PathBuf>>,
+    /// Dirty pages taken from KVM but not yet written to a snapshot (kept if a write fails).
+    pending_dirty: Mutex<Vec<Vec<u64>>>,
     /// The virtio devices and their event thread.
     virtio: VirtioRuntime,
-    // Kept alive for the VM's lifetime: the fds and guest memory.
-    _vm: Vm,
+}
+
+/// The devices and buses of a VM, before its vCPUs exist.
+struct Devices {
+    buses: Buses,
+    serial: Arc<Mutex<SerialDevice>>,
+    virtio: VirtioRuntime,
+}
+
+/// Puts the serial console and the i8042 on the port-I/O bus and the virtio
+/// devices on the MMIO bus.
+fn build_devices(
+    vm: &Vm,
+    coordinator: &Arc<Coordinator>,
+    serial: SerialDevice,
+    virtio_devices: Vec<PlannedDevice>,
+) -> Result<Devices, StartError> {
+    vm.fd()
+        .register_irqfd(serial.irq().eventfd(), serial.irq().gsi())
+        .map_err(|e| StartError::Device {
+            what: "the serial irqfd".into(),
+            source: std::io::Error::from_raw_os_error(e.errno()),
+        })?;
+    let serial = Arc::new(Mutex::new(serial));
+    let reset_coordinator = coordinator.clone();
+    let i8042 = Arc::new(Mutex::new(I8042::new(ResetTrigger::new(move || {
+        reset_coordinator.request_exit(ExitReason::GuestReset)
+    }))));
+    let mut io = Bus::new();
+    io.insert(serial.clone(), COM1_PORT_BASE, COM1_PORT_LEN)?;
+    io.insert(i8042, I8042_PORT_BASE, I8042_PORT_LEN)?;
+    let mut mmio = Bus::new();
+    let virtio = virtio_setup::attach(vm.fd(), vm.memory(), &mut mmio, virtio_devices)?;
+    Ok(Devices {
+        buses: Buses {
+            io: Arc::new(io),
+            mmio: Arc::new(mmio),
+        },
+        serial,
+        virtio,
+    })
+}
+
+fn serial_irq() -> Result<IrqLine, StartError> {
+    IrqLine::new(COM1_IRQ).map_err(|source| StartError::Device {
+        what: "the serial interrupt".into(),
+        source,
+    })
 }
 
 fn serial_output(cfg: &SerialConfig) -> Result<SerialOut, StartError> {
@@ -117,8 +213,8 @@ fn serial_output(cfg: &SerialConfig) -> Result<SerialOut, StartError> {
                 .create(true)
                 .append(true)
                 .open(path)
-                .map_err(|source| StartError::Device {
-                    what: format!("serial output file {}", path.display()),
+                .map_err(|source| StartError::SerialFile {
+                    path: path.clone(),
                     source,
                 })?;
             Box::new(LineWriter::new(file))
@@ -164,34 +260,8 @@ impl Machine {
 
         let vm = Vm::new(&kvm, memory)?;
         let coordinator = Arc::new(Coordinator::new(usize::from(config.vcpus)));
-
-        let irq = IrqLine::new(COM1_IRQ).map_err(|source| StartError::Device {
-            what: "the serial interrupt".into(),
-            source,
-        })?;
-        vm.fd()
-            .register_irqfd(irq.eventfd(), irq.gsi())
-            .map_err(|e| StartError::Device {
-                what: "the serial irqfd".into(),
-                source: std::io::Error::from_raw_os_error(e.errno()),
-            })?;
-        let serial = Arc::new(Mutex::new(SerialDevice::new(
-            irq,
-            serial_output(&config.serial)?,
-        )));
-        let reset_coordinator = coordinator.clone();
-        let i8042 = Arc::new(Mutex::new(I8042::new(ResetTrigger::new(move || {
-            reset_coordinator.request_exit(ExitReason::GuestReset)
-        }))));
-        let mut io = Bus::new();
-        io.insert(serial.clone(), COM1_PORT_BASE, COM1_PORT_LEN)?;
-        io.insert(i8042, I8042_PORT_BASE, I8042_PORT_LEN)?;
-        let mut mmio = Bus::new();
-        let virtio = virtio_setup::attach(vm.fd(), vm.memory(), &mut mmio, virtio_devices)?;
-        let buses = Buses {
-            io: Arc::new(io),
-            mmio: Arc::new(mmio),
-        };
+        let serial = SerialDevice::new(serial_irq()?, serial_output(&config.serial)?);
+        let devices = build_devices(&vm, &coordinator, serial, virtio_devices)?;
 
         let supported = kvm
             .kvm()
@@ -199,28 +269,47 @@ impl Machine {
             .map_err(StartError::Cpuid)?;
         let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
         for index in 0..config.vcpus {
-            let mut vcpu = Vcpu::new(vm.fd(), index, buses.clone())?;
+            let vcpu = Vcpu::new(vm.fd(), index, devices.buses.clone())?;
             vcpu.configure(vm.memory(), &supported, config.vcpus, kernel.entry)?;
             vcpus.push(vcpu);
         }
+        let shared = MachineShared {
+            kvm,
+            vm,
+            coordinator,
+            vcpus: vcpus.iter().map(Vcpu::fd).collect(),
+            serial: devices.serial,
+            mem_mib: config.mem_mib,
+            last_snapshot: Mutex::new(None),
+            pending_dirty: Mutex::new(Vec::new()),
+            virtio: devices.virtio,
+        };
+        Self::launch(shared, vcpus, &config.serial)
+    }
 
-        if config.serial == SerialConfig::Stdout {
-            spawn_stdin_forwarder(serial.clone()).map_err(|source| StartError::Device {
+    /// Starts the vCPU threads (and the serial input forwarder) of a built VM.
+    fn launch(
+        shared: MachineShared,
+        vcpus: Vec<Vcpu>,
+        serial: &SerialConfig,
+    ) -> Result<Machine, StartError> {
+        if *serial == SerialConfig::Stdout {
+            spawn_stdin_forwarder(shared.serial.clone()).map_err(|source| StartError::Device {
                 what: "the serial input thread".into(),
                 source,
             })?;
         }
-
         kick::install_handler().map_err(|source| StartError::Device {
             what: "the vCPU kick signal handler".into(),
             source,
         })?;
+        let shared = Arc::new(shared);
         let mut threads = Vec::with_capacity(vcpus.len());
         for vcpu in vcpus {
-            match vcpu.start(coordinator.clone()) {
+            match vcpu.start(shared.coordinator.clone()) {
                 Ok(handle) => threads.push(handle),
                 Err(e) => {
-                    coordinator.request_exit(ExitReason::VmmError {
+                    shared.coordinator.request_exit(ExitReason::VmmError {
                         vcpu: None,
                         message: e.to_string(),
                     });
@@ -231,32 +320,32 @@ impl Machine {
                 }
             }
         }
-        Ok(Machine {
-            coordinator,
-            threads,
-            serial,
-            virtio,
-            _vm: vm,
-        })
+        Ok(Machine { shared, threads })
     }
 
-    /// The coordinator, for the control socket.
+    /// The coordinator, for the control socket and signal handling.
     pub fn coordinator(&self) -> Arc<Coordinator> {
-        self.coordinator.clone()
+        self.shared.coordinator.clone()
+    }
+
+    /// The shared machine, for the control socket.
+    pub fn shared(&self) -> Arc<MachineShared> {
+        self.shared.clone()
     }
 
     /// The virtio devices (transports, and `save` for snapshots).
     pub fn virtio(&self) -> &VirtioRuntime {
-        &self.virtio
+        &self.shared.virtio
     }
 
     /// Waits until the VM ends and returns why.
     pub fn wait(self) -> ExitReason {
-        let reason = self.coordinator.wait_for_exit();
+        let reason = self.shared.coordinator.wait_for_exit();
         for t in self.threads {
             let _ = t.join();
         }
-        self.serial
+        self.shared
+            .serial
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .flush();

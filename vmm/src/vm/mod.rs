@@ -2,7 +2,11 @@
 //! irqchip (PIC + IOAPIC + LAPICs) and PIT, and the TSS and identity-map
 //! pages KVM needs on Intel hosts.
 
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+pub mod persist;
+
+use kvm_bindings::{
+    kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
+};
 use kvm_ioctls::VmFd;
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
@@ -57,7 +61,8 @@ impl Vm {
                 guest_phys_addr: region.start_addr().0,
                 memory_size: region.len(),
                 userspace_addr: region.as_ptr() as u64,
-                flags: 0,
+                // KVM records every page the guest writes, for diff snapshots.
+                flags: KVM_MEM_LOG_DIRTY_PAGES,
             };
             // SAFETY: the host range [as_ptr, as_ptr + len) is a live mmap owned by `memory`,
             // which this struct keeps alive for as long as the VM fd exists, and slots do not
@@ -86,5 +91,26 @@ impl Vm {
     /// Guest memory.
     pub fn memory(&self) -> &GuestMemoryMmap {
         &self.memory
+    }
+
+    /// Pages written since the last call, per memory region (bit i of word i/64 = page i):
+    /// KVM's dirty log for guest writes, merged with the VMM's own writes recorded by
+    /// the guest-memory bitmap. Both are reset, so the next call reports only newer writes.
+    pub fn take_dirty_pages(&self) -> Result<Vec<Vec<u64>>, VmError> {
+        let mut out = Vec::new();
+        for (slot, region) in self.memory.iter().enumerate() {
+            let len = region.len() as usize;
+            let mut pages = self
+                .fd
+                .get_dirty_log(slot as u32, len)
+                .map_err(setup("KVM_GET_DIRTY_LOG"))?;
+            // Same layout as KVM's log: bit i of word i / 64 is page i of the region.
+            let vmm_writes = vm_memory::mmap::MmapRegion::bitmap(region).get_and_reset();
+            for (word, vmm) in pages.iter_mut().zip(vmm_writes) {
+                *word |= vmm;
+            }
+            out.push(pages);
+        }
+        Ok(out)
     }
 }

@@ -1,0 +1,23 @@
+//! guest-init: PID 1 of every guest and the session agent.
+//!
+//! * [`pid1`]: mounts, hostname, network, orphan reaping, shutdown.
+//! * [`channel`]: the transport to host-agent (vsock or Unix socket) and framing.
+//! * [`agent`]: the session agent serving one connection at a time.
+//! * [`session`]: cloning the repository from a bundle and cutting the branch.
+//! * [`exec`]: running commands with streamed output.
+//! * [`policy`]: rules, wrappers, manifest, egress and secrets.
+//! * [`turn`]: grouping a turn's processes and killing them.
+//! * [`audit`]: the hash-chained audit log and its verifier.
+//! * [`privilege`]: the unprivileged user agent commands run as.
+
+pub mod agent;
+pub mod audit;
+pub mod channel;
+pub mod exec;
+pub mod pid1;
+pub mod policy;
+pub mod privilege;
+pub mod reaper;
+pub mod session;
+pub mod turn;
+pub mod workspace;

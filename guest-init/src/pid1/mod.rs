@@ -1,0 +1,141 @@
+//! PID 1 duties: mounts, hostname, network, orphan reaping, and shutdown.
+//!
+//! Boot: mount the pseudo file systems ([`mounts`]), set the hostname and
+//! bring up `lo` and `eth0` from the kernel command line ([`cmdline`],
+//! [`net`]), start the reaper, then serve the session channel on vsock.
+//! Shutdown (the host's Shutdown message or SIGTERM): SIGTERM to every
+//! process, SIGKILL to what is left after a grace period, sync, power off.
+//! Everything is logged to the console (stderr of PID 1).
+
+pub mod cmdline;
+pub mod mounts;
+pub mod net;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::agent::{self, Config};
+use crate::channel::ListenAddr;
+use crate::reaper;
+
+/// How PID 1 runs; the defaults are a guest's, tests override them.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Directory the pseudo file systems are mounted under ("/" in a guest).
+    pub root: PathBuf,
+    /// Mount the pseudo file systems.
+    pub mounts: bool,
+    /// Configure lo and eth0.
+    pub network: bool,
+    /// Where to serve the session channel.
+    pub listen: ListenAddr,
+    /// Session workspace.
+    pub workspace: PathBuf,
+    /// State directory.
+    pub state_dir: PathBuf,
+    /// Power off at the end (else exit, for tests in a PID namespace).
+    pub poweroff: bool,
+    /// Install egress rules.
+    pub apply_egress: bool,
+}
+
+impl Options {
+    /// A guest's settings, with the kernel command line's overrides.
+    pub fn guest(cmd: &cmdline::Cmdline) -> Self {
+        Self {
+            root: PathBuf::from("/"),
+            mounts: true,
+            network: true,
+            listen: ListenAddr::Vsock(cmd.vsock_port),
+            workspace: PathBuf::from("/workspace"),
+            state_dir: PathBuf::from("/run/guest-init"),
+            poweroff: true,
+            apply_egress: true,
+        }
+    }
+}
+
+/// Runs PID 1 until shutdown; returns only when `poweroff` is false.
+pub fn run(opts: Options) -> std::io::Result<()> {
+    let cmd = cmdline::Cmdline::read();
+    if opts.mounts {
+        for e in mounts::mount_all(&opts.root) {
+            tracing::warn!(error = %e, "mount failed");
+        }
+    }
+    if let Some(h) = &cmd.hostname {
+        if let Err(e) = net::set_hostname(h) {
+            tracing::warn!(error = %e, hostname = %h, "cannot set hostname");
+        }
+    }
+    if opts.network {
+        net::configure(&cmd);
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        tokio::spawn(reaper::run());
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let cfg = Config {
+            workspace: opts.workspace.clone(),
+            state_dir: opts.state_dir.clone(),
+            identity: crate::privilege::agent_identity(None),
+            turn_backend: crate::turn::detect(),
+            apply_egress: opts.apply_egress,
+            max_frame: proto::framing::DEFAULT_MAX_FRAME,
+        };
+        let mut transport = opts.listen.bind()?;
+        tokio::select! {
+            r = agent::serve(transport.as_mut(), cfg) => {
+                r?;
+                tracing::info!("shutdown requested by the host");
+            }
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        }
+        Ok::<(), std::io::Error>(())
+    })?;
+    stop_everything(Duration::from_secs(2));
+    // SAFETY: sync(2) takes no arguments and cannot fail.
+    unsafe { libc::sync() };
+    if opts.poweroff {
+        tracing::info!("powering off");
+        // SAFETY: reboot(2) with a valid command; returns only on failure.
+        unsafe { libc::reboot(libc::RB_POWER_OFF) };
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// SIGTERM to every other process, then SIGKILL after `grace`; reaps them.
+pub fn stop_everything(grace: Duration) {
+    let me = reaper::self_pid();
+    let others = || {
+        reaper::all_processes()
+            .into_iter()
+            .filter(|p| p.pid != me && p.state != 'Z' && p.pid != 1)
+            .count()
+    };
+    // SAFETY: kill(2) with pid -1 signals every process we may signal, except ourselves.
+    unsafe { libc::kill(-1, libc::SIGTERM) };
+    let until = Instant::now() + grace;
+    while others() > 0 && Instant::now() < until {
+        reap_all();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: as above, with SIGKILL.
+    unsafe { libc::kill(-1, libc::SIGKILL) };
+    std::thread::sleep(Duration::from_millis(50));
+    reap_all();
+}
+
+fn reap_all() {
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid(2) for any child without blocking; `status` is a valid out pointer.
+        let rc = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+        if rc <= 0 {
+            break;
+        }
+    }
+}

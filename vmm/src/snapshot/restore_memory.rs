@@ -1,0 +1,215 @@
+//! Guest memory for a restored VM, built from a chain of snapshot layers so
+//! that restore time does not grow with guest memory size:
+//!
+//! * `file`: each region maps the base memory file MAP_PRIVATE, so pages load
+//!   from the page cache on first touch and writes stay private to this VM;
+//!   the pages of each diff layer (only those) are then copied over it.
+//! * `uffd`: anonymous memory registered with userfaultfd; a handler thread
+//!   serves each first touch with the page from the newest layer that holds
+//!   it (or a zero page).
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use vm_memory::mmap::{MmapRegionBuilder, NewBitmap};
+use vm_memory::{
+    bitmap::AtomicBitmap, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestRegionMmap,
+};
+
+use super::manifest::{Extent, Layer, RegionLayout, MEMORY_FILE};
+use super::memory_file::{file_offset_to_gpa, split_by_region};
+use crate::memory::{GuestMemoryMmap, PAGE_SIZE};
+
+/// How restored guest memory is populated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MemoryBackend {
+    /// MAP_PRIVATE mapping of the memory file (default).
+    #[default]
+    File,
+    /// Anonymous memory filled on demand by a userfaultfd handler.
+    Uffd,
+}
+
+impl FromStr for MemoryBackend {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "file" => Ok(MemoryBackend::File),
+            "uffd" => Ok(MemoryBackend::Uffd),
+            other => Err(format!(
+                "unknown memory backend {other:?}: expected file or uffd"
+            )),
+        }
+    }
+}
+
+/// Errors building restored memory.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreMemoryError {
+    /// A memory file cannot be opened or read.
+    #[error("cannot read snapshot memory {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The mapping failed.
+    #[error("cannot map snapshot memory: {0}")]
+    Map(String),
+    /// userfaultfd is unavailable or failed.
+    #[error("userfaultfd backend unavailable: {0} (use --memory-backend file)")]
+    Uffd(String),
+}
+
+fn open_memory(layer: &Layer) -> Result<(PathBuf, File), RestoreMemoryError> {
+    let path = layer.dir.join(MEMORY_FILE);
+    let file = File::open(&path).map_err(|source| RestoreMemoryError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    Ok((path, file))
+}
+
+/// Builds guest memory for the chain `layers` (base first) with `backend`.
+pub fn build(
+    layers: &[Layer],
+    backend: MemoryBackend,
+) -> Result<GuestMemoryMmap, RestoreMemoryError> {
+    let Some(base) = layers.first() else {
+        return Err(RestoreMemoryError::Map("empty snapshot chain".into()));
+    };
+    let regions = base.manifest.regions.clone();
+    match backend {
+        MemoryBackend::File => build_file_backed(layers, &regions),
+        MemoryBackend::Uffd => super::uffd::build(layers, &regions),
+    }
+}
+
+fn build_file_backed(
+    layers: &[Layer],
+    regions: &[RegionLayout],
+) -> Result<GuestMemoryMmap, RestoreMemoryError> {
+    let (_, base_file) = open_memory(&layers[0])?;
+    let base_file = Arc::new(base_file);
+    let mut guest_regions = Vec::with_capacity(regions.len());
+    for r in regions {
+        let size = usize::try_from(r.size)
+            .map_err(|_| RestoreMemoryError::Map("region too large".into()))?;
+        let mapping = MmapRegionBuilder::new_with_bitmap(size, AtomicBitmap::with_len(size))
+            .with_file_offset(FileOffset::from_arc(base_file.clone(), r.file_offset))
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(libc::MAP_NORESERVE | libc::MAP_PRIVATE)
+            .build()
+            .map_err(|e| RestoreMemoryError::Map(e.to_string()))?;
+        let region = GuestRegionMmap::new(mapping, GuestAddress(r.gpa))
+            .ok_or_else(|| RestoreMemoryError::Map(format!("region at {:#x} wraps", r.gpa)))?;
+        guest_regions.push(region);
+    }
+    let mem = GuestMemoryMmap::from_regions(guest_regions)
+        .map_err(|e| RestoreMemoryError::Map(e.to_string()))?;
+    for layer in &layers[1..] {
+        apply_diff(&mem, regions, layer)?;
+    }
+    // The memory now equals the top snapshot: nothing is dirty relative to it.
+    for region in mem.iter() {
+        vm_memory::mmap::MmapRegion::bitmap(region).reset();
+    }
+    Ok(mem)
+}
+
+/// Copies a diff layer's pages over `mem`.
+fn apply_diff(
+    mem: &GuestMemoryMmap,
+    regions: &[RegionLayout],
+    layer: &Layer,
+) -> Result<(), RestoreMemoryError> {
+    let (path, file) = open_memory(layer)?;
+    let io = |source| RestoreMemoryError::Io {
+        path: path.clone(),
+        source,
+    };
+    let mut buf = vec![0u8; 1 << 20];
+    for extent in &layer.manifest.extents {
+        for part in split_by_region(regions, *extent) {
+            let mut done = 0;
+            while done < part.len {
+                let n = (part.len - done).min(buf.len() as u64) as usize;
+                file.read_exact_at(&mut buf[..n], part.offset + done)
+                    .map_err(io)?;
+                let gpa = file_offset_to_gpa(regions, part.offset + done)
+                    .ok_or_else(|| RestoreMemoryError::Map("extent outside memory".into()))?;
+                mem.write_slice(&buf[..n], GuestAddress(gpa))
+                    .map_err(|e| RestoreMemoryError::Map(e.to_string()))?;
+                done += n as u64;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where the newest copy of a memory-file page lives.
+pub(super) enum PageSource {
+    /// In layer `i`'s memory file, at the same offset.
+    Layer(usize),
+    /// Nowhere: the page is zero.
+    Zero,
+}
+
+/// Finds the newest layer holding the page at memory-file offset `offset`.
+pub(super) fn page_source(extents: &[Vec<Extent>], offset: u64) -> PageSource {
+    for (i, layer) in extents.iter().enumerate().rev() {
+        let idx = layer.partition_point(|e| e.offset + e.len <= offset);
+        if layer.get(idx).is_some_and(|e| e.offset <= offset) {
+            return PageSource::Layer(i);
+        }
+    }
+    PageSource::Zero
+}
+
+/// Page size as usize, for buffers.
+pub(super) const PAGE: usize = PAGE_SIZE as usize;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn newest_layer_wins_and_gaps_are_zero() {
+        let e = |offset: u64, len: u64| Extent { offset, len };
+        let layers = vec![
+            vec![e(0, 8 * PAGE_SIZE)],
+            vec![e(2 * PAGE_SIZE, PAGE_SIZE)],
+            vec![e(3 * PAGE_SIZE, 2 * PAGE_SIZE)],
+        ];
+        assert!(matches!(page_source(&layers, 0), PageSource::Layer(0)));
+        assert!(matches!(
+            page_source(&layers, 2 * PAGE_SIZE),
+            PageSource::Layer(1)
+        ));
+        assert!(matches!(
+            page_source(&layers, 4 * PAGE_SIZE),
+            PageSource::Layer(2)
+        ));
+        assert!(matches!(
+            page_source(&layers, 7 * PAGE_SIZE),
+            PageSource::Layer(0)
+        ));
+        assert!(matches!(
+            page_source(&layers, 9 * PAGE_SIZE),
+            PageSource::Zero
+        ));
+    }
+
+    #[test]
+    fn backend_names_parse() {
+        assert_eq!("file".parse::<MemoryBackend>(), Ok(MemoryBackend::File));
+        assert_eq!("uffd".parse::<MemoryBackend>(), Ok(MemoryBackend::Uffd));
+        assert!("disk".parse::<MemoryBackend>().is_err());
+    }
+}

@@ -1,0 +1,93 @@
+//! VM-wide KVM state for snapshots: the PIT, the kvmclock and the in-kernel
+//! irqchip (both PICs and the IOAPIC).
+
+use kvm_bindings::{
+    kvm_clock_data, kvm_irqchip, kvm_pit_state2, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER,
+    KVM_IRQCHIP_PIC_SLAVE,
+};
+use kvm_ioctls::VmFd;
+use serde::{Deserialize, Serialize};
+
+/// VM-wide state.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmState {
+    /// The i8254 PIT.
+    pub pit: kvm_pit_state2,
+    /// kvmclock.
+    pub clock: kvm_clock_data,
+    /// Master 8259.
+    pub pic_master: kvm_irqchip,
+    /// Slave 8259.
+    pub pic_slave: kvm_irqchip,
+    /// IOAPIC.
+    pub ioapic: kvm_irqchip,
+}
+
+/// Errors saving or restoring VM state.
+#[derive(Debug, thiserror::Error)]
+#[error("{what} failed: {source}")]
+pub struct VmStateError {
+    what: &'static str,
+    #[source]
+    source: kvm_ioctls::Error,
+}
+
+fn err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmStateError {
+    move |source| VmStateError { what, source }
+}
+
+fn get_chip(fd: &VmFd, chip_id: u32, what: &'static str) -> Result<kvm_irqchip, VmStateError> {
+    let mut chip = kvm_irqchip {
+        chip_id,
+        ..Default::default()
+    };
+    fd.get_irqchip(&mut chip).map_err(err(what))?;
+    Ok(chip)
+}
+
+/// Saves the VM-wide state of a paused VM.
+pub fn save(fd: &VmFd) -> Result<VmState, VmStateError> {
+    Ok(VmState {
+        pit: fd.get_pit2().map_err(err("KVM_GET_PIT2"))?,
+        clock: fd.get_clock().map_err(err("KVM_GET_CLOCK"))?,
+        pic_master: get_chip(fd, KVM_IRQCHIP_PIC_MASTER, "KVM_GET_IRQCHIP (PIC master)")?,
+        pic_slave: get_chip(fd, KVM_IRQCHIP_PIC_SLAVE, "KVM_GET_IRQCHIP (PIC slave)")?,
+        ioapic: get_chip(fd, KVM_IRQCHIP_IOAPIC, "KVM_GET_IRQCHIP (IOAPIC)")?,
+    })
+}
+
+/// Restores VM-wide state into a VM created with the same irqchip and PIT.
+pub fn restore(fd: &VmFd, state: &VmState) -> Result<(), VmStateError> {
+    fd.set_pit2(&state.pit).map_err(err("KVM_SET_PIT2"))?;
+    // Only KVM_CLOCK_REALTIME may be passed back; the other flags are informational.
+    let clock = kvm_clock_data {
+        flags: 0,
+        ..state.clock
+    };
+    fd.set_clock(&clock).map_err(err("KVM_SET_CLOCK"))?;
+    // The chip ids come from the file: force them to the slot each is restored into.
+    for (chip, id, what) in [
+        (
+            &state.pic_master,
+            KVM_IRQCHIP_PIC_MASTER,
+            "KVM_SET_IRQCHIP (PIC master)",
+        ),
+        (
+            &state.pic_slave,
+            KVM_IRQCHIP_PIC_SLAVE,
+            "KVM_SET_IRQCHIP (PIC slave)",
+        ),
+        (
+            &state.ioapic,
+            KVM_IRQCHIP_IOAPIC,
+            "KVM_SET_IRQCHIP (IOAPIC)",
+        ),
+    ] {
+        let chip = kvm_irqchip {
+            chip_id: id,
+            ..*chip
+        };
+        fd.set_irqchip(&chip).map_err(err(what))?;
+    }
+    Ok(())
+}

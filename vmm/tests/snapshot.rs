@@ -1,0 +1,413 @@
+//! Snapshots under real KVM with the counting guest: continuity across a
+//! restore, concurrent restores, a full + 3 diff chain restored to identical
+//! memory with both memory backends, and hostile snapshot files.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+const INTERVAL: u64 = 20_000;
+
+/// Complete `count=N` lines of a serial log, in order.
+fn counts(log: &Path) -> Vec<u64> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.split_inclusive('\n')
+        .filter_map(|l| l.strip_suffix('\n'))
+        .filter_map(|l| l.strip_prefix("count="))
+        .filter_map(|n| n.parse().ok())
+        .collect()
+}
+
+fn wait_for_counts(log: &Path, at_least: usize) -> Vec<u64> {
+    let start = Instant::now();
+    loop {
+        let c = counts(log);
+        if c.len() >= at_least {
+            return c;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "guest printed only {c:?} into {}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn spawn(args: &[&str]) -> Child {
+    vmm()
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn vmm")
+}
+
+fn stop(mut ctl: Control, child: Child) {
+    assert_eq!(ctl.send_raw(r#"{"op":"stop"}"#)["ok"], true);
+    let out = wait_with_deadline(child, Duration::from_secs(20));
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", stderr(&out));
+}
+
+fn snapshot(ctl: &mut Control, dir: &Path, kind: &str) -> Value {
+    let req = json!({"op": "snapshot", "dir": dir, "kind": kind}).to_string();
+    let resp = ctl.send_raw(&req);
+    assert_eq!(
+        resp["ok"],
+        true,
+        "snapshot {kind} into {}: {resp}",
+        dir.display()
+    );
+    resp
+}
+
+fn checksum(ctl: &mut Control) -> String {
+    let resp = ctl.send_raw(r#"{"op":"memory_checksum"}"#);
+    assert_eq!(resp["ok"], true, "{resp}");
+    resp["crc64"].as_str().unwrap().to_string()
+}
+
+/// A counting VM with its serial log and control socket.
+struct Vm {
+    child: Child,
+    ctl: Control,
+    log: PathBuf,
+}
+
+fn boot_counter(dir: &Path, name: &str) -> Vm {
+    let log = dir.join(format!("{name}.log"));
+    let sock = dir.join(format!("{name}.sock"));
+    let g = guest("counter");
+    let child = spawn(&[
+        "run",
+        "--kernel",
+        g.to_str().unwrap(),
+        "--mem-mib",
+        "64",
+        "--cmdline",
+        &format!("interval={INTERVAL}"),
+        "--serial",
+        &format!("file:{}", log.display()),
+        "--control-socket",
+        sock.to_str().unwrap(),
+    ]);
+    let ctl = Control::connect(&sock);
+    Vm { child, ctl, log }
+}
+
+fn restore(dir: &Path, name: &str, snap: &Path, backend: &str, paused: bool) -> Vm {
+    let log = dir.join(format!("{name}.log"));
+    let sock = dir.join(format!("{name}.sock"));
+    let serial = format!("file:{}", log.display());
+    let mut args = vec![
+        "restore",
+        "--snapshot",
+        snap.to_str().unwrap(),
+        "--memory-backend",
+        backend,
+        "--serial",
+        &serial,
+        "--control-socket",
+        sock.to_str().unwrap(),
+    ];
+    if paused {
+        args.push("--paused");
+    }
+    let child = spawn(&args);
+    let ctl = Control::connect(&sock);
+    Vm { child, ctl, log }
+}
+
+/// Boots, lets it count, pauses, takes a full snapshot, stops.
+/// Returns the snapshot and the last count printed before it.
+fn counter_snapshot(dir: &Path) -> (PathBuf, u64) {
+    let mut vm = boot_counter(dir, "origin");
+    wait_for_counts(&vm.log, 3);
+    assert_eq!(vm.ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);
+    let snap = dir.join("full");
+    snapshot(&mut vm.ctl, &snap, "full");
+    let last = *counts(&vm.log).last().unwrap();
+    stop(vm.ctl, vm.child);
+    (snap, last)
+}
+
+/// The first count after a restore continues from the snapshot's: the next
+/// multiple of the interval, or the one after if a line was cut by the pause.
+fn assert_continues(first: u64, last_before: u64) {
+    assert!(
+        first == last_before + INTERVAL || first == last_before + 2 * INTERVAL,
+        "count restarted or jumped: last before snapshot {last_before}, first after restore {first}"
+    );
+}
+
+fn continuity(backend: &str) {
+    let t = tempfile::tempdir().unwrap();
+    let (snap, last) = counter_snapshot(t.path());
+    assert!(last >= 3 * INTERVAL);
+    let vm = restore(t.path(), "restored", &snap, backend, false);
+    let after = wait_for_counts(&vm.log, 2);
+    assert_continues(after[0], last);
+    assert_eq!(after[1], after[0] + INTERVAL);
+    stop(vm.ctl, vm.child);
+}
+
+#[test]
+fn count_continues_after_restore_file_backend() {
+    continuity("file");
+}
+
+#[test]
+fn count_continues_after_restore_uffd_backend() {
+    continuity("uffd");
+}
+
+#[test]
+fn ten_concurrent_restores_of_one_snapshot_all_continue() {
+    let t = tempfile::tempdir().unwrap();
+    let (snap, last) = counter_snapshot(t.path());
+    let vms: Vec<Vm> = (0..10)
+        .map(|i| {
+            let backend = if i % 2 == 0 { "file" } else { "uffd" };
+            restore(t.path(), &format!("r{i}"), &snap, backend, false)
+        })
+        .collect();
+    for vm in vms {
+        let after = wait_for_counts(&vm.log, 1);
+        assert_continues(after[0], last);
+        stop(vm.ctl, vm.child);
+    }
+}
+
+fn allocated_bytes(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+#[test]
+fn full_plus_three_diffs_restore_to_identical_memory_on_both_backends() {
+    let t = tempfile::tempdir().unwrap();
+    let mut vm = boot_counter(t.path(), "origin");
+    wait_for_counts(&vm.log, 1);
+    let mut layers = Vec::new();
+    for (i, kind) in ["full", "diff", "diff", "diff"].iter().enumerate() {
+        if i > 0 {
+            assert_eq!(vm.ctl.send_raw(r#"{"op":"resume"}"#)["ok"], true);
+            let seen = counts(&vm.log).len();
+            wait_for_counts(&vm.log, seen + 1);
+        }
+        assert_eq!(vm.ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);
+        let dir = t.path().join(format!("layer{i}"));
+        let resp = snapshot(&mut vm.ctl, &dir, kind);
+        layers.push((dir, checksum(&mut vm.ctl), resp));
+    }
+    stop(vm.ctl, vm.child);
+
+    for (dir, _, resp) in &layers[1..] {
+        // A diff holds only the pages the counter dirtied: a handful, not 64 MiB.
+        let pages = resp["pages_written"].as_u64().unwrap();
+        assert!((1..64).contains(&pages), "diff wrote {pages} pages");
+        let manifest: Value =
+            serde_json::from_slice(&std::fs::read(dir.join("manifest")).unwrap()).unwrap();
+        let listed: u64 = manifest["extents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["len"].as_u64().unwrap())
+            .sum();
+        assert_eq!(listed, pages * 4096);
+        assert!(manifest["parent"].is_string());
+        let on_disk = allocated_bytes(&dir.join("memory"));
+        assert!(
+            on_disk <= listed + 64 * 1024,
+            "diff memory file allocates {on_disk} bytes for {listed} bytes of pages"
+        );
+        assert_eq!(
+            std::fs::metadata(dir.join("memory")).unwrap().len(),
+            64 << 20,
+            "memory file spans the whole layout (sparse)"
+        );
+    }
+    let full_alloc = allocated_bytes(&layers[0].0.join("memory"));
+    assert!(
+        full_alloc < 8 << 20,
+        "full snapshot of a mostly empty guest is sparse"
+    );
+
+    for backend in ["file", "uffd"] {
+        for (i, (dir, expected, _)) in layers.iter().enumerate() {
+            let mut r = restore(t.path(), &format!("{backend}{i}"), dir, backend, true);
+            assert_eq!(
+                &checksum(&mut r.ctl),
+                expected,
+                "layer {i} restored with {backend} differs"
+            );
+            stop(r.ctl, r.child);
+        }
+    }
+
+    // The top of the chain also runs on from where it was.
+    let top = &layers[3].0;
+    let vm = restore(t.path(), "top", top, "file", false);
+    wait_for_counts(&vm.log, 1);
+    stop(vm.ctl, vm.child);
+}
+
+#[test]
+fn snapshot_requests_that_cannot_succeed_are_refused() {
+    let t = tempfile::tempdir().unwrap();
+    let mut vm = boot_counter(t.path(), "origin");
+    let running = t.path().join("while-running");
+    let resp = vm
+        .ctl
+        .send_raw(&json!({"op": "snapshot", "dir": running}).to_string());
+    assert_eq!(
+        resp,
+        json!({"ok": false, "error": "cannot snapshot: a snapshot needs a paused VM: send {\"op\":\"pause\"} first"})
+    );
+    assert!(!running.exists());
+    assert_eq!(vm.ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);
+    let diff = vm.ctl.send_raw(
+        &json!({"op": "snapshot", "dir": t.path().join("d"), "kind": "diff"}).to_string(),
+    );
+    assert!(diff["error"]
+        .as_str()
+        .unwrap()
+        .contains("take a full snapshot first"));
+    let nowhere = vm
+        .ctl
+        .send_raw(&json!({"op": "snapshot", "dir": "/nonexistent/dir/snap"}).to_string());
+    assert!(nowhere["error"]
+        .as_str()
+        .unwrap()
+        .contains("parent directory does not exist"));
+    let snap = t.path().join("full");
+    snapshot(&mut vm.ctl, &snap, "full");
+    let again = vm
+        .ctl
+        .send_raw(&json!({"op": "snapshot", "dir": snap}).to_string());
+    assert!(again["error"].as_str().unwrap().contains("already exists"));
+    stop(vm.ctl, vm.child);
+    // Only the complete snapshot and the VM's own files: no temporary directories.
+    let mut names: Vec<String> = std::fs::read_dir(t.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["full", "origin.log"]);
+}
+
+/// Copies a snapshot directory so a test can damage the copy.
+fn copy_snapshot(src: &Path, dst: &Path) {
+    std::fs::create_dir(dst).unwrap();
+    for f in ["state", "memory", "manifest"] {
+        std::fs::copy(src.join(f), dst.join(f)).unwrap();
+    }
+}
+
+fn assert_restore_refused(snap: &Path, expect: &str) {
+    let out = run_vmm(&[
+        "restore",
+        "--snapshot",
+        snap.to_str().unwrap(),
+        "--serial",
+        "none",
+    ]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{}: {err}", snap.display());
+    assert!(err.contains(expect), "expected {expect:?} in {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn damaged_snapshots_are_refused_with_clear_errors() {
+    let t = tempfile::tempdir().unwrap();
+    let (snap, _) = counter_snapshot(t.path());
+    let damaged = |name: &str| {
+        let d = t.path().join(name);
+        copy_snapshot(&snap, &d);
+        d
+    };
+
+    let d = damaged("truncated");
+    let state = std::fs::read(d.join("state")).unwrap();
+    std::fs::write(d.join("state"), &state[..state.len() / 2]).unwrap();
+    assert_restore_refused(&d, "snapshot state length mismatch");
+
+    let d = damaged("tiny");
+    std::fs::write(d.join("state"), b"AGVM").unwrap();
+    assert_restore_refused(&d, "snapshot state is truncated");
+
+    let d = damaged("bitflip");
+    let mut state = std::fs::read(d.join("state")).unwrap();
+    let mid = state.len() / 2;
+    state[mid] ^= 0x10;
+    std::fs::write(d.join("state"), &state).unwrap();
+    assert_restore_refused(&d, "checksum mismatch");
+
+    let d = damaged("magic");
+    let mut state = std::fs::read(d.join("state")).unwrap();
+    state[0] = b'X';
+    std::fs::write(d.join("state"), &state).unwrap();
+    assert_restore_refused(&d, "not a snapshot state file (bad magic)");
+
+    let d = damaged("newer-state");
+    let mut state = std::fs::read(d.join("state")).unwrap();
+    state[8] = 9;
+    std::fs::write(d.join("state"), &state).unwrap();
+    assert_restore_refused(
+        &d,
+        "snapshot format version 9.0 is newer than this vmm supports (1.0)",
+    );
+
+    let d = damaged("newer-manifest");
+    let manifest = std::fs::read_to_string(d.join("manifest")).unwrap();
+    let mut m: Value = serde_json::from_str(&manifest).unwrap();
+    m["format_version"] = json!([7, 1]);
+    std::fs::write(d.join("manifest"), m.to_string()).unwrap();
+    assert_restore_refused(&d, "format version 7.1, newer than this vmm supports (1.0)");
+
+    let d = damaged("short-memory");
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(d.join("memory"))
+        .unwrap();
+    f.set_len(1 << 20).unwrap();
+    assert_restore_refused(&d, "holds 1048576 bytes, the manifest describes 67108864");
+
+    let d = damaged("no-manifest");
+    std::fs::remove_file(d.join("manifest")).unwrap();
+    assert_restore_refused(&d, "cannot read snapshot manifest");
+
+    let d = damaged("bad-json");
+    std::fs::write(d.join("manifest"), "{not json").unwrap();
+    assert_restore_refused(&d, "invalid snapshot manifest");
+
+    // Diff chains: a missing parent, and two diffs naming each other.
+    let a = damaged("loop-a");
+    let b = damaged("loop-b");
+    for (dir, parent) in [(&a, &b), (&b, &a)] {
+        let mut m: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("manifest")).unwrap()).unwrap();
+        m["kind"] = json!("diff");
+        m["parent"] = json!(parent);
+        std::fs::write(dir.join("manifest"), m.to_string()).unwrap();
+    }
+    assert_restore_refused(&a, "snapshot chain loops");
+    let orphan = damaged("orphan");
+    let mut m: Value =
+        serde_json::from_str(&std::fs::read_to_string(orphan.join("manifest")).unwrap()).unwrap();
+    m["kind"] = json!("diff");
+    m["parent"] = json!(t.path().join("gone"));
+    std::fs::write(orphan.join("manifest"), m.to_string()).unwrap();
+    assert_restore_refused(&orphan, "which does not exist");
+
+    assert_restore_refused(
+        &t.path().join("nothing-here"),
+        "cannot read snapshot manifest",
+    );
+}
