@@ -130,15 +130,6 @@ impl DeviceHandle {
             DeviceHandle::Rng(d) => d.clone(),
         }
     }
-
-    fn save(&self) -> Result<DeviceState, VirtioPersistError> {
-        Ok(match self {
-            DeviceHandle::Block(d) => DeviceState::Block(locked(d).save()?),
-            DeviceHandle::Net(d) => DeviceState::Net(locked(d).save()?),
-            DeviceHandle::Vsock(d) => DeviceState::Vsock(locked(d).save()?),
-            DeviceHandle::Rng(d) => DeviceState::Rng(locked(d).save()?),
-        })
-    }
 }
 
 /// A device built from the config, not yet attached to a VM.
@@ -393,15 +384,65 @@ impl VirtioRuntime {
         self.devices.iter().map(|d| d.transport.clone()).collect()
     }
 
-    /// Saves every device and transport. Call while the vCPUs are paused.
+    /// Saves every device and transport. Call while the vCPUs are paused;
+    /// for a state consistent with guest memory, save through `quiesce`.
     pub fn save(&self) -> Result<VirtioState, VirtioPersistError> {
-        let mut slots = Vec::with_capacity(self.devices.len());
-        for d in &self.devices {
+        self.quiesce().save()
+    }
+
+    /// Stops all device work until the returned guard is dropped: the event
+    /// thread blocks on the first device it touches, so nothing writes guest
+    /// memory while a snapshot copies it. Hold it from before the memory is
+    /// written until after `save`. The vCPUs must be paused first (an MMIO
+    /// access would wait for the guard too).
+    pub fn quiesce(&self) -> QuiescedDevices<'_> {
+        let guards = self
+            .devices
+            .iter()
+            .map(|d| {
+                let device = match &d.handle {
+                    DeviceHandle::Block(x) => DeviceGuard::Block(locked(x)),
+                    DeviceHandle::Net(x) => DeviceGuard::Net(locked(x)),
+                    DeviceHandle::Vsock(x) => DeviceGuard::Vsock(locked(x)),
+                    DeviceHandle::Rng(x) => DeviceGuard::Rng(locked(x)),
+                };
+                (d, device)
+            })
+            .collect();
+        QuiescedDevices { guards }
+    }
+}
+
+/// A locked device.
+enum DeviceGuard<'a> {
+    Block(std::sync::MutexGuard<'a, Block>),
+    Net(std::sync::MutexGuard<'a, Net>),
+    Vsock(std::sync::MutexGuard<'a, Vsock>),
+    Rng(std::sync::MutexGuard<'a, Rng>),
+}
+
+/// Every virtio device, locked: no device work runs while this lives.
+pub struct QuiescedDevices<'a> {
+    guards: Vec<(&'a Attached, DeviceGuard<'a>)>,
+}
+
+impl QuiescedDevices<'_> {
+    /// Saves every device and transport.
+    pub fn save(&self) -> Result<VirtioState, VirtioPersistError> {
+        let mut slots = Vec::with_capacity(self.guards.len());
+        for (d, guard) in &self.guards {
+            let device = match guard {
+                DeviceGuard::Block(g) => DeviceState::Block(g.save()?),
+                DeviceGuard::Net(g) => DeviceState::Net(g.save()?),
+                DeviceGuard::Vsock(g) => DeviceState::Vsock(g.save()?),
+                DeviceGuard::Rng(g) => DeviceState::Rng(g.save()?),
+            };
             slots.push(SlotState {
                 addr: d.addr,
                 gsi: d.gsi,
+                // The transport saves its own registers without touching the device.
                 transport: locked(&d.transport).save()?,
-                device: d.handle.save()?,
+                device,
             });
         }
         Ok(VirtioState { slots })

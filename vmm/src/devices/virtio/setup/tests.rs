@@ -87,3 +87,26 @@ fn a_whole_device_set_round_trips_through_its_state_and_mismatches_are_refused()
     assert!(restore_devices(&cfg, &mem, &swapped).is_err());
     let _ = GuestAddress(0);
 }
+
+#[test]
+fn quiesced_devices_block_the_event_thread_until_released() {
+    let kvm = kvm_ioctls::Kvm::new().unwrap();
+    let vm = kvm.create_vm().unwrap();
+    vm.create_irq_chip().unwrap();
+    let disk = crate::devices::virtio::block::tests::TempDisk::new(8);
+    let cfg = config(disk.0.clone(), true);
+    let mem = memory(4);
+    let mut bus = Bus::new();
+    let runtime = attach(&vm, &mem, &mut bus, create_devices(&cfg).unwrap()).unwrap();
+    let quiesced = runtime.quiesce();
+    // A device lock is held: nothing else can reach the device.
+    let DeviceHandle::Rng(rng) = &runtime.devices[1].handle else {
+        panic!("slot 1 is the rng");
+    };
+    assert!(rng.try_lock().is_err());
+    let state = quiesced.save().unwrap();
+    assert_eq!(state.slots.len(), 2);
+    drop(quiesced);
+    assert!(rng.try_lock().is_ok());
+    assert_eq!(runtime.save().unwrap(), state);
+}
