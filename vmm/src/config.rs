@@ -43,6 +43,103 @@ impl FromStr for SerialConfig {
     }
 }
 
+/// A virtio-blk disk: `PATH[,ro]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskConfig {
+    /// Raw disk image.
+    pub path: PathBuf,
+    /// Guest writes fail with an I/O error status.
+    pub read_only: bool,
+}
+
+impl FromStr for DiskConfig {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (path, read_only) = match s.strip_suffix(",ro") {
+            Some(path) => (path, true),
+            None => (s.strip_suffix(",rw").unwrap_or(s), false),
+        };
+        if path.is_empty() || path.contains(',') {
+            return Err(ConfigError::Disk(s.to_string()));
+        }
+        Ok(DiskConfig {
+            path: path.into(),
+            read_only,
+        })
+    }
+}
+
+/// The virtio-vsock device: `CID:UDS_PATH`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VsockConfig {
+    /// The guest's context ID (3 or more).
+    pub cid: u32,
+    /// Host Unix socket: host processes connect here; guest connections to
+    /// host port P go to `UDS_PATH_P`.
+    pub uds_path: PathBuf,
+}
+
+impl FromStr for VsockConfig {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || ConfigError::Vsock(s.to_string());
+        let (cid, path) = s.split_once(':').ok_or_else(bad)?;
+        let cid: u32 = cid.parse().map_err(|_| bad())?;
+        if cid < 3 || cid == u32::MAX || path.is_empty() {
+            return Err(bad());
+        }
+        Ok(VsockConfig {
+            cid,
+            uds_path: path.into(),
+        })
+    }
+}
+
+/// The virtio-net device: `TAP[,mac=aa:bb:cc:dd:ee:ff]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetConfig {
+    /// Tap interface name (opened, or created if absent).
+    pub tap: String,
+    /// The guest's MAC address; none lets the guest pick one.
+    pub mac: Option<[u8; 6]>,
+}
+
+impl FromStr for NetConfig {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || ConfigError::Net(s.to_string());
+        let mut parts = s.split(',');
+        let tap = parts.next().unwrap_or_default();
+        // IFNAMSIZ is 16 including the NUL.
+        if tap.is_empty() || tap.len() > 15 || tap.contains('/') {
+            return Err(bad());
+        }
+        let mut mac = None;
+        for part in parts {
+            let text = part.strip_prefix("mac=").ok_or_else(bad)?;
+            let bytes: Vec<u8> = text
+                .split(':')
+                .map(|b| {
+                    if b.len() == 2 {
+                        u8::from_str_radix(b, 16).ok()
+                    } else {
+                        None
+                    }
+                })
+                .collect::<Option<_>>()
+                .ok_or_else(bad)?;
+            mac = Some(<[u8; 6]>::try_from(bytes).map_err(|_| bad())?);
+        }
+        Ok(NetConfig {
+            tap: tap.to_string(),
+            mac,
+        })
+    }
+}
+
 /// Errors in the configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -52,6 +149,17 @@ pub enum ConfigError {
     /// The serial setting is not one of the accepted forms.
     #[error("invalid serial output {0:?}: expected stdout, none or file:PATH")]
     Serial(String),
+    /// A disk is not `PATH[,ro]`.
+    #[error("invalid disk {0:?}: expected PATH or PATH,ro")]
+    Disk(String),
+    /// The vsock setting is not `CID:UDS_PATH`.
+    #[error("invalid vsock {0:?}: expected CID:UDS_PATH with a CID of 3 or more")]
+    Vsock(String),
+    /// The net setting is not `TAP[,mac=..]`.
+    #[error(
+        "invalid net {0:?}: expected TAP or TAP,mac=aa:bb:cc:dd:ee:ff (TAP at most 15 characters)"
+    )]
+    Net(String),
     /// vCPU count out of range.
     #[error("{0} vCPUs requested: the VM needs between 1 and {MAX_CPUS} vCPUs")]
     VcpuCount(u64),
@@ -93,6 +201,14 @@ pub struct ConfigFile {
     pub serial: Option<String>,
     /// Control socket path.
     pub control_socket: Option<PathBuf>,
+    /// virtio-blk disks, each `PATH[,ro]`.
+    pub disk: Option<Vec<String>>,
+    /// virtio-vsock, `CID:UDS_PATH`.
+    pub vsock: Option<String>,
+    /// virtio-net, `TAP[,mac=..]`.
+    pub net: Option<String>,
+    /// virtio-rng.
+    pub rng: Option<bool>,
 }
 
 impl ConfigFile {
@@ -118,6 +234,10 @@ impl ConfigFile {
             vcpus: overrides.vcpus.or(self.vcpus),
             serial: overrides.serial.or(self.serial),
             control_socket: overrides.control_socket.or(self.control_socket),
+            disk: overrides.disk.or(self.disk),
+            vsock: overrides.vsock.or(self.vsock),
+            net: overrides.net.or(self.net),
+            rng: overrides.rng.or(self.rng),
         }
     }
 }
@@ -139,6 +259,14 @@ pub struct VmConfig {
     pub serial: SerialConfig,
     /// Control socket path.
     pub control_socket: Option<PathBuf>,
+    /// virtio-blk disks.
+    pub disks: Vec<DiskConfig>,
+    /// virtio-vsock.
+    pub vsock: Option<VsockConfig>,
+    /// virtio-net.
+    pub net: Option<NetConfig>,
+    /// virtio-rng.
+    pub rng: bool,
 }
 
 impl TryFrom<ConfigFile> for VmConfig {
@@ -155,6 +283,14 @@ impl TryFrom<ConfigFile> for VmConfig {
             Some(s) => s.parse()?,
             None => SerialConfig::Stdout,
         };
+        let disks = f
+            .disk
+            .unwrap_or_default()
+            .iter()
+            .map(|d| d.parse())
+            .collect::<Result<Vec<DiskConfig>, _>>()?;
+        let vsock = f.vsock.map(|v| v.parse()).transpose()?;
+        let net = f.net.map(|n| n.parse()).transpose()?;
         Ok(VmConfig {
             kernel,
             initrd: f.initrd,
@@ -163,6 +299,10 @@ impl TryFrom<ConfigFile> for VmConfig {
             vcpus,
             serial,
             control_socket: f.control_socket,
+            disks,
+            vsock,
+            net,
+            rng: f.rng.unwrap_or(false),
         })
     }
 }
@@ -170,6 +310,46 @@ impl TryFrom<ConfigFile> for VmConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn virtio_device_forms_parse() {
+        let d: DiskConfig = "/img,ro".parse().unwrap();
+        assert_eq!(
+            d,
+            DiskConfig {
+                path: "/img".into(),
+                read_only: true
+            }
+        );
+        assert!(!"/img".parse::<DiskConfig>().unwrap().read_only);
+        assert!(",ro".parse::<DiskConfig>().is_err());
+        assert!("/a,b".parse::<DiskConfig>().is_err());
+
+        let v: VsockConfig = "3:/tmp/v.sock".parse().unwrap();
+        assert_eq!(v.cid, 3);
+        assert_eq!(v.uds_path, PathBuf::from("/tmp/v.sock"));
+        assert!("2:/x".parse::<VsockConfig>().is_err());
+        assert!("x:/x".parse::<VsockConfig>().is_err());
+        assert!("3:".parse::<VsockConfig>().is_err());
+
+        let n: NetConfig = "tap0,mac=02:00:00:00:00:01".parse().unwrap();
+        assert_eq!(n.tap, "tap0");
+        assert_eq!(n.mac, Some([2, 0, 0, 0, 0, 1]));
+        assert_eq!("tap1".parse::<NetConfig>().unwrap().mac, None);
+        assert!("tap0,mac=02:00".parse::<NetConfig>().is_err());
+        assert!("a-name-longer-than-15".parse::<NetConfig>().is_err());
+        assert!("tap0,speed=1".parse::<NetConfig>().is_err());
+
+        let file: ConfigFile = serde_json::from_str(
+            r#"{"kernel":"/k","disk":["/a","/b,ro"],"vsock":"3:/v","net":"tap0","rng":true}"#,
+        )
+        .unwrap();
+        let cfg = VmConfig::try_from(file).unwrap();
+        assert_eq!(cfg.disks.len(), 2);
+        assert!(cfg.disks[1].read_only);
+        assert!(cfg.rng);
+        assert_eq!(cfg.vsock.unwrap().cid, 3);
+    }
 
     #[test]
     fn serial_forms_parse() {

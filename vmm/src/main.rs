@@ -75,7 +75,8 @@ struct RestoreArgs {
 #[derive(clap::Args)]
 struct RunArgs {
     /// JSON file with the same fields as the flags (kernel, initrd, cmdline, mem_mib,
-    /// vcpus, serial, control_socket); flags given on the command line win.
+    /// vcpus, serial, control_socket, disk (a list), vsock, net, rng); flags given on
+    /// the command line win.
     #[arg(long)]
     config: Option<PathBuf>,
     /// Kernel: ELF vmlinux (PVH entry used when present) or bzImage.
@@ -99,6 +100,18 @@ struct RunArgs {
     /// Unix socket for JSON-lines control requests.
     #[arg(long)]
     control_socket: Option<PathBuf>,
+    /// virtio-blk disk: a raw image, `PATH` or `PATH,ro`; repeat for more disks.
+    #[arg(long = "disk", value_name = "PATH[,ro]")]
+    disk: Vec<String>,
+    /// virtio-vsock: guest CID and the host Unix socket (Firecracker's convention).
+    #[arg(long, value_name = "CID:UDS_PATH")]
+    vsock: Option<String>,
+    /// virtio-net on a tap interface (created if absent), with an optional MAC.
+    #[arg(long, value_name = "TAP[,mac=..]")]
+    net: Option<String>,
+    /// virtio-rng fed by the host's getrandom.
+    #[arg(long)]
+    rng: bool,
 }
 
 fn init_logging(format: LogFormat, level: &str) {
@@ -128,6 +141,10 @@ fn run(args: RunArgs) -> Result<i32, (i32, String)> {
         vcpus: args.vcpus,
         serial: args.serial,
         control_socket: args.control_socket,
+        disk: (!args.disk.is_empty()).then_some(args.disk),
+        vsock: args.vsock,
+        net: args.net,
+        rng: args.rng.then_some(true),
     };
     let config = VmConfig::try_from(file.overridden_by(flags)).map_err(|e| bad(&e))?;
     let blocked = signals::block_termination_signals().map_err(|e| {

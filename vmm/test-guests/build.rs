@@ -4,7 +4,18 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const GUESTS: &[&str] = &["hello", "counter", "report", "triplefault", "dirtier"];
+const GUESTS: &[&str] = &[
+    "hello",
+    "counter",
+    "report",
+    "triplefault",
+    "dirtier",
+    "virtio_blk",
+    "virtio_rng",
+    "virtio_net",
+    "virtio_hostile",
+    "virtio_vsock",
+];
 
 const FLAGS: &[&str] = &[
     "-ffreestanding",

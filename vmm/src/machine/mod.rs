@@ -24,6 +24,9 @@ use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT_BASE, I8042_
 use crate::devices::legacy::serial::{
     spawn_stdin_forwarder, SerialDevice, SerialOut, COM1_IRQ, COM1_PORT_BASE, COM1_PORT_LEN,
 };
+use crate::devices::virtio::setup::{
+    self as virtio_setup, PlannedDevice, SetupError, VirtioRuntime,
+};
 use crate::exit::{ExitReason, EXIT_BAD_INPUT, EXIT_VM_FAILURE};
 use crate::kvm::{KvmError, KvmHandle};
 use crate::memory::{create_guest_memory, MemoryError};
@@ -81,6 +84,9 @@ pub enum StartError {
         #[source]
         source: std::io::Error,
     },
+    /// A virtio device could not be set up.
+    #[error(transparent)]
+    Virtio(#[from] SetupError),
     /// KVM_GET_SUPPORTED_CPUID failed.
     #[error("cannot read the CPUID KVM supports: {0}")]
     Cpuid(#[source] kvm_ioctls::Error),
@@ -117,6 +123,12 @@ impl StartError {
             | StartError::TooManyVcpus { .. }
             | StartError::SerialFile { .. }
             | StartError::MpTable(mptable::MpTableError::TooManyCpus(_)) => EXIT_BAD_INPUT,
+            StartError::Virtio(
+                SetupError::Block(_)
+                | SetupError::Net(_)
+                | SetupError::Vsock(_)
+                | SetupError::TooMany(_),
+            ) => EXIT_BAD_INPUT,
             _ => EXIT_VM_FAILURE,
         }
     }
@@ -140,19 +152,24 @@ pub struct MachineShared {
     last_snapshot: Mutex<Option<PathBuf>>,
     /// Dirty pages taken from KVM but not yet written to a snapshot (kept if a write fails).
     pending_dirty: Mutex<Vec<Vec<u64>>>,
+    /// The virtio devices and their event thread.
+    virtio: VirtioRuntime,
 }
 
 /// The devices and buses of a VM, before its vCPUs exist.
 struct Devices {
     buses: Buses,
     serial: Arc<Mutex<SerialDevice>>,
+    virtio: VirtioRuntime,
 }
 
-/// Puts the serial console and the i8042 on the port-I/O bus.
+/// Puts the serial console and the i8042 on the port-I/O bus and the virtio
+/// devices on the MMIO bus.
 fn build_devices(
     vm: &Vm,
     coordinator: &Arc<Coordinator>,
     serial: SerialDevice,
+    virtio_devices: Vec<PlannedDevice>,
 ) -> Result<Devices, StartError> {
     vm.fd()
         .register_irqfd(serial.irq().eventfd(), serial.irq().gsi())
@@ -168,12 +185,15 @@ fn build_devices(
     let mut io = Bus::new();
     io.insert(serial.clone(), COM1_PORT_BASE, COM1_PORT_LEN)?;
     io.insert(i8042, I8042_PORT_BASE, I8042_PORT_LEN)?;
+    let mut mmio = Bus::new();
+    let virtio = virtio_setup::attach(vm.fd(), vm.memory(), &mut mmio, virtio_devices)?;
     Ok(Devices {
         buses: Buses {
             io: Arc::new(io),
-            mmio: Arc::new(Bus::new()),
+            mmio: Arc::new(mmio),
         },
         serial,
+        virtio,
     })
 }
 
@@ -216,7 +236,13 @@ impl Machine {
         let memory = create_guest_memory(config.mem_mib)?;
 
         let kernel = loader::load_kernel(&memory, &config.kernel)?;
-        let cmdline = loader::build_cmdline(&config.cmdline, loader::cmdline_limit(&kernel))?;
+        let virtio_devices = virtio_setup::create_devices(config)?;
+        let mut cmdline_text = config.cmdline.clone();
+        if !virtio_devices.is_empty() {
+            cmdline_text.push(' ');
+            cmdline_text.push_str(&virtio_setup::cmdline_params(&virtio_devices));
+        }
+        let cmdline = loader::build_cmdline(&cmdline_text, loader::cmdline_limit(&kernel))?;
         let initrd = match &config.initrd {
             Some(path) => Some(loader::load_initrd(&memory, path, &kernel)?),
             None => None,
@@ -235,7 +261,7 @@ impl Machine {
         let vm = Vm::new(&kvm, memory)?;
         let coordinator = Arc::new(Coordinator::new(usize::from(config.vcpus)));
         let serial = SerialDevice::new(serial_irq()?, serial_output(&config.serial)?);
-        let devices = build_devices(&vm, &coordinator, serial)?;
+        let devices = build_devices(&vm, &coordinator, serial, virtio_devices)?;
 
         let supported = kvm
             .kvm()
@@ -256,6 +282,7 @@ impl Machine {
             mem_mib: config.mem_mib,
             last_snapshot: Mutex::new(None),
             pending_dirty: Mutex::new(Vec::new()),
+            virtio: devices.virtio,
         };
         Self::launch(shared, vcpus, &config.serial)
     }
@@ -304,6 +331,11 @@ impl Machine {
     /// The shared machine, for the control socket.
     pub fn shared(&self) -> Arc<MachineShared> {
         self.shared.clone()
+    }
+
+    /// The virtio devices (transports, and `save` for snapshots).
+    pub fn virtio(&self) -> &VirtioRuntime {
+        &self.shared.virtio
     }
 
     /// Waits until the VM ends and returns why.

@@ -64,7 +64,9 @@ impl Machine {
             },
             &state.serial,
         )?;
-        let devices = build_devices(&vm, &coordinator, serial)?;
+        // Virtio device state is not in the snapshot format yet (see
+        // devices/virtio/setup.rs: VirtioRuntime::save, restore_devices).
+        let devices = build_devices(&vm, &coordinator, serial, Vec::new())?;
         let mut vcpus = Vec::with_capacity(count);
         for vstate in &state.vcpus {
             let vcpu = Vcpu::new(vm.fd(), vstate.index, devices.buses.clone())?;
@@ -87,6 +89,7 @@ impl Machine {
             mem_mib: state.mem_mib,
             last_snapshot: Mutex::new(Some(top)),
             pending_dirty: Mutex::new(Vec::new()),
+            virtio: devices.virtio,
         };
         Self::launch(shared, vcpus, &config.serial)
     }

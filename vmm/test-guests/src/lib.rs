@@ -7,11 +7,27 @@
 //! * `report`: prints the zero page, command line, e820 map, CPUID identity
 //!   and MP table it was given, then resets.
 //! * `triplefault`: loads an empty IDT and faults.
+//! * `virtio_blk`: reads, writes, flushes and gets the ID of the first virtio-blk disk.
+//! * `virtio_rng`: reads 64 random bytes twice from virtio-rng.
+//! * `virtio_net`: sends one frame through virtio-net, optionally waits for one.
+//! * `virtio_vsock`: connects to a host port and accepts a host-initiated connection over virtio-vsock.
+//! * `virtio_hostile`: a misbehaving virtio-blk driver (bad sizes, buffers, chains).
 
 use std::path::PathBuf;
 
 /// Names of all test guests.
-pub const ALL: &[&str] = &["hello", "counter", "report", "triplefault", "dirtier"];
+pub const ALL: &[&str] = &[
+    "hello",
+    "counter",
+    "report",
+    "triplefault",
+    "dirtier",
+    "virtio_blk",
+    "virtio_rng",
+    "virtio_net",
+    "virtio_hostile",
+    "virtio_vsock",
+];
 
 /// Path of the ELF image of test guest `name`, or `None` for an unknown name.
 pub fn path(name: &str) -> Option<PathBuf> {

@@ -1,0 +1,73 @@
+//! Snapshot state of a virtio-blk device.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::Block;
+use crate::devices::virtio::persist::{CommonState, VirtioPersistError};
+use crate::devices::virtio::{Interrupt, VirtioDevice};
+use crate::memory::GuestMemoryMmap;
+use crate::snapshot::persist::Persist;
+
+/// What a virtio-blk device saves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockState {
+    /// Features and queues.
+    pub common: CommonState,
+    /// Disk size the guest saw, in sectors.
+    pub sectors: u64,
+    /// Whether the disk was read-only.
+    pub read_only: bool,
+}
+
+/// What restoring a virtio-blk device needs.
+pub struct BlockConstructorArgs {
+    /// The disk image (must have the size it had at snapshot time).
+    pub path: PathBuf,
+    /// Read-only flag from the configuration (must match the snapshot).
+    pub read_only: bool,
+    /// Guest memory.
+    pub mem: GuestMemoryMmap,
+    /// The device's interrupt.
+    pub interrupt: Arc<Interrupt>,
+}
+
+impl Persist for Block {
+    type State = BlockState;
+    type ConstructorArgs = BlockConstructorArgs;
+    type Error = VirtioPersistError;
+
+    fn save(&self) -> Result<BlockState, VirtioPersistError> {
+        Ok(BlockState {
+            common: self.common.save_state(),
+            sectors: self.disk.sectors,
+            read_only: self.disk.read_only,
+        })
+    }
+
+    fn restore(args: BlockConstructorArgs, state: &BlockState) -> Result<Self, VirtioPersistError> {
+        let mut block = Block::new(&args.path, args.read_only)
+            .map_err(|e| VirtioPersistError::Mismatch(e.to_string()))?;
+        if block.disk.sectors != state.sectors {
+            return Err(VirtioPersistError::Mismatch(format!(
+                "disk {} has {} sectors, the snapshot {}",
+                args.path.display(),
+                block.disk.sectors,
+                state.sectors
+            )));
+        }
+        if block.disk.read_only != state.read_only {
+            return Err(VirtioPersistError::Mismatch(format!(
+                "disk {} read-only flag differs from the snapshot",
+                args.path.display()
+            )));
+        }
+        block.common.restore_state(&state.common, &args.mem)?;
+        if state.common.activated {
+            block.activate(args.mem, args.interrupt)?;
+        }
+        Ok(block)
+    }
+}

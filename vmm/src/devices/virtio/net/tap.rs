@@ -1,0 +1,120 @@
+//! A Linux tap interface opened by name through /dev/net/tun (TUNSETIFF),
+//! created if it does not exist, with a virtio-net header on every frame.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+
+/// `_IOW('T', 202, int)`.
+const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+/// `_IOW('T', 216, int)`.
+const TUNSETVNETHDRSZ: libc::c_ulong = 0x4004_54d8;
+const IFF_TAP: libc::c_short = 0x0002;
+const IFF_NO_PI: libc::c_short = 0x1000;
+const IFF_VNET_HDR: libc::c_short = 0x4000;
+
+/// Size of `struct virtio_net_hdr_v1`, which every frame on the tap carries.
+pub const VNET_HDR_LEN: usize = 12;
+
+/// Errors opening a tap.
+#[derive(Debug, thiserror::Error)]
+pub enum TapError {
+    /// /dev/net/tun cannot be opened.
+    #[error("cannot open /dev/net/tun: {0} (is the tun module loaded?)")]
+    OpenTun(#[source] io::Error),
+    /// TUNSETIFF failed.
+    #[error("cannot attach to tap {name}: {source} (creating a tap needs CAP_NET_ADMIN; an existing one must be a tap, not a tun, and be owned by this user)")]
+    SetIff {
+        /// Interface name.
+        name: String,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// TUNSETVNETHDRSZ failed.
+    #[error("cannot set the virtio-net header size on tap {name}: {source}")]
+    VnetHdr {
+        /// Interface name.
+        name: String,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+}
+
+#[repr(C)]
+struct IfReq {
+    name: [u8; 16],
+    flags: libc::c_short,
+    _pad: [u8; 22],
+}
+
+/// An open tap interface (non-blocking).
+#[derive(Debug)]
+pub struct Tap {
+    file: File,
+    name: String,
+}
+
+impl Tap {
+    /// Opens (or creates) the tap `name`. `name` must be 1..=15 bytes.
+    pub fn open(name: &str) -> Result<Tap, TapError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open("/dev/net/tun")
+            .map_err(TapError::OpenTun)?;
+        let mut req = IfReq {
+            name: [0; 16],
+            flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR,
+            _pad: [0; 22],
+        };
+        let n = name.len().min(15);
+        req.name[..n].copy_from_slice(&name.as_bytes()[..n]);
+        // SAFETY: TUNSETIFF reads and writes a `struct ifreq` (40 bytes, name then flags),
+        // which `IfReq` lays out with repr(C); the pointer is valid for the call.
+        let ret = unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF as _, &mut req) };
+        if ret < 0 {
+            return Err(TapError::SetIff {
+                name: name.into(),
+                source: io::Error::last_os_error(),
+            });
+        }
+        let hdr_len = VNET_HDR_LEN as libc::c_int;
+        // SAFETY: TUNSETVNETHDRSZ reads one int through the pointer, valid for the call.
+        let ret = unsafe { libc::ioctl(file.as_raw_fd(), TUNSETVNETHDRSZ as _, &hdr_len) };
+        if ret < 0 {
+            return Err(TapError::VnetHdr {
+                name: name.into(),
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(Tap {
+            file,
+            name: name.into(),
+        })
+    }
+
+    /// The interface name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Reads one frame (with its virtio-net header); `WouldBlock` when none is queued.
+    pub fn read_frame(&self, buf: &mut [u8]) -> io::Result<usize> {
+        (&self.file).read(buf)
+    }
+
+    /// Writes one frame (with its virtio-net header).
+    pub fn write_frame(&self, frame: &[u8]) -> io::Result<usize> {
+        (&self.file).write(frame)
+    }
+}
+
+impl AsRawFd for Tap {
+    fn as_raw_fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+}

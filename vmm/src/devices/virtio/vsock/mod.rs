@@ -1,0 +1,862 @@
+//! virtio-vsock with a host side in Firecracker's convention:
+//!
+//! * One Unix socket per VM at `uds_path`. A host process connects, writes
+//!   `CONNECT <port>\n` and, once the guest accepts, reads `OK <hostport>\n`
+//!   followed by the byte stream of the guest listener on `<port>`.
+//! * A guest connecting to CID 2 port P reaches the Unix socket `<uds_path>_P`
+//!   if something listens there; otherwise the guest gets a reset.
+//!
+//! Flow control is the spec's credit scheme: the device never sends the
+//! guest more than the guest's advertised free buffer (`buf_alloc` minus
+//! bytes in flight), and reads from a host socket only when it can; guest
+//! data waiting for a slow host reader is bounded by the `buf_alloc` the
+//! device advertises, and a guest that exceeds it is reset. A guest that
+//! never consumes data therefore costs the host at most one scratch buffer:
+//! the rest stays in the host socket, whose writer blocks.
+//!
+//! All connection work runs on the event thread. Work requested from a
+//! vCPU thread (activation, reset) is handed over through `kick_evt`.
+
+pub mod conn;
+pub mod packet;
+pub mod persist;
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Read, Write};
+use std::num::Wrapping;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
+use virtio_bindings::virtio_ids::VIRTIO_ID_VSOCK;
+use virtio_queue::{DescriptorChain, QueueOwnedT, QueueT, Reader, Writer};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{read_config_bytes, ActivateError, DeviceCommon, Interrupt, VirtioDevice};
+use crate::memory::GuestMemoryMmap;
+use conn::{Conn, ConnState};
+use packet::*;
+
+/// Receive queue.
+pub const RX_QUEUE: usize = 0;
+/// Transmit queue.
+pub const TX_QUEUE: usize = 1;
+/// Event queue.
+pub const EVENT_QUEUE: usize = 2;
+/// Queue size offered.
+pub const QUEUE_SIZE: u16 = 256;
+/// Most connections (established, pending, and host sockets still sending
+/// their CONNECT line) at once; more are refused.
+pub const MAX_CONNECTIONS: usize = 1024;
+/// Most control packets waiting for guest receive buffers.
+pub const MAX_PENDING_CONTROL: usize = 2 * MAX_CONNECTIONS;
+/// Longest `CONNECT <port>\n` line accepted.
+const MAX_CONNECT_LINE: usize = 32;
+/// First port the device picks for host-initiated connections.
+const FIRST_LOCAL_PORT: u32 = 1 << 30;
+/// Largest payload in one packet to the guest (also the scratch buffer size).
+const MAX_PKT_PAYLOAD: usize = 64 * 1024;
+
+/// Errors creating the device.
+#[derive(Debug, thiserror::Error)]
+pub enum VsockError {
+    /// The host socket cannot be created.
+    #[error("cannot listen on vsock socket {path}: {source} (is another vmm using it?)")]
+    Listen {
+        /// The socket path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// An eventfd could not be created.
+    #[error("cannot create the virtio-vsock eventfds: {0}")]
+    Eventfd(#[source] io::Error),
+}
+
+/// A host socket that connected to `uds_path` and has not finished its CONNECT line.
+struct PendingHost {
+    stream: UnixStream,
+    line: Vec<u8>,
+    dead: bool,
+}
+
+/// Connection key: (host-side port, guest-side port).
+type Key = (u32, u32);
+
+/// Counters, for tests and logs.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct VsockStats {
+    /// Packets taken from the transmit queue.
+    pub tx_packets: u64,
+    /// Packets put on the receive queue.
+    pub rx_packets: u64,
+    /// Resets sent to the guest.
+    pub rst_sent: u64,
+    /// Control packets dropped because too many were waiting.
+    pub control_dropped: u64,
+}
+
+/// The virtio-vsock device.
+pub struct Vsock {
+    common: DeviceCommon,
+    cid: u64,
+    uds_path: PathBuf,
+    listener: UnixListener,
+    kick_evt: EventFd,
+    conns: HashMap<Key, Conn>,
+    conn_fds: HashMap<RawFd, Key>,
+    pending_hosts: HashMap<RawFd, PendingHost>,
+    /// Control packets for the guest, sent before any data.
+    rx_control: VecDeque<PacketHeader>,
+    /// Connections the guest opened whose sockets are not watched yet.
+    new_fds: Vec<Key>,
+    next_local_port: u32,
+    /// A transport-reset event must be sent (after a snapshot restore).
+    reset_event_pending: bool,
+    scratch: Vec<u8>,
+    stats: VsockStats,
+}
+
+/// Binds `path`, replacing a stale socket file nobody listens on.
+fn listen(path: &Path) -> Result<UnixListener, VsockError> {
+    let err = |source| VsockError::Listen {
+        path: path.into(),
+        source,
+    };
+    let listener = match UnixListener::bind(path) {
+        Ok(l) => l,
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse && UnixStream::connect(path).is_err() => {
+            std::fs::remove_file(path).map_err(err)?;
+            UnixListener::bind(path).map_err(err)?
+        }
+        Err(e) => return Err(err(e)),
+    };
+    listener.set_nonblocking(true).map_err(err)?;
+    Ok(listener)
+}
+
+/// Connects to the Unix socket at `path` without blocking: a listener whose
+/// backlog is full refuses (EAGAIN) instead of stalling the event thread.
+fn connect_nonblocking(path: &std::ffi::OsStr) -> io::Result<UnixStream> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+
+    // SAFETY: sockaddr_un is plain data; all-zero is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    let bytes = path.as_bytes();
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(io::ErrorKind::InvalidInput.into());
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (dst, src) in addr.sun_path.iter_mut().zip(bytes) {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: plain socket(2) call with constant arguments.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and is owned by nothing else; the stream closes it.
+    let stream = unsafe { UnixStream::from_raw_fd(fd) };
+    // SAFETY: `addr` is a valid, NUL-terminated sockaddr_un and the length is its size.
+    let rc = unsafe {
+        libc::connect(
+            fd,
+            &addr as *const libc::sockaddr_un as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(stream)
+}
+
+impl Vsock {
+    /// A device for guest `cid`, with its host socket at `uds_path`.
+    pub fn new(cid: u32, uds_path: &Path) -> Result<Vsock, VsockError> {
+        let listener = listen(uds_path)?;
+        Ok(Vsock {
+            common: DeviceCommon::new(0, &[QUEUE_SIZE; 3]).map_err(VsockError::Eventfd)?,
+            cid: u64::from(cid),
+            uds_path: uds_path.into(),
+            listener,
+            kick_evt: EventFd::new(libc::EFD_NONBLOCK).map_err(VsockError::Eventfd)?,
+            conns: HashMap::new(),
+            conn_fds: HashMap::new(),
+            pending_hosts: HashMap::new(),
+            rx_control: VecDeque::new(),
+            new_fds: Vec::new(),
+            next_local_port: FIRST_LOCAL_PORT,
+            reset_event_pending: false,
+            scratch: vec![0; MAX_PKT_PAYLOAD],
+            stats: VsockStats::default(),
+        })
+    }
+
+    /// The guest's context ID.
+    pub fn cid(&self) -> u64 {
+        self.cid
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> VsockStats {
+        self.stats
+    }
+
+    /// Open connections.
+    pub fn connection_count(&self) -> usize {
+        self.conns.values().filter(|c| !c.dead).count()
+    }
+
+    /// Bytes of guest data held on the host side, over all connections.
+    pub fn buffered_bytes(&self) -> usize {
+        self.conns.values().map(|c| c.tx_buf.len()).sum()
+    }
+
+    fn kick(&self) {
+        if let Err(e) = self.kick_evt.write(1) {
+            tracing::warn!(error = %e, "cannot wake the vsock event handler");
+        }
+    }
+
+    fn header(&self, local_port: u32, peer_port: u32, op: u16) -> PacketHeader {
+        PacketHeader {
+            src_cid: HOST_CID,
+            dst_cid: self.cid,
+            src_port: local_port,
+            dst_port: peer_port,
+            len: 0,
+            type_: TYPE_STREAM,
+            op,
+            flags: 0,
+            buf_alloc: conn::TX_BUF_ALLOC,
+            fwd_cnt: 0,
+        }
+    }
+
+    fn push_control(&mut self, hdr: PacketHeader) {
+        if self.rx_control.len() >= MAX_PENDING_CONTROL {
+            self.stats.control_dropped += 1;
+            let op = hdr.op;
+            tracing::debug!(op, "vsock control queue full: packet dropped");
+            return;
+        }
+        self.rx_control.push_back(hdr);
+    }
+
+    fn send_rst(&mut self, local_port: u32, peer_port: u32) {
+        let hdr = self.header(local_port, peer_port, OP_RST);
+        self.push_control(hdr);
+    }
+
+    /// Ends a connection: the guest gets a reset unless it asked for it.
+    fn kill(&mut self, key: Key, notify_guest: bool) {
+        if let Some(c) = self.conns.get_mut(&key) {
+            if !c.dead {
+                c.dead = true;
+                if notify_guest {
+                    self.send_rst(key.0, key.1);
+                }
+            }
+        }
+    }
+
+    fn alloc_local_port(&mut self) -> u32 {
+        loop {
+            let port = self.next_local_port;
+            self.next_local_port = self
+                .next_local_port
+                .checked_add(1)
+                .unwrap_or(FIRST_LOCAL_PORT);
+            if !self.conns.keys().any(|k| k.0 == port) {
+                return port;
+            }
+        }
+    }
+
+    fn connection_budget_left(&self) -> bool {
+        self.conns.len() + self.pending_hosts.len() < MAX_CONNECTIONS
+    }
+
+    /// Handles every packet the guest queued for transmission.
+    pub fn process_tx(&mut self) -> usize {
+        let Some(mem) = self.common.mem.clone() else {
+            return 0;
+        };
+        let mut done = 0;
+        while let Some(chain) = self.common.queues[TX_QUEUE].pop_descriptor_chain(&mem) {
+            let head = chain.head_index();
+            self.handle_tx_packet(&mem, chain);
+            self.stats.tx_packets += 1;
+            if let Err(e) = self.common.queues[TX_QUEUE].add_used(&mem, head, 0) {
+                tracing::warn!(error = %e, "virtio-vsock cannot return a tx buffer");
+                break;
+            }
+            done += 1;
+        }
+        if done > 0 {
+            self.common.signal_used();
+        }
+        done
+    }
+
+    fn handle_tx_packet(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        chain: DescriptorChain<&GuestMemoryMmap>,
+    ) {
+        let mut reader = match Reader::new(mem, chain) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(error = %e, "vsock tx packet with bad buffers dropped");
+                return;
+            }
+        };
+        let Ok(hdr) = reader.read_obj::<PacketHeader>() else {
+            tracing::debug!("vsock tx packet shorter than a header dropped");
+            return;
+        };
+        let (src_cid, dst_cid, op, type_) = (hdr.src_cid, hdr.dst_cid, hdr.op, hdr.type_);
+        let key: Key = (hdr.dst_port, hdr.src_port);
+        if src_cid != self.cid || dst_cid != HOST_CID || type_ != TYPE_STREAM {
+            tracing::debug!(
+                src_cid,
+                dst_cid,
+                type_,
+                "vsock packet not for the host dropped"
+            );
+            if op != OP_RST && type_ == TYPE_STREAM && src_cid == self.cid {
+                self.send_rst(key.0, key.1);
+            }
+            return;
+        }
+        if op == OP_REQUEST {
+            self.guest_connect(key, &hdr);
+            return;
+        }
+        let Some(c) = self.conns.get_mut(&key).filter(|c| !c.dead) else {
+            if op != OP_RST {
+                self.send_rst(key.0, key.1);
+            }
+            return;
+        };
+        c.update_peer_credit(&hdr);
+        match op {
+            OP_RESPONSE if c.state == ConnState::AwaitingResponse => {
+                c.state = ConnState::Established;
+                let line = format!("OK {}\n", key.0);
+                // A fresh socket has room for a short line; a failure ends the connection.
+                if (&c.stream).write_all(line.as_bytes()).is_err() {
+                    self.kill(key, true);
+                }
+            }
+            OP_RW if c.state == ConnState::Established => {
+                let len = hdr.len as usize;
+                if len > reader.available_bytes() {
+                    tracing::debug!(len, "vsock RW packet shorter than its length: reset");
+                    self.kill(key, true);
+                    return;
+                }
+                if !c.accept_tx(len) {
+                    tracing::debug!(len, "vsock guest exceeded its credit: reset");
+                    self.kill(key, true);
+                    return;
+                }
+                let mut left = len;
+                while left > 0 {
+                    let n = left.min(self.scratch.len());
+                    if reader.read_exact(&mut self.scratch[..n]).is_err() {
+                        break;
+                    }
+                    c.tx_buf.extend(&self.scratch[..n]);
+                    left -= n;
+                }
+                if c.flush_tx().is_err() {
+                    self.kill(key, true);
+                }
+            }
+            OP_CREDIT_UPDATE => {}
+            OP_CREDIT_REQUEST => c.credit_update_needed = true,
+            OP_SHUTDOWN => {
+                let flags = hdr.flags;
+                if flags & SHUTDOWN_SEND != 0 {
+                    c.peer_shut_send = true;
+                }
+                if flags & SHUTDOWN_RCV != 0 {
+                    c.peer_shut_rcv = true;
+                }
+                if c.peer_shut_send && c.peer_shut_rcv {
+                    // Both directions closed: the connection ends with a reset from us.
+                    self.kill(key, true);
+                } else if c.peer_shut_send && c.tx_buf.is_empty() {
+                    let _ = c.stream.shutdown(std::net::Shutdown::Write);
+                }
+            }
+            OP_RST => self.kill(key, false),
+            _ => self.kill(key, true),
+        }
+    }
+
+    /// The guest connects to host port `key.0`: reach `<uds_path>_<port>`.
+    fn guest_connect(&mut self, key: Key, hdr: &PacketHeader) {
+        if self.conns.get(&key).is_some_and(|c| !c.dead) || !self.connection_budget_left() {
+            self.send_rst(key.0, key.1);
+            return;
+        }
+        let mut path = self.uds_path.clone().into_os_string();
+        path.push(format!("_{}", key.0));
+        let stream = match connect_nonblocking(&path) {
+            Ok(s) => s,
+            Err(_) => {
+                tracing::debug!(path = ?path, "vsock: nothing listens for the guest's connection");
+                self.send_rst(key.0, key.1);
+                return;
+            }
+        };
+        // A dead connection with the same key is still waiting to be unregistered.
+        if self.conns.contains_key(&key) {
+            self.send_rst(key.0, key.1);
+            return;
+        }
+        let mut c = Conn::new(stream, ConnState::Established);
+        c.update_peer_credit(hdr);
+        self.new_fds.push(key);
+        self.conns.insert(key, c);
+        let resp = self.header(key.0, key.1, OP_RESPONSE);
+        self.push_control(resp);
+    }
+
+    /// A host process finished its `CONNECT <port>` line: ask the guest.
+    fn host_connect(&mut self, stream: UnixStream, peer_port: u32) -> Key {
+        let local = self.alloc_local_port();
+        let key = (local, peer_port);
+        self.conns
+            .insert(key, Conn::new(stream, ConnState::AwaitingResponse));
+        let req = self.header(local, peer_port, OP_REQUEST);
+        self.push_control(req);
+        key
+    }
+
+    /// Fills guest receive buffers: control packets first, then data from
+    /// host sockets within each connection's credit.
+    pub fn process_rx(&mut self) -> usize {
+        let Some(mem) = self.common.mem.clone() else {
+            return 0;
+        };
+        // Credit updates the guest should hear about.
+        let mut updates = Vec::new();
+        for (key, c) in self.conns.iter_mut() {
+            if !c.dead && c.state == ConnState::Established && c.wants_credit_update() {
+                // Counted as announced now, so one update is queued at a time; the
+                // packet carries the then-current count when it is sent.
+                c.credit_update_needed = false;
+                c.announce_fwd_cnt();
+                updates.push(*key);
+            }
+        }
+        for key in updates {
+            let h = self.header(key.0, key.1, OP_CREDIT_UPDATE);
+            self.push_control(h);
+        }
+        let mut done = 0;
+        loop {
+            if let Some(mut hdr) = self.rx_control.front().copied() {
+                let Some(chain) = self.common.queues[RX_QUEUE].pop_descriptor_chain(&mem) else {
+                    break;
+                };
+                let head = chain.head_index();
+                if let Some(c) = self.conns.get_mut(&(hdr.src_port, hdr.dst_port)) {
+                    hdr.fwd_cnt = c.announce_fwd_cnt();
+                }
+                let used = match Writer::new(&mem, chain) {
+                    Ok(mut w) => match w.write_obj(hdr) {
+                        Ok(()) => HEADER_LEN as u32,
+                        Err(_) => 0,
+                    },
+                    Err(_) => 0,
+                };
+                if hdr.op == OP_RST {
+                    self.stats.rst_sent += 1;
+                }
+                self.rx_control.pop_front();
+                self.add_rx_used(&mem, head, used);
+                done += 1;
+                continue;
+            }
+            let Some(key) = self.next_readable() else {
+                break;
+            };
+            let Some(chain) = self.common.queues[RX_QUEUE].pop_descriptor_chain(&mem) else {
+                break;
+            };
+            let head = chain.head_index();
+            match self.fill_data_packet(&mem, key, chain) {
+                Some(used) => {
+                    self.add_rx_used(&mem, head, used);
+                    done += 1;
+                }
+                None => self.common.queues[RX_QUEUE].go_to_previous_position(),
+            }
+        }
+        if done > 0 {
+            self.common.signal_used();
+        }
+        done
+    }
+
+    fn add_rx_used(&mut self, mem: &GuestMemoryMmap, head: u16, used: u32) {
+        self.stats.rx_packets += 1;
+        if let Err(e) = self.common.queues[RX_QUEUE].add_used(mem, head, used) {
+            tracing::warn!(error = %e, "virtio-vsock cannot return an rx buffer");
+        }
+    }
+
+    /// A connection with host data to send and guest credit to send it with.
+    fn next_readable(&self) -> Option<Key> {
+        self.conns
+            .iter()
+            .find(|(_, c)| c.can_send_to_guest())
+            .map(|(k, _)| *k)
+    }
+
+    /// Reads host data for `key` into `chain`; returns the used length, or
+    /// `None` when there was nothing to send after all (the chain is unused).
+    fn fill_data_packet(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        key: Key,
+        chain: DescriptorChain<&GuestMemoryMmap>,
+    ) -> Option<u32> {
+        let mut hdr = self.header(key.0, key.1, OP_RW);
+        let c = self.conns.get_mut(&key)?;
+        let mut writer = match Writer::new(mem, chain) {
+            Ok(w) if w.available_bytes() >= HEADER_LEN => w,
+            _ => {
+                tracing::debug!("vsock rx buffer missing or smaller than a header: skipped");
+                return Some(0);
+            }
+        };
+        let room = (writer.available_bytes() - HEADER_LEN)
+            .min(c.peer_credit() as usize)
+            .min(self.scratch.len());
+        match (&c.stream).read(&mut self.scratch[..room]) {
+            Ok(0) => {
+                // The host closed its side: tell the guest nothing more comes.
+                c.host_eof = true;
+                hdr.op = OP_SHUTDOWN;
+                hdr.flags = SHUTDOWN_RCV | SHUTDOWN_SEND;
+                hdr.fwd_cnt = c.announce_fwd_cnt();
+                writer.write_obj(hdr).ok()?;
+                Some(HEADER_LEN as u32)
+            }
+            Ok(n) => {
+                hdr.len = n as u32;
+                hdr.fwd_cnt = c.announce_fwd_cnt();
+                c.rx_cnt += Wrapping(n as u32);
+                if writer.write_obj(hdr).is_err() || writer.write_all(&self.scratch[..n]).is_err() {
+                    return Some(0);
+                }
+                Some((HEADER_LEN + n) as u32)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                c.readable = false;
+                None
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "vsock host socket read failed: reset");
+                c.dead = true;
+                hdr.op = OP_RST;
+                writer.write_obj(hdr).ok()?;
+                self.stats.rst_sent += 1;
+                Some(HEADER_LEN as u32)
+            }
+        }
+    }
+
+    /// Sends the transport-reset event if one is pending and the guest gave a buffer.
+    fn process_event_queue(&mut self) {
+        if !self.reset_event_pending {
+            return;
+        }
+        let Some(mem) = self.common.mem.clone() else {
+            return;
+        };
+        let Some(chain) = self.common.queues[EVENT_QUEUE].pop_descriptor_chain(&mem) else {
+            return;
+        };
+        let head = chain.head_index();
+        let used = match Writer::new(&mem, chain) {
+            Ok(mut w) => match w.write_obj(EVENT_TRANSPORT_RESET.to_le()) {
+                Ok(()) => 4,
+                Err(_) => 0,
+            },
+            Err(_) => 0,
+        };
+        if self.common.queues[EVENT_QUEUE]
+            .add_used(&mem, head, used)
+            .is_ok()
+        {
+            self.reset_event_pending = false;
+            self.common.signal_used();
+        }
+    }
+
+    /// Accepts host connections on the Unix socket until none is waiting.
+    fn accept_host_connections(&mut self, ops: &mut EventOps) {
+        loop {
+            let stream = match self.listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "vsock: accept failed");
+                    return;
+                }
+            };
+            if !self.connection_budget_left() || stream.set_nonblocking(true).is_err() {
+                tracing::debug!("vsock: host connection refused (too many connections)");
+                continue;
+            }
+            let fd = stream.as_raw_fd();
+            if ops
+                .add(Events::new(
+                    &stream,
+                    EventSet::IN | EventSet::EDGE_TRIGGERED,
+                ))
+                .is_err()
+            {
+                continue;
+            }
+            self.pending_hosts.insert(
+                fd,
+                PendingHost {
+                    stream,
+                    line: Vec::with_capacity(MAX_CONNECT_LINE),
+                    dead: false,
+                },
+            );
+            self.read_connect_line(fd, ops);
+        }
+    }
+
+    /// Reads what a host socket has sent of its `CONNECT <port>\n` line.
+    fn read_connect_line(&mut self, fd: RawFd, ops: &mut EventOps) {
+        let activated = self.is_activated();
+        let Some(p) = self.pending_hosts.get_mut(&fd) else {
+            return;
+        };
+        let mut byte = [0u8; 1];
+        // Byte by byte, so nothing after the newline is consumed.
+        loop {
+            match (&p.stream).read(&mut byte) {
+                Ok(0) => {
+                    p.dead = true;
+                    return;
+                }
+                Ok(_) if byte[0] == b'\n' => break,
+                Ok(_) if p.line.len() < MAX_CONNECT_LINE => p.line.push(byte[0]),
+                Ok(_) => {
+                    p.dead = true;
+                    return;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(_) => {
+                    p.dead = true;
+                    return;
+                }
+            }
+        }
+        let port = std::str::from_utf8(&p.line)
+            .ok()
+            .and_then(|l| l.strip_prefix("CONNECT "))
+            .and_then(|p| p.trim().parse::<u32>().ok());
+        match port {
+            Some(port) if activated => {
+                if let Some(p) = self.pending_hosts.remove(&fd) {
+                    let key = self.host_connect(p.stream, port);
+                    // Same fd, now a connection: also watch for room to write.
+                    if let Some(c) = self.conns.get(&key) {
+                        let events = Events::new(
+                            &c.stream,
+                            EventSet::IN | EventSet::OUT | EventSet::EDGE_TRIGGERED,
+                        );
+                        if ops.modify(events).is_ok() {
+                            self.conn_fds.insert(fd, key);
+                        } else {
+                            self.kill(key, true);
+                        }
+                    }
+                }
+            }
+            _ => {
+                tracing::debug!(activated, "vsock: bad CONNECT line or device not started");
+                p.dead = true;
+            }
+        }
+    }
+
+    /// Watches the sockets of connections the guest opened.
+    fn watch_new_connections(&mut self, ops: &mut EventOps) {
+        for key in std::mem::take(&mut self.new_fds) {
+            let Some(c) = self.conns.get(&key) else {
+                continue;
+            };
+            let fd = c.stream.as_raw_fd();
+            let events = Events::new(
+                &c.stream,
+                EventSet::IN | EventSet::OUT | EventSet::EDGE_TRIGGERED,
+            );
+            if ops.add(events).is_ok() {
+                self.conn_fds.insert(fd, key);
+            } else {
+                self.kill(key, true);
+            }
+        }
+    }
+
+    /// Unregisters and closes ended connections and host sockets.
+    fn reap(&mut self, ops: &mut EventOps) {
+        let dead_hosts: Vec<RawFd> = self
+            .pending_hosts
+            .iter()
+            .filter(|(_, p)| p.dead)
+            .map(|(fd, _)| *fd)
+            .collect();
+        for fd in dead_hosts {
+            if let Some(p) = self.pending_hosts.remove(&fd) {
+                let _ = ops.remove(Events::new(&p.stream, EventSet::IN));
+            }
+        }
+        let dead: Vec<Key> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.dead)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in dead {
+            if let Some(c) = self.conns.remove(&key) {
+                let fd = c.stream.as_raw_fd();
+                if self.conn_fds.remove(&fd).is_some() {
+                    let _ = ops.remove(Events::new(&c.stream, EventSet::IN));
+                }
+            }
+        }
+    }
+
+    fn on_connection_event(&mut self, fd: RawFd, set: EventSet) {
+        let Some(&key) = self.conn_fds.get(&fd) else {
+            return;
+        };
+        let Some(c) = self.conns.get_mut(&key) else {
+            return;
+        };
+        if set
+            .intersects(EventSet::IN | EventSet::HANG_UP | EventSet::READ_HANG_UP | EventSet::ERROR)
+        {
+            c.readable = true;
+        }
+        if set.contains(EventSet::OUT) && c.flush_tx().is_err() {
+            self.kill(key, true);
+        }
+    }
+}
+
+impl VirtioDevice for Vsock {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_VSOCK
+    }
+    fn common(&self) -> &DeviceCommon {
+        &self.common
+    }
+    fn common_mut(&mut self) -> &mut DeviceCommon {
+        &mut self.common
+    }
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        // struct virtio_vsock_config { le64 guest_cid; }
+        read_config_bytes(&self.cid.to_le_bytes(), offset, data);
+    }
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<Interrupt>,
+    ) -> Result<(), ActivateError> {
+        self.common.activate(mem, interrupt)?;
+        self.kick();
+        Ok(())
+    }
+    fn reset(&mut self) {
+        self.common.reset();
+        for c in self.conns.values_mut() {
+            c.dead = true;
+        }
+        for p in self.pending_hosts.values_mut() {
+            p.dead = true;
+        }
+        self.rx_control.clear();
+        self.reset_event_pending = false;
+        self.kick();
+    }
+}
+
+impl MutEventSubscriber for Vsock {
+    fn process(&mut self, events: Events, ops: &mut EventOps) {
+        let fd = events.fd();
+        let evts = &self.common.queue_evts;
+        if fd == evts[RX_QUEUE].as_raw_fd() {
+            let _ = evts[RX_QUEUE].read();
+        } else if fd == evts[TX_QUEUE].as_raw_fd() {
+            let _ = evts[TX_QUEUE].read();
+            self.process_tx();
+        } else if fd == evts[EVENT_QUEUE].as_raw_fd() {
+            let _ = evts[EVENT_QUEUE].read();
+        } else if fd == self.kick_evt.as_raw_fd() {
+            let _ = self.kick_evt.read();
+            // Host connections that arrived before the guest started the device
+            // waited in the listen backlog; take them now.
+            if self.is_activated() {
+                self.accept_host_connections(ops);
+            }
+        } else if fd == self.listener.as_raw_fd() {
+            // Until the guest starts the device, connections wait in the backlog.
+            if self.is_activated() {
+                self.accept_host_connections(ops);
+            }
+        } else if self.pending_hosts.contains_key(&fd) {
+            self.read_connect_line(fd, ops);
+        } else {
+            self.on_connection_event(fd, events.event_set());
+        }
+        self.process_event_queue();
+        self.watch_new_connections(ops);
+        self.process_rx();
+        self.reap(ops);
+    }
+
+    fn init(&mut self, ops: &mut EventOps) {
+        let mut add = |events: Events, what: &str| {
+            if let Err(e) = ops.add(events) {
+                tracing::error!(error = ?e, "cannot watch the vsock {what}");
+            }
+        };
+        for evt in &self.common.queue_evts {
+            add(Events::new(evt, EventSet::IN), "queue eventfd");
+        }
+        add(Events::new(&self.kick_evt, EventSet::IN), "kick eventfd");
+        add(
+            Events::new(&self.listener, EventSet::IN | EventSet::EDGE_TRIGGERED),
+            "host socket",
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests;
