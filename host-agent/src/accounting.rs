@@ -233,6 +233,14 @@ pub fn process_start_ticks(pid: u32) -> Option<u64> {
     stat_fields(&stat)?.get(19)?.parse().ok()
 }
 
+/// Whether process `pid` is a zombie (exited, not yet reaped by its parent).
+pub fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| stat_fields(&s).and_then(|f| f.first().map(|st| *st == "Z" || *st == "X")))
+        .unwrap_or(false)
+}
+
 /// Reads the raw counters of process `pid`; `None` if it is gone.
 pub fn read_sample(pid: u32) -> Option<Sample> {
     let base = format!("/proc/{pid}");

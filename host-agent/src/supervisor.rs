@@ -21,7 +21,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 use tokio::sync::watch;
 
-use crate::accounting::process_start_ticks;
+use crate::accounting::{is_zombie, process_start_ticks};
 use crate::error::{Error, Result};
 
 /// How a vmm process ended.
@@ -171,7 +171,7 @@ pub fn spawn(vmm: &Path, dir: &Path, args: &[String]) -> Result<VmmProcess> {
 /// checks the pid still names the same process (start time) and watches it
 /// through a pidfd. `None` if the process is gone.
 pub fn attach(pid: u32, start_ticks: u64, dir: &Path) -> Option<VmmProcess> {
-    if pid == 0 || process_start_ticks(pid) != Some(start_ticks) {
+    if pid == 0 || process_start_ticks(pid) != Some(start_ticks) || is_zombie(pid) {
         return None;
     }
     // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1;
