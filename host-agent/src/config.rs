@@ -40,6 +40,13 @@ pub struct Config {
     pub stop_sessions_on_shutdown: bool,
     /// Log as JSON lines.
     pub log_json: bool,
+    /// Host side of a VM's vsock (a Unix socket, Firecracker's CONNECT
+    /// convention); `{dir}` is replaced by the VM's directory.
+    pub guest_vsock_uds: String,
+    /// The vsock port guest-init listens on.
+    pub guest_port: u32,
+    /// How long READY may take for guest-init images (seconds).
+    pub guest_ready_timeout_seconds: u64,
 }
 
 impl Default for Config {
@@ -58,6 +65,9 @@ impl Default for Config {
             limits_interval_ms: 1000,
             stop_sessions_on_shutdown: false,
             log_json: false,
+            guest_vsock_uds: "{dir}/vsock.sock".to_string(),
+            guest_port: proto::guest::DEFAULT_VSOCK_PORT,
+            guest_ready_timeout_seconds: 120,
         }
     }
 }
@@ -96,6 +106,14 @@ impl Config {
             return Err(Error::invalid("max_sessions must be at least 1"));
         }
         Ok(())
+    }
+
+    /// The vsock Unix socket of the VM whose directory is `dir`.
+    pub fn vsock_path(&self, dir: &Path) -> PathBuf {
+        PathBuf::from(
+            self.guest_vsock_uds
+                .replace("{dir}", &dir.display().to_string()),
+        )
     }
 
     /// The vmm binary to run: the configured one, else `vmm` next to the

@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::error::{Error, Result};
+use crate::guest::{self, GuestConn};
 use crate::sessions::{now_ms, Manager};
 use crate::store::ImageRow;
 use crate::supervisor;
@@ -104,12 +105,6 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
         .store
         .image(id)?
         .ok_or_else(|| Error::not_found("image", id))?;
-    if image.guest_init {
-        return Err(Error::FailedPrecondition(format!(
-            "image {id:?} runs guest-init: its golden snapshot needs guest-init's Ready over \
-             vsock, and this vmm build has no vsock device yet"
-        )));
-    }
     let settle = if settle_ms == 0 { 200 } else { settle_ms };
     let dir = mgr.image_dir(id);
     let build = dir.join(format!("build-{}", uuid::Uuid::new_v4().simple()));
@@ -132,7 +127,16 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
     let golden = dir.join(format!("golden-{}", now_ms()));
     let result = async {
         supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await?;
-        tokio::time::sleep(Duration::from_millis(u64::from(settle))).await;
+        if image.guest_init {
+            // Idle guest-init answering on vsock is what the snapshot keeps.
+            let timeout = Duration::from_secs(mgr.cfg.guest_ready_timeout_seconds);
+            let stream =
+                guest::connect_retry(&mgr.cfg.vsock_path(&build), mgr.cfg.guest_port, timeout)
+                    .await?;
+            drop(GuestConn::open(stream, "golden", None).await?);
+        } else {
+            tokio::time::sleep(Duration::from_millis(u64::from(settle))).await;
+        }
         vmm.control(json!({"op":"pause"})).await?;
         vmm.control(json!({"op":"snapshot","dir":golden,"kind":"full"}))
             .await?;

@@ -18,6 +18,7 @@ pub mod api;
 pub mod config;
 pub mod error;
 pub mod events;
+pub mod guest;
 pub mod images;
 pub mod metrics;
 pub mod pool;

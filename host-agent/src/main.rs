@@ -98,6 +98,13 @@ struct ServeArgs {
     /// Log JSON lines.
     #[arg(long)]
     log_json: bool,
+    /// Host side of each VM's vsock (Unix socket, CONNECT convention);
+    /// `{dir}` is the VM's directory. Default `{dir}/vsock.sock`.
+    #[arg(long)]
+    guest_vsock_uds: Option<String>,
+    /// vsock port of guest-init.
+    #[arg(long)]
+    guest_port: Option<u32>,
 }
 
 #[derive(Subcommand)]
@@ -209,6 +216,12 @@ async fn run_serve(a: ServeArgs) -> Result<(), String> {
     }
     if let Some(v) = a.limits_interval_ms {
         cfg.limits_interval_ms = v;
+    }
+    if let Some(v) = a.guest_vsock_uds {
+        cfg.guest_vsock_uds = v;
+    }
+    if let Some(v) = a.guest_port {
+        cfg.guest_port = v;
     }
     cfg.stop_sessions_on_shutdown |= a.stop_sessions_on_shutdown;
     cfg.log_json |= a.log_json;

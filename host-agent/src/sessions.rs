@@ -10,6 +10,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use proto::guest::{
+    guest_message::Kind as Out, host_message::Kind as In, FetchBranch, RepoChunk, Shutdown,
+    StartSession,
+};
 use proto::hostagent::SessionState as S;
 use serde_json::json;
 use tokio::sync::watch;
@@ -18,6 +22,7 @@ use crate::accounting::{read_sample, Meter};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::events::EventBus;
+use crate::guest::{self, GuestConn};
 use crate::metrics;
 use crate::pool::{restore_args, Pool};
 use crate::store::{EventRow, ImageRow, SessionRow, Store};
@@ -146,6 +151,7 @@ struct Inner {
     meter: Option<Meter>,
     pending_stop: Option<String>,
     enforcing: bool,
+    guest: Option<Arc<GuestConn>>,
 }
 
 /// One session in memory.
@@ -169,6 +175,16 @@ impl Session {
 
     fn vmm(&self) -> Option<Arc<VmmProcess>> {
         self.lock().vmm.clone()
+    }
+
+    /// The open guest channel (guest-init sessions after READY).
+    pub fn guest(&self) -> Option<Arc<GuestConn>> {
+        self.lock().guest.clone()
+    }
+
+    /// Whether the session's image runs guest-init.
+    pub fn guest_init(&self) -> bool {
+        self.lock().image.guest_init
     }
 
     async fn wait_until(&self, pred: impl Fn(i32) -> bool, timeout: Duration) -> bool {
@@ -413,6 +429,7 @@ impl Manager {
                 meter: None,
                 pending_stop: None,
                 enforcing: false,
+                guest: None,
             }),
             state,
         });
@@ -450,11 +467,21 @@ impl Manager {
                     image.id
                 )));
             }
-            if image.guest_init {
-                return Err(Error::FailedPrecondition(format!(
-                    "image {:?} runs guest-init; sessions on guest-init images need the vsock \
-                     device, which this vmm build does not provide yet",
+            if image.guest_init
+                && (p.repository.is_empty() || p.agent.is_empty() || p.base_ref.is_empty())
+            {
+                return Err(Error::invalid(format!(
+                    "image {:?} runs guest-init: repository_path, agent and base_ref are required",
                     image.id
+                )));
+            }
+            if image.guest_init
+                && !std::path::Path::new(&p.repository).join(".git").exists()
+                && !std::path::Path::new(&p.repository).join("HEAD").exists()
+            {
+                return Err(Error::invalid(format!(
+                    "repository_path {:?} is not a git repository on this node",
+                    p.repository
                 )));
             }
             let live = self.live_count();
@@ -549,7 +576,12 @@ impl Manager {
             if from_pool {
                 vmm.control(json!({"op":"resume"})).await?;
             }
-            supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await
+            supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await?;
+            if image.guest_init {
+                let conn = self.start_guest(sess, &dir).await?;
+                sess.lock().guest = Some(Arc::new(conn));
+            }
+            Ok::<(), Error>(())
         }
         .await;
         if let Err(e) = result {
@@ -563,6 +595,96 @@ impl Manager {
         self.transition(sess, S::Ready, "guest_running", "")?;
         self.transition(sess, S::Running, "started", "")?;
         Ok(())
+    }
+
+    /// Opens the guest channel and starts the session in guest-init:
+    /// StartSession, the repository as a git bundle, then waits for Ready.
+    async fn start_guest(&self, sess: &Session, dir: &std::path::Path) -> Result<GuestConn> {
+        let row = sess.row();
+        let timeout = Duration::from_secs(self.cfg.guest_ready_timeout_seconds);
+        let stream =
+            guest::connect_retry(&self.cfg.vsock_path(dir), self.cfg.guest_port, timeout).await?;
+        let conn = GuestConn::open(stream, &sess.id, Some(self.store.clone())).await?;
+        let bundle = git(&row.repository, &["bundle", "create", "-", "--all"]).await?;
+        conn.send(In::StartSession(StartSession {
+            session_id: sess.id.clone(),
+            agent: row.agent.clone(),
+            base_ref: row.base_ref.clone(),
+            bundle_size: bundle.len() as u64,
+            ..Default::default()
+        }))
+        .await?;
+        let mut chunks = bundle.chunks(256 * 1024).peekable();
+        if chunks.peek().is_none() {
+            conn.send(In::RepoChunk(RepoChunk {
+                data: Vec::new(),
+                last: true,
+            }))
+            .await?;
+        }
+        while let Some(c) = chunks.next() {
+            let last = chunks.peek().is_none();
+            conn.send(In::RepoChunk(RepoChunk {
+                data: c.to_vec(),
+                last,
+            }))
+            .await?;
+        }
+        loop {
+            match conn.next_control(timeout).await?.kind {
+                Some(Out::Ready(_)) => return Ok(conn),
+                Some(Out::Error(e)) => {
+                    return Err(Error::Guest(format!(
+                        "guest-init refused the session: {}",
+                        e.message
+                    )))
+                }
+                _ => continue,
+            }
+        }
+    }
+
+    /// Fetches the session branch back into the host repository under
+    /// `refs/heads/session/<id>`, then shuts the guest session down.
+    /// Returns (branch, head commit).
+    async fn finish_guest(&self, sess: &Session, conn: &GuestConn) -> Result<(String, String)> {
+        let row = sess.row();
+        let branch = format!("session/{}", sess.id);
+        conn.send(In::FetchBranch(FetchBranch {})).await?;
+        loop {
+            match conn.next_control(Duration::from_secs(60)).await?.kind {
+                Some(Out::BundleChunk(c)) if c.last => break,
+                Some(Out::Error(e)) => {
+                    return Err(Error::Guest(format!(
+                        "guest-init could not bundle the branch: {}",
+                        e.message
+                    )))
+                }
+                _ => continue,
+            }
+        }
+        let bundle = conn.take_bundle();
+        let path = PathBuf::from(&row.dir).join("branch.bundle");
+        std::fs::write(&path, &bundle)
+            .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+        let refspec = format!("+{branch}:refs/heads/{branch}");
+        git(
+            &row.repository,
+            &["fetch", "-q", &path.display().to_string(), &refspec],
+        )
+        .await?;
+        let head = String::from_utf8_lossy(
+            &git(
+                &row.repository,
+                &["rev-parse", &format!("refs/heads/{branch}")],
+            )
+            .await?,
+        )
+        .trim()
+        .to_string();
+        let _ = conn.send(In::Shutdown(Shutdown {})).await;
+        let _ = conn.next_control(Duration::from_secs(5)).await;
+        Ok((branch, head))
     }
 
     fn watch_exit(self: &Arc<Self>, sess: Arc<Session>, vmm: Arc<VmmProcess>) {
@@ -596,6 +718,12 @@ impl Manager {
                 }
             }
             ExitStatus::Unknown => status.to_string(),
+        };
+        let row = sess.row();
+        let detail = if row.branch.is_empty() {
+            detail
+        } else {
+            format!("branch {} at {}; {detail}", row.branch, row.head_commit)
         };
         let r = if state == S::Stopping as i32 {
             let why = pending.unwrap_or_else(|| reason::REQUESTED.to_string());
@@ -716,6 +844,20 @@ impl Manager {
         }
         sess.lock().pending_stop = Some(why.to_string());
         self.transition(&sess, S::Stopping, why, "")?;
+        if let Some(conn) = sess.guest() {
+            match self.finish_guest(&sess, &conn).await {
+                Ok((branch, head)) => {
+                    let mut i = sess.lock();
+                    i.row.branch = branch;
+                    i.row.head_commit = head;
+                    self.store.put_session(&i.row)?;
+                }
+                Err(e) => {
+                    tracing::warn!(session = %id, error = %e, "fetching the session branch failed");
+                }
+            }
+            sess.lock().guest = None;
+        }
         let Some(vmm) = sess.vmm() else {
             self.transition(&sess, S::Stopped, why, "no vmm process")?;
             return Ok(sess.row());
@@ -937,4 +1079,24 @@ impl Manager {
             }
         }
     }
+}
+
+/// Runs git in `repo` and returns its stdout.
+async fn git(repo: &str, args: &[&str]) -> Result<Vec<u8>> {
+    let out = tokio::process::Command::new("git")
+        .arg("-C")
+        .arg(repo)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|e| Error::io("running git", e))?;
+    if !out.status.success() {
+        return Err(Error::FailedPrecondition(format!(
+            "git {} in {repo}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(out.stdout)
 }

@@ -10,6 +10,7 @@ use super::check_session_id;
 use super::exec::check_execution;
 use crate::error::Error;
 use crate::sessions::Manager;
+use proto::guest::{host_message::Kind as In, Answer as GAnswer};
 
 /// The Approvals service.
 pub struct ApprovalsApi(pub Arc<Manager>);
@@ -22,8 +23,24 @@ impl Approvals for ApprovalsApi {
     ) -> Result<Response<pb::ListAsksResponse>, Status> {
         let id = req.into_inner().session_id;
         check_session_id(&id)?;
-        self.0.session(&id)?;
-        Ok(Response::new(pb::ListAsksResponse { asks: Vec::new() }))
+        let sess = self.0.session(&id)?;
+        let asks = sess
+            .guest()
+            .map(|g| g.asks())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|a| pb::Ask {
+                ask_id: a.ask.ask_id,
+                session_id: id.clone(),
+                exec_id: a.ask.exec_id,
+                turn_id: a.ask.turn_id,
+                tool: a.ask.tool,
+                subject: a.ask.subject,
+                rule: a.ask.rule,
+                asked_at: a.asked_at,
+            })
+            .collect();
+        Ok(Response::new(pb::ListAsksResponse { asks }))
     }
 
     async fn answer(
@@ -45,7 +62,19 @@ impl Approvals for ApprovalsApi {
             }
         }
         check_execution(&self.0, &r.session_id, &r.execution_id)?;
-        Err(Error::not_found("ask", r.ask_id).into())
+        let sess = self.0.session(&r.session_id)?;
+        let Some(conn) = sess.guest() else {
+            return Err(Error::not_found("ask", r.ask_id).into());
+        };
+        if !conn.take_ask(&r.ask_id) {
+            return Err(Error::not_found("ask", r.ask_id).into());
+        }
+        conn.send(In::Answer(GAnswer {
+            ask_id: r.ask_id,
+            reply: r.reply,
+        }))
+        .await?;
+        Ok(Response::new(pb::AnswerResponse {}))
     }
 
     async fn list_audit(

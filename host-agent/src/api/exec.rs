@@ -15,7 +15,11 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::check_session_id;
 use crate::error::Error;
-use crate::sessions::Manager;
+use crate::sessions::{state_name, Manager};
+use proto::guest::{
+    exec_exited, guest_message::Kind as Out, host_message::Kind as In, output, Exec as GExec,
+    Signal as GSignal, StdinData,
+};
 
 /// The Exec service.
 pub struct ExecApi(pub Arc<Manager>);
@@ -72,10 +76,104 @@ impl Exec for ExecApi {
             ))
             .into());
         }
-        Err(Error::FailedPrecondition(
-            "guest-init sessions need the vmm's vsock device, which this build does not have"
-                .into(),
-        )
-        .into())
+        let sess = self.0.session(&start.session_id)?;
+        let state = sess.row().state;
+        if state != pb::SessionState::Running as i32 {
+            return Err(Error::FailedPrecondition(format!(
+                "session {} is {}; commands run only while RUNNING",
+                start.session_id,
+                state_name(state)
+            ))
+            .into());
+        }
+        let conn = sess.guest().ok_or_else(|| {
+            Error::FailedPrecondition(format!(
+                "session {} has no open guest channel (it was re-attached after a host-agent \
+                 restart, or is stopping)",
+                start.session_id
+            ))
+        })?;
+        let exec_id = uuid::Uuid::new_v4().to_string();
+        let rx = conn.route_exec(&exec_id)?;
+        let turn_id = if start.turn_id.is_empty() {
+            format!("turn-{exec_id}")
+        } else {
+            start.turn_id.clone()
+        };
+        conn.send(In::Exec(GExec {
+            exec_id: exec_id.clone(),
+            turn_id,
+            argv: start.argv.clone(),
+            cwd: start.cwd.clone().into_bytes(),
+            env: start.env.clone(),
+            stdin: Vec::new(),
+            keep_stdin_open: start.keep_stdin_open,
+        }))
+        .await?;
+        let conn2 = conn.clone();
+        let id2 = exec_id.clone();
+        // Input is forwarded once the guest has started the command (it
+        // refuses stdin for a command it has not started yet).
+        let (started_tx, mut started_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            if started_rx.wait_for(|s| *s).await.is_err() {
+                return;
+            }
+            while let Some(Ok(req)) = input.next().await {
+                let m = match req.kind {
+                    Some(pb::exec_request::Kind::Stdin(data)) => In::Stdin(StdinData {
+                        exec_id: id2.clone(),
+                        data,
+                        eof: false,
+                    }),
+                    Some(pb::exec_request::Kind::StdinEof(_)) => In::Stdin(StdinData {
+                        exec_id: id2.clone(),
+                        data: Vec::new(),
+                        eof: true,
+                    }),
+                    Some(pb::exec_request::Kind::Signal(signal)) => In::Signal(GSignal {
+                        exec_id: id2.clone(),
+                        signal,
+                    }),
+                    _ => continue,
+                };
+                if conn2.send(m).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let out = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).filter_map(move |m| {
+            use pb::exec_response::Kind as R;
+            let kind = match m.kind? {
+                Out::ExecStarted(e) => {
+                    let _ = started_tx.send(true);
+                    R::Started(format!("{} {}", e.exec_id, e.pid))
+                }
+                Out::Output(o) => {
+                    if o.stream == output::Stream::Stderr as i32 {
+                        R::Stderr(o.data)
+                    } else {
+                        R::Stdout(o.data)
+                    }
+                }
+                Out::ExecExited(e) => R::Exit(pb::ExecExit {
+                    status: e.status.map(|s| match s {
+                        exec_exited::Status::Code(c) => pb::exec_exit::Status::Code(c),
+                        exec_exited::Status::Signal(n) => pb::exec_exit::Status::Signal(n),
+                    }),
+                }),
+                Out::ExecRejected(r) => R::Rejected(if r.rule.is_empty() {
+                    r.reason
+                } else {
+                    format!("{} ({})", r.reason, r.rule)
+                }),
+                Out::Error(e) => {
+                    return Some(Err(Status::aborted(format!("guest-init: {}", e.message))))
+                }
+                _ => return None,
+            };
+            Some(Ok(pb::ExecResponse { kind: Some(kind) }))
+        });
+        Ok(Response::new(Box::pin(out)))
     }
 }

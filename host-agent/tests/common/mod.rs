@@ -21,30 +21,43 @@ use tonic::transport::Channel;
 
 pub use pb::SessionState as S;
 
-/// The vmm binary (built on first use if needed).
+/// A workspace binary next to host-agent's, built with `cargo build -p
+/// NAME` (same profile) if it is missing; `env` overrides the path.
+fn workspace_binary(name: &str, env: &str) -> PathBuf {
+    if let Ok(p) = std::env::var(env) {
+        return PathBuf::from(p);
+    }
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_host-agent"));
+    let dir = exe.parent().expect("binary has a directory").to_path_buf();
+    let bin = dir.join(name);
+    if !bin.is_file() {
+        let profile = dir.file_name().and_then(|n| n.to_str()).unwrap_or("debug");
+        let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+        cmd.args(["build", "-p", name]);
+        if profile == "release" {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("running cargo build");
+        assert!(status.success(), "cargo build -p {name} failed");
+    }
+    assert!(bin.is_file(), "no {name} binary at {}", bin.display());
+    bin
+}
+
+/// The vmm binary (built on first use if needed; `HOST_AGENT_TEST_VMM`
+/// overrides).
 pub fn vmm_path() -> PathBuf {
     static P: OnceLock<PathBuf> = OnceLock::new();
-    P.get_or_init(|| {
-        if let Ok(p) = std::env::var("HOST_AGENT_TEST_VMM") {
-            return PathBuf::from(p);
-        }
-        let exe = PathBuf::from(env!("CARGO_BIN_EXE_host-agent"));
-        let dir = exe.parent().expect("binary has a directory").to_path_buf();
-        let vmm = dir.join("vmm");
-        if !vmm.is_file() {
-            let profile = dir.file_name().and_then(|n| n.to_str()).unwrap_or("debug");
-            let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-            cmd.args(["build", "-p", "vmm"]);
-            if profile == "release" {
-                cmd.arg("--release");
-            }
-            let status = cmd.status().expect("running cargo build -p vmm");
-            assert!(status.success(), "cargo build -p vmm failed");
-        }
-        assert!(vmm.is_file(), "no vmm binary at {}", vmm.display());
-        vmm
-    })
-    .clone()
+    P.get_or_init(|| workspace_binary("vmm", "HOST_AGENT_TEST_VMM"))
+        .clone()
+}
+
+/// The guest-init binary (built on first use if needed;
+/// `HOST_AGENT_TEST_GUEST_INIT` overrides).
+pub fn guest_init_path() -> PathBuf {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| workspace_binary("guest-init", "HOST_AGENT_TEST_GUEST_INIT"))
+        .clone()
 }
 
 /// The counter test guest's ELF image.
