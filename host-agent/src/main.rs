@@ -263,6 +263,7 @@ async fn run_client(addr: String, cmd: Cmd) -> Result<(), String> {
         .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
     let st = |e: tonic::Status| format!("{:?}: {}", e.code(), e.message());
     match cmd {
+        // Invariant: main() runs Serve itself and never passes it here.
         Cmd::Serve(_) => unreachable!("handled in main"),
         Cmd::Images(c) => {
             let mut cl = ImagesClient::new(ch);
