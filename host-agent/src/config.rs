@@ -7,14 +7,28 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 
+/// Mutual TLS material (PEM files).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// CA that signs client certificates (clients without one are refused).
+    pub ca: PathBuf,
+    /// This server's certificate chain.
+    pub cert: PathBuf,
+    /// This server's private key.
+    pub key: PathBuf,
+}
+
 /// Everything `host-agent serve` needs. Every field has a default, so an
 /// empty directory is enough to start.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
-    /// gRPC listen address. Loopback only (mutual TLS is not implemented yet,
-    /// so any other address is refused).
+    /// gRPC listen address. A non-loopback address requires `tls`.
     pub listen: SocketAddr,
+    /// Mutual TLS: with it, every client must present a certificate signed
+    /// by `tls.ca`.
+    pub tls: Option<TlsConfig>,
     /// Prometheus metrics listen address; `None` disables the endpoint.
     pub metrics_listen: Option<SocketAddr>,
     /// Database, images, sessions and snapshots live here.
@@ -53,6 +67,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            tls: None,
             metrics_listen: None,
             state_dir: PathBuf::from("host-agent-state"),
             vmm: None,
@@ -83,12 +98,26 @@ impl Config {
 
     /// Checks the values; call after flags are applied.
     pub fn validate(&self) -> Result<()> {
-        if !self.listen.ip().is_loopback() {
+        if !self.listen.ip().is_loopback() && self.tls.is_none() {
             return Err(Error::invalid(format!(
                 "listen address {} is not loopback; listening on other addresses requires \
-                 mutual TLS, which this build does not support yet",
+                 mutual TLS: give tls.ca, tls.cert and tls.key (--tls-ca, --tls-cert, --tls-key)",
                 self.listen
             )));
+        }
+        if let Some(t) = &self.tls {
+            for (name, p) in [
+                ("tls.ca", &t.ca),
+                ("tls.cert", &t.cert),
+                ("tls.key", &t.key),
+            ] {
+                if !p.is_file() {
+                    return Err(Error::invalid(format!(
+                        "{name} {} is not a readable file",
+                        p.display()
+                    )));
+                }
+            }
         }
         if let Some(m) = self.metrics_listen {
             if !m.ip().is_loopback() {

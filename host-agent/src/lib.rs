@@ -102,7 +102,23 @@ pub async fn serve(
         .map_err(|e| Error::invalid(format!("reflection: {e}")))?;
 
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    let result = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(t) = &cfg.tls {
+        let read = |p: &std::path::Path| {
+            std::fs::read(p).map_err(|e| Error::io(format!("reading {}", p.display()), e))
+        };
+        let tls = tonic::transport::ServerTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(
+                read(&t.cert)?,
+                read(&t.key)?,
+            ))
+            .client_ca_root(tonic::transport::Certificate::from_pem(read(&t.ca)?))
+            .client_auth_optional(false);
+        builder = builder
+            .tls_config(tls)
+            .map_err(|e| Error::invalid(format!("TLS configuration: {e}")))?;
+    }
+    let result = builder
         .add_service(health_svc)
         .add_service(reflection)
         .add_service(ImagesServer::new(api::images::ImagesApi(mgr.clone())))

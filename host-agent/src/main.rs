@@ -24,6 +24,18 @@ struct Cli {
     /// Address of the host-agent to talk to (client subcommands).
     #[arg(long, global = true, default_value = "http://127.0.0.1:50051")]
     addr: String,
+    /// Client TLS: CA of the server certificate (PEM); use an https:// addr.
+    #[arg(long, global = true)]
+    client_ca: Option<PathBuf>,
+    /// Client TLS: this client's certificate (PEM).
+    #[arg(long, global = true)]
+    client_cert: Option<PathBuf>,
+    /// Client TLS: this client's key (PEM).
+    #[arg(long, global = true)]
+    client_key: Option<PathBuf>,
+    /// Client TLS: server name to verify (default: the addr's host).
+    #[arg(long, global = true)]
+    client_domain: Option<String>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -31,7 +43,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the daemon.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Manage images.
     #[command(subcommand)]
     Images(ImagesCmd),
@@ -105,6 +117,15 @@ struct ServeArgs {
     /// vsock port of guest-init.
     #[arg(long)]
     guest_port: Option<u32>,
+    /// Mutual TLS: CA of client certificates (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
+    /// Mutual TLS: server certificate (PEM).
+    #[arg(long, requires_all = ["tls_ca", "tls_key"])]
+    tls_cert: Option<PathBuf>,
+    /// Mutual TLS: server private key (PEM).
+    #[arg(long, requires_all = ["tls_ca", "tls_cert"])]
+    tls_key: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -223,6 +244,9 @@ async fn run_serve(a: ServeArgs) -> Result<(), String> {
     if let Some(v) = a.guest_port {
         cfg.guest_port = v;
     }
+    if let (Some(ca), Some(cert), Some(key)) = (a.tls_ca, a.tls_cert, a.tls_key) {
+        cfg.tls = Some(host_agent::config::TlsConfig { ca, cert, key });
+    }
     cfg.stop_sessions_on_shutdown |= a.stop_sessions_on_shutdown;
     cfg.log_json |= a.log_json;
     init_logs(cfg.log_json);
@@ -255,9 +279,31 @@ fn print_session(s: &pb::Session) {
     );
 }
 
-async fn run_client(addr: String, cmd: Cmd) -> Result<(), String> {
-    let ch: Channel = Channel::from_shared(addr.clone())
-        .map_err(|e| format!("bad --addr {addr:?}: {e}"))?
+struct ClientTls {
+    ca: Option<PathBuf>,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    domain: Option<String>,
+}
+
+async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String> {
+    let mut ep =
+        Channel::from_shared(addr.clone()).map_err(|e| format!("bad --addr {addr:?}: {e}"))?;
+    if tls.ca.is_some() || tls.cert.is_some() {
+        let read = |p: &PathBuf| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+        let mut t = tonic::transport::ClientTlsConfig::new();
+        if let Some(ca) = &tls.ca {
+            t = t.ca_certificate(tonic::transport::Certificate::from_pem(read(ca)?));
+        }
+        if let (Some(c), Some(k)) = (&tls.cert, &tls.key) {
+            t = t.identity(tonic::transport::Identity::from_pem(read(c)?, read(k)?));
+        }
+        if let Some(d) = tls.domain {
+            t = t.domain_name(d);
+        }
+        ep = ep.tls_config(t).map_err(|e| format!("TLS: {e}"))?;
+    }
+    let ch: Channel = ep
         .connect()
         .await
         .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
@@ -457,8 +503,16 @@ fn main() -> ExitCode {
     };
     let result = rt.block_on(async move {
         match cli.cmd {
-            Cmd::Serve(a) => run_serve(a).await,
-            other => run_client(cli.addr, other).await,
+            Cmd::Serve(a) => run_serve(*a).await,
+            other => {
+                let tls = ClientTls {
+                    ca: cli.client_ca,
+                    cert: cli.client_cert,
+                    key: cli.client_key,
+                    domain: cli.client_domain,
+                };
+                run_client(cli.addr, tls, other).await
+            }
         }
     });
     match result {
