@@ -26,6 +26,9 @@ pub struct TlsConfig {
 pub struct Config {
     /// gRPC listen address. A non-loopback address requires `tls`.
     pub listen: SocketAddr,
+    /// Serve on this Unix socket instead of `listen` (created with mode
+    /// 0600; access is by file permissions).
+    pub listen_unix: Option<PathBuf>,
     /// Mutual TLS: with it, every client must present a certificate signed
     /// by `tls.ca`.
     pub tls: Option<TlsConfig>,
@@ -68,6 +71,7 @@ impl Default for Config {
         Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
             tls: None,
+            listen_unix: None,
             metrics_listen: None,
             state_dir: PathBuf::from("host-agent-state"),
             vmm: None,

@@ -40,10 +40,18 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::sessions::Manager;
 
+/// Where the gRPC server accepts connections.
+pub enum Listener {
+    /// A TCP listener (loopback, or anything with mutual TLS).
+    Tcp(TcpListener),
+    /// A Unix socket listener.
+    Unix(tokio::net::UnixListener),
+}
+
 /// Runs host-agent on `listener` until `shutdown` completes.
 pub async fn serve(
     cfg: Config,
-    listener: TcpListener,
+    listener: Listener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     cfg.validate()?;
@@ -101,7 +109,6 @@ pub async fn serve(
         .build_v1()
         .map_err(|e| Error::invalid(format!("reflection: {e}")))?;
 
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let mut builder = tonic::transport::Server::builder();
     if let Some(t) = &cfg.tls {
         let read = |p: &std::path::Path| {
@@ -118,7 +125,7 @@ pub async fn serve(
             .tls_config(tls)
             .map_err(|e| Error::invalid(format!("TLS configuration: {e}")))?;
     }
-    let result = builder
+    let router = builder
         .add_service(health_svc)
         .add_service(reflection)
         .add_service(ImagesServer::new(api::images::ImagesApi(mgr.clone())))
@@ -129,9 +136,21 @@ pub async fn serve(
         )))
         .add_service(EventsServer::new(api::events::EventsApi(mgr.clone())))
         .add_service(UsageServer::new(api::usage::UsageApi(mgr.clone())))
-        .add_service(NodeServer::new(api::node::NodeApi(mgr.clone())))
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await;
+        .add_service(NodeServer::new(api::node::NodeApi(mgr.clone())));
+    let result = match listener {
+        Listener::Tcp(l) => {
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+        Listener::Unix(l) => {
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(l);
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+    };
     if mgr.cfg.stop_sessions_on_shutdown {
         mgr.stop_all().await;
     }
@@ -154,4 +173,35 @@ pub async fn shutdown_signal() {
         _ = term.recv() => {},
         _ = int.recv() => {},
     }
+}
+
+/// Connects a gRPC channel to `addr`: `http://HOST:PORT`, `https://...`, or
+/// `unix:PATH` for a Unix socket.
+pub async fn connect(
+    addr: &str,
+    tls: Option<tonic::transport::ClientTlsConfig>,
+) -> std::result::Result<tonic::transport::Channel, String> {
+    if let Some(path) = addr.strip_prefix("unix:") {
+        let path = std::path::PathBuf::from(path);
+        // The URI is required by the API but unused by the connector.
+        let ep = tonic::transport::Endpoint::from_static("http://localhost");
+        return ep
+            .connect_with_connector(tower::service_fn(move |_| {
+                let path = path.clone();
+                async move {
+                    let s = tokio::net::UnixStream::connect(path).await?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
+                }
+            }))
+            .await
+            .map_err(|e| format!("cannot connect to {addr}: {e}"));
+    }
+    let mut ep = tonic::transport::Channel::from_shared(addr.to_string())
+        .map_err(|e| format!("bad address {addr:?}: {e}"))?;
+    if let Some(t) = tls {
+        ep = ep.tls_config(t).map_err(|e| format!("TLS: {e}"))?;
+    }
+    ep.connect()
+        .await
+        .map_err(|e| format!("cannot connect to {addr}: {e}"))
 }

@@ -21,7 +21,8 @@ use tonic::transport::Channel;
     about = "Per-node microVM session daemon and its client"
 )]
 struct Cli {
-    /// Address of the host-agent to talk to (client subcommands).
+    /// Address of the host-agent to talk to (client subcommands):
+    /// http://HOST:PORT, https://HOST:PORT or unix:PATH.
     #[arg(long, global = true, default_value = "http://127.0.0.1:50051")]
     addr: String,
     /// Client TLS: CA of the server certificate (PEM); use an https:// addr.
@@ -74,6 +75,9 @@ struct ServeArgs {
     /// gRPC listen address (loopback).
     #[arg(long)]
     listen: Option<SocketAddr>,
+    /// Serve on this Unix socket instead of TCP.
+    #[arg(long)]
+    listen_unix: Option<PathBuf>,
     /// State directory (database, images, sessions).
     #[arg(long)]
     state_dir: Option<PathBuf>,
@@ -208,6 +212,9 @@ async fn run_serve(a: ServeArgs) -> Result<(), String> {
     if let Some(v) = a.listen {
         cfg.listen = v;
     }
+    if let Some(v) = a.listen_unix {
+        cfg.listen_unix = Some(v);
+    }
     if let Some(v) = a.state_dir {
         cfg.state_dir = v;
     }
@@ -251,12 +258,24 @@ async fn run_serve(a: ServeArgs) -> Result<(), String> {
     cfg.log_json |= a.log_json;
     init_logs(cfg.log_json);
     cfg.validate().map_err(|e| e.to_string())?;
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
-    let local = listener.local_addr().map_err(|e| e.to_string())?;
-    // Tests and scripts read this line to learn the port (with --listen :0).
-    println!("host-agent listening on {local}");
+    let listener = if let Some(path) = &cfg.listen_unix {
+        let _ = std::fs::remove_file(path);
+        let l = tokio::net::UnixListener::bind(path)
+            .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| format!("chmod {}: {e}", path.display()))?;
+        println!("host-agent listening on unix:{}", path.display());
+        host_agent::Listener::Unix(l)
+    } else {
+        let l = tokio::net::TcpListener::bind(cfg.listen)
+            .await
+            .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
+        let local = l.local_addr().map_err(|e| e.to_string())?;
+        // Tests and scripts read this line to learn the port (--listen :0).
+        println!("host-agent listening on {local}");
+        host_agent::Listener::Tcp(l)
+    };
     host_agent::serve(cfg, listener, host_agent::shutdown_signal())
         .await
         .map_err(|e| e.to_string())
@@ -287,8 +306,7 @@ struct ClientTls {
 }
 
 async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String> {
-    let mut ep =
-        Channel::from_shared(addr.clone()).map_err(|e| format!("bad --addr {addr:?}: {e}"))?;
+    let mut client_tls = None;
     if tls.ca.is_some() || tls.cert.is_some() {
         let read = |p: &PathBuf| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
         let mut t = tonic::transport::ClientTlsConfig::new();
@@ -301,12 +319,9 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
         if let Some(d) = tls.domain {
             t = t.domain_name(d);
         }
-        ep = ep.tls_config(t).map_err(|e| format!("TLS: {e}"))?;
+        client_tls = Some(t);
     }
-    let ch: Channel = ep
-        .connect()
-        .await
-        .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+    let ch: Channel = host_agent::connect(&addr, client_tls).await?;
     let st = |e: tonic::Status| format!("{:?}: {}", e.code(), e.message());
     match cmd {
         // Invariant: main() runs Serve itself and never passes it here.

@@ -196,3 +196,60 @@ async fn plain_text_on_loopback_by_default() {
     let agent = Agent::start(&[]);
     assert!(version(&agent.addr, None).await.is_ok());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unix_socket_listener_and_cli_client() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_host-agent"))
+        .args(["serve", "--listen-unix"])
+        .arg(&sock)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(
+        line.trim(),
+        format!("host-agent listening on unix:{}", sock.display())
+    );
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+
+    let addr = format!("unix:{}", sock.display());
+    let ch = host_agent::connect(&addr, None).await.unwrap();
+    let v = pb::node_client::NodeClient::new(ch)
+        .get_version(pb::GetVersionRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!v.version.is_empty());
+
+    // The operator CLI over the same socket.
+    let out = Command::new(env!("CARGO_BIN_EXE_host-agent"))
+        .args(["--addr", &addr, "images", "list"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_host-agent"))
+        .args(["--addr", &addr, "sessions", "get", "nope"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("NotFound"));
+    let _ = child.kill();
+    let _ = child.wait();
+}
