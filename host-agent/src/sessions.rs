@@ -491,6 +491,15 @@ impl Manager {
                     self.cfg.max_sessions
                 )));
             }
+            let (_, mem_used) = self.used_resources();
+            let host_mem = crate::api::node::host_memory_mib();
+            if host_mem > 0 && mem_used + u64::from(image.mem_mib) > host_mem {
+                return Err(Error::ResourceExhausted(format!(
+                    "node memory: {mem_used} MiB of {host_mem} MiB are allocated to live \
+                     sessions; image {:?} needs {} MiB more",
+                    image.id, image.mem_mib
+                )));
+            }
             let id = uuid::Uuid::new_v4().to_string();
             let now = now_ms();
             let row = SessionRow {

@@ -430,3 +430,107 @@ async fn health_reflection_node_and_metrics() {
     assert!(body.contains("hostagent_restore_seconds_count 1"), "{body}");
     assert!(body.contains("hostagent_api_errors_total"), "{body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_file_and_missing_vmm() {
+    // Settings from a config file apply; with a missing vmm the golden
+    // build fails with a message naming the binary, and the image stays
+    // without a snapshot.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.json");
+    std::fs::write(
+        &cfg,
+        serde_json::json!({
+            "state_dir": dir.path().join("state"),
+            "max_sessions": 3,
+            "usage_interval_ms": 500,
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let agent = Agent::start(&[
+        "--config",
+        &cfg.display().to_string(),
+        "--vmm",
+        "/nonexistent/vmm",
+    ]);
+    let cap = agent
+        .node()
+        .await
+        .get_capacity(pb::GetCapacityRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(cap.sessions_max, 3, "config file applied");
+    let mut im = agent.images().await;
+    im.register_image(pb::RegisterImageRequest {
+        image_id: "c".into(),
+        kernel_path: counter_kernel(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let err = im
+        .build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+            image_id: "c".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("/nonexistent/vmm"), "{err:?}");
+    let img = im
+        .get_image(pb::GetImageRequest {
+            image_id: "c".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(img.golden_snapshot_dir.is_empty());
+
+    // An unknown config field is refused at start.
+    std::fs::write(&cfg, r#"{"no_such_field": 1}"#).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_host-agent"))
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no_such_field"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn image_in_use_cannot_be_deleted() {
+    let agent = Agent::start(&[]);
+    agent.counter_image("counter").await;
+    let s = agent.create("counter", "").await;
+    let mut im = agent.images().await;
+    let del = || pb::DeleteImageRequest {
+        image_id: "counter".into(),
+        idempotency_key: String::new(),
+    };
+    expect(
+        Code::FailedPrecondition,
+        im.delete_image(del()).await,
+        "image in use",
+    );
+    agent
+        .sessions()
+        .await
+        .stop_session(pb::SessionCall {
+            session_id: s.session_id.clone(),
+            idempotency_key: String::new(),
+        })
+        .await
+        .unwrap();
+    im.delete_image(del()).await.unwrap();
+    expect(
+        Code::NotFound,
+        im.get_image(pb::GetImageRequest {
+            image_id: "counter".into(),
+        })
+        .await,
+        "deleted image",
+    );
+    assert!(!agent.state_dir().join("images/counter").exists());
+}

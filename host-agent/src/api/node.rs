@@ -12,7 +12,8 @@ use crate::sessions::Manager;
 /// The Node service.
 pub struct NodeApi(pub Arc<Manager>);
 
-fn host_memory_mib() -> u64 {
+/// Total memory of this node in MiB (0 if unknown).
+pub fn host_memory_mib() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|m| {

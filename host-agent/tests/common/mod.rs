@@ -97,14 +97,16 @@ impl Agent {
         self.spawns += 1;
         let log_path = self.dir.path().join(format!("agent-{}.log", self.spawns));
         let log = std::fs::File::create(&log_path).expect("creating agent log");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_host-agent"))
-            .arg("serve")
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_host-agent"));
+        cmd.arg("serve")
             .arg("--listen")
             .arg("127.0.0.1:0")
             .arg("--state-dir")
-            .arg(self.dir.path().join("state"))
-            .arg("--vmm")
-            .arg(vmm_path())
+            .arg(self.dir.path().join("state"));
+        if !self.extra.iter().any(|a| a == "--vmm") {
+            cmd.arg("--vmm").arg(vmm_path());
+        }
+        let mut child = cmd
             .args(&self.extra)
             .env("RUST_LOG", "host_agent=debug,info")
             .stdout(Stdio::piped())
