@@ -155,6 +155,9 @@ pub async fn serve(
         mgr.stop_all().await;
     }
     mgr.pool.drain_all();
+    // Warm VMs still being restored are not in the pool yet: kill them by
+    // their pid files.
+    pool::Pool::clean_leftovers(&mgr.pool_dir());
     result.map_err(|e| Error::io("gRPC server", std::io::Error::other(e)))
 }
 

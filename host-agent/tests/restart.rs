@@ -99,3 +99,39 @@ async fn vmm_that_died_while_host_agent_was_down_is_failed_on_restart() {
     let recs = agent.usage_of(&s.session_id).await;
     assert!(recs.last().unwrap().r#final);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_stop_on_shutdown_stops_sessions() {
+    let mut agent = Agent::start(&["--stop-sessions-on-shutdown", "--warm-pool", "1"]);
+    agent.counter_image("counter").await;
+    let s = agent.create("counter", "").await;
+    let status = agent.terminate();
+    assert!(status.success(), "{status:?}");
+    // The session's vmm and the warm VMs are gone.
+    let gone = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|st| st.contains(") Z"))
+            .unwrap_or(true)
+    };
+    assert!(gone(s.vmm_pid));
+    let pool = agent.state_dir().join("pool");
+    assert_eq!(std::fs::read_dir(&pool).map(|d| d.count()).unwrap_or(0), 0);
+    agent.spawn();
+    let st = agent.get(&s.session_id).await;
+    assert_eq!(st.state, S::Stopped as i32);
+    assert_eq!(st.reason, "host_agent_shutdown");
+    let recs = agent.usage_of(&s.session_id).await;
+    assert!(recs.last().unwrap().r#final);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_by_default_leaves_sessions_running_for_the_next_start() {
+    let mut agent = Agent::start(&[]);
+    agent.counter_image("counter").await;
+    let s = agent.create("counter", "").await;
+    assert!(agent.terminate().success());
+    agent.spawn();
+    let r = agent.get(&s.session_id).await;
+    assert_eq!(r.state, S::Running as i32);
+    assert_eq!(r.vmm_pid, s.vmm_pid);
+}

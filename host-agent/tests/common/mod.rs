@@ -134,6 +134,16 @@ impl Agent {
         }
     }
 
+    /// SIGTERMs host-agent and waits for it to exit; returns its status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("host-agent is running");
+        // SAFETY: kill(2) has no memory-safety preconditions.
+        unsafe {
+            libc::kill(c.id() as i32, libc::SIGTERM);
+        }
+        c.wait().expect("reaping host-agent")
+    }
+
     pub fn state_dir(&self) -> PathBuf {
         self.dir.path().join("state")
     }
