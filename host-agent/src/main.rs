@@ -9,8 +9,8 @@ use clap::{Args, Parser, Subcommand};
 use host_agent::config::Config;
 use proto::hostagent as pb;
 use proto::hostagent::{
-    events_client::EventsClient, images_client::ImagesClient, node_client::NodeClient,
-    sessions_client::SessionsClient, usage_client::UsageClient,
+    events_client::EventsClient, exec_client::ExecClient, images_client::ImagesClient,
+    node_client::NodeClient, sessions_client::SessionsClient, usage_client::UsageClient,
 };
 use tonic::transport::Channel;
 
@@ -65,6 +65,24 @@ enum Cmd {
     },
     /// Node capacity and version.
     Node,
+    /// Run a command in a guest-init session; stdin is forwarded, output
+    /// printed, and the command's exit code becomes this one's.
+    Exec {
+        /// Session id.
+        session: String,
+        /// Execution id (default: the session's current one).
+        #[arg(long)]
+        execution_id: Option<String>,
+        /// Turn id (default: one per command).
+        #[arg(long, default_value = "")]
+        turn: String,
+        /// Forward this process's stdin to the command.
+        #[arg(long)]
+        stdin: bool,
+        /// The command and its arguments.
+        #[arg(last = true, required = true)]
+        argv: Vec<String>,
+    },
 }
 
 #[derive(Args)]
@@ -481,6 +499,92 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
                     u.seq, u.session_id, u.interval_start, u.interval_end, u.billed_seconds, u.vcpu_seconds,
                     u.memory_allocated_gib_seconds, u.memory_resident_gib_seconds, u.disk_bytes_written, u.r#final
                 );
+            }
+        }
+        Cmd::Exec {
+            session,
+            execution_id,
+            turn,
+            stdin,
+            argv,
+        } => {
+            let execution_id = match execution_id {
+                Some(e) => e,
+                None => {
+                    SessionsClient::new(ch.clone())
+                        .get_session(pb::SessionRef {
+                            session_id: session.clone(),
+                        })
+                        .await
+                        .map_err(st)?
+                        .into_inner()
+                        .execution_id
+                }
+            };
+            let (tx, rx) = tokio::sync::mpsc::channel(16);
+            let start = pb::ExecRequest {
+                kind: Some(pb::exec_request::Kind::Start(pb::ExecStart {
+                    session_id: session,
+                    execution_id,
+                    turn_id: turn,
+                    argv,
+                    keep_stdin_open: stdin,
+                    ..Default::default()
+                })),
+            };
+            let _ = tx.send(start).await;
+            if stdin {
+                std::thread::spawn(move || {
+                    use std::io::Read;
+                    let mut input = std::io::stdin();
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let kind = match input.read(&mut buf) {
+                            Ok(0) | Err(_) => pb::exec_request::Kind::StdinEof(true),
+                            Ok(n) => pb::exec_request::Kind::Stdin(buf[..n].to_vec()),
+                        };
+                        let eof = matches!(kind, pb::exec_request::Kind::StdinEof(_));
+                        if tx
+                            .blocking_send(pb::ExecRequest { kind: Some(kind) })
+                            .is_err()
+                            || eof
+                        {
+                            return;
+                        }
+                    }
+                });
+            } else {
+                drop(tx);
+            }
+            let mut stream = ExecClient::new(ch)
+                .exec(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .map_err(st)?
+                .into_inner();
+            use pb::exec_response::Kind as R;
+            use std::io::Write;
+            while let Some(m) = stream.message().await.map_err(st)? {
+                match m.kind {
+                    Some(R::Stdout(d)) => {
+                        let _ = std::io::stdout().write_all(&d);
+                        let _ = std::io::stdout().flush();
+                    }
+                    Some(R::Stderr(d)) => {
+                        let _ = std::io::stderr().write_all(&d);
+                    }
+                    Some(R::Rejected(why)) => return Err(format!("rejected: {why}")),
+                    Some(R::Exit(e)) => match e.status {
+                        Some(pb::exec_exit::Status::Code(0)) => return Ok(()),
+                        Some(pb::exec_exit::Status::Code(c)) => {
+                            return Err(format!("command exited with code {c}"))
+                        }
+                        Some(pb::exec_exit::Status::Signal(n)) => {
+                            return Err(format!("command killed by signal {n}"))
+                        }
+                        None => return Err("command ended without a status".into()),
+                    },
+                    _ => {}
+                }
             }
         }
         Cmd::Node => {

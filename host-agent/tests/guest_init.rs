@@ -246,6 +246,43 @@ async fn guest_init_session_exec_approvals_audit_branch() {
     assert_eq!(stdout, "hello world\n");
     assert_eq!(exit_code(&out), Some(0));
 
+    // The operator CLI relays too, stdin included, and exits with the
+    // command's status.
+    let cli = |args: &[&str], input: &str| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_host-agent"))
+            .arg("--addr")
+            .arg(&agent.addr)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let sid = s.session_id.clone();
+    // (Blocking here is fine: host-agent is another process.)
+    let out = cli(
+        &["exec", &sid, "--stdin", "--", "cat"],
+        "from the terminal\n",
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "from the terminal\n");
+    let out = cli(&["exec", &sid, "--", "git", "push", "x"], "");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rejected"));
+
     // Streaming stdin.
     let (out, stdout) = exec(
         &agent,
