@@ -244,3 +244,60 @@ async fn watch_resumes_from_a_seq_without_gaps_or_duplicates() {
     joined.extend(got.iter().map(|e| e.seq));
     assert_eq!(all_seqs, joined);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vmm_exit_zero_not_requested_is_a_guest_exit() {
+    let agent = Agent::start(&[]);
+    agent.counter_image("counter").await;
+    let s = agent.create("counter", "").await;
+    // Stop the VM behind host-agent's back, as a guest reset would: the vmm
+    // exits with code 0 without host-agent having asked.
+    let sock = agent
+        .state_dir()
+        .join("sessions")
+        .join(&s.session_id)
+        .join("control.sock");
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let mut c = tokio::net::UnixStream::connect(&sock).await.unwrap();
+    c.write_all(b"{\"op\":\"stop\"}\n").await.unwrap();
+    let mut line = String::new();
+    tokio::io::BufReader::new(c)
+        .read_line(&mut line)
+        .await
+        .unwrap();
+    assert!(line.contains("\"ok\":true"), "{line}");
+    let st = agent.wait_state(&s.session_id, S::Stopped).await;
+    assert_eq!(st.reason, "guest_exit");
+    assert!(st.detail.contains("code 0"), "{st:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_validates_its_session_filter() {
+    let agent = Agent::start(&[]);
+    let err = agent
+        .events()
+        .await
+        .watch(pb::WatchRequest {
+            since_seq: 0,
+            session_id: "x".repeat(65),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    // A watch from a seq beyond the end waits for new events, no error.
+    let mut w = agent
+        .events()
+        .await
+        .watch(pb::WatchRequest {
+            since_seq: 1_000_000,
+            session_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), w.message())
+            .await
+            .is_err()
+    );
+}
