@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const GUESTS: &[&str] = &["hello", "counter", "report", "triplefault"];
+const GUESTS: &[&str] = &["hello", "counter", "report", "triplefault", "dirtier"];
 
 const FLAGS: &[&str] = &[
     "-ffreestanding",

@@ -205,6 +205,13 @@ impl Manifest {
         }
     }
 
+    /// Parses and validates manifest text (untrusted input).
+    pub fn parse(text: &str) -> Result<Manifest, String> {
+        let manifest: Manifest = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        manifest.validate()?;
+        Ok(manifest)
+    }
+
     /// Reads and validates `dir/manifest`.
     pub fn load(dir: &Path) -> Result<Manifest, ManifestError> {
         let path = dir.join(MANIFEST_FILE);
@@ -236,15 +243,7 @@ impl Manifest {
                 });
             }
         }
-        let manifest: Manifest =
-            serde_json::from_str(&text).map_err(|e| ManifestError::Invalid {
-                path: path.clone(),
-                reason: e.to_string(),
-            })?;
-        manifest
-            .validate()
-            .map_err(|reason| ManifestError::Invalid { path, reason })?;
-        Ok(manifest)
+        Manifest::parse(&text).map_err(|reason| ManifestError::Invalid { path, reason })
     }
 }
 

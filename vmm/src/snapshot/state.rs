@@ -57,6 +57,17 @@ pub enum StateError {
     },
 }
 
+/// Why state-file bytes were refused.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// The container is damaged or from an unsupported version.
+    #[error(transparent)]
+    Format(FormatError),
+    /// The payload does not decode or holds impossible values.
+    #[error("invalid payload: {0}")]
+    Invalid(String),
+}
+
 impl MachineState {
     /// Serialises the state into a complete state file.
     pub fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
@@ -77,6 +88,15 @@ impl MachineState {
         Ok(())
     }
 
+    /// Checks and decodes the bytes of a state file (untrusted input).
+    pub fn decode(bytes: &[u8]) -> Result<MachineState, DecodeError> {
+        let payload = format::decode(bytes).map_err(DecodeError::Format)?;
+        let state: MachineState =
+            postcard::from_bytes(payload).map_err(|e| DecodeError::Invalid(e.to_string()))?;
+        state.validate().map_err(DecodeError::Invalid)?;
+        Ok(state)
+    }
+
     /// Reads, checks and decodes `dir/state`.
     pub fn load(dir: &Path) -> Result<MachineState, StateError> {
         let path = dir.join(STATE_FILE);
@@ -90,18 +110,9 @@ impl MachineState {
         file.take(MAX_PAYLOAD_LEN + 64)
             .read_to_end(&mut bytes)
             .map_err(unreadable)?;
-        let payload = format::decode(&bytes).map_err(|source| StateError::Format {
-            path: path.clone(),
-            source,
-        })?;
-        let state: MachineState =
-            postcard::from_bytes(payload).map_err(|e| StateError::Invalid {
-                path: path.clone(),
-                reason: e.to_string(),
-            })?;
-        state
-            .validate()
-            .map_err(|reason| StateError::Invalid { path, reason })?;
-        Ok(state)
+        MachineState::decode(&bytes).map_err(|e| match e {
+            DecodeError::Format(source) => StateError::Format { path, source },
+            DecodeError::Invalid(reason) => StateError::Invalid { path, reason },
+        })
     }
 }

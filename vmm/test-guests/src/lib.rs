@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 
 /// Names of all test guests.
-pub const ALL: &[&str] = &["hello", "counter", "report", "triplefault"];
+pub const ALL: &[&str] = &["hello", "counter", "report", "triplefault", "dirtier"];
 
 /// Path of the ELF image of test guest `name`, or `None` for an unknown name.
 pub fn path(name: &str) -> Option<PathBuf> {

@@ -1,0 +1,103 @@
+//! The VMMs under test, behind one interface: our `vmm` (command line plus
+//! control socket) and, optionally, Firecracker (its HTTP API socket).
+//! Scenarios drive a [`Backend`] and never know which one it is.
+
+pub mod control_socket;
+pub mod firecracker;
+pub mod http;
+pub mod vmm;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Result;
+use crate::process::VmProcess;
+
+/// Which VMM a measurement is of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Subject {
+    /// This repository's vmm.
+    Vmm,
+    /// The Firecracker binary given with `--vs-firecracker`.
+    Firecracker,
+}
+
+impl fmt::Display for Subject {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Subject::Vmm => "vmm",
+            Subject::Firecracker => "firecracker",
+        })
+    }
+}
+
+/// Full or diff snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotKind {
+    /// All of guest memory.
+    Full,
+    /// Only pages dirtied since the previous snapshot.
+    Diff,
+}
+
+/// What to boot.
+#[derive(Debug, Clone)]
+pub struct BootSpec {
+    /// Kernel or test guest image.
+    pub kernel: PathBuf,
+    /// Kernel command line.
+    pub cmdline: String,
+    /// Guest memory in MiB.
+    pub mem_mib: u64,
+    /// Whether the harness will pause, snapshot or stop the VM (needs the
+    /// control socket; Firecracker always has its API socket).
+    pub control: bool,
+}
+
+/// Where a VM's control endpoint is.
+pub enum Handle {
+    /// Our vmm's JSON-lines control socket (absent when not asked for).
+    Vmm(Option<control_socket::ControlClient>),
+    /// Firecracker's API socket.
+    Firecracker(PathBuf),
+}
+
+/// A VM being measured: its process and how to control it.
+pub struct Vm {
+    /// The VMM process; its `started()` is where boot and restore clocks start.
+    pub process: VmProcess,
+    /// The control endpoint.
+    pub handle: Handle,
+}
+
+/// A VMM the harness can drive.
+pub trait Backend: Sync {
+    /// Which VMM this is.
+    fn subject(&self) -> Subject;
+
+    /// Why this VMM cannot restore snapshots, or `None` when it can.
+    fn restore_unsupported(&self) -> Option<String>;
+
+    /// Spawns the VMM and boots `spec`; returns once the guest has been told
+    /// to start (the guest may not have printed anything yet). `dir` is an
+    /// existing private folder for sockets and logs.
+    fn boot(&self, spec: &BootSpec, dir: &Path, timeout: Duration) -> Result<Vm>;
+
+    /// Spawns the VMM restoring `snapshot` (a folder written by
+    /// [`Backend::snapshot`]) and lets the guest run.
+    fn restore(&self, snapshot: &Path, dir: &Path, control: bool, timeout: Duration) -> Result<Vm>;
+
+    /// Pauses every vCPU.
+    fn pause(&self, vm: &mut Vm) -> Result<()>;
+
+    /// Resumes a paused VM.
+    fn resume(&self, vm: &mut Vm) -> Result<()>;
+
+    /// Writes a snapshot of the paused `vm` into the new folder `dir` and
+    /// returns the time from sending the request to receiving the answer.
+    fn snapshot(&self, vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<Duration>;
+}

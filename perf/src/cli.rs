@@ -1,0 +1,93 @@
+//! The command line.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+
+/// Benchmark the vmm: cold boot, restore latency, creation rate, memory
+/// overhead and snapshot write; optionally side by side with Firecracker.
+#[derive(Debug, Parser)]
+#[command(name = "perf", version, about, long_about = None)]
+pub struct Cli {
+    /// Scenario to run.
+    #[arg(value_enum)]
+    pub scenario: ScenarioArg,
+    /// vmm binary to measure [default: `vmm` next to this perf binary,
+    /// i.e. the workspace's target/<profile>/vmm].
+    #[arg(long, value_name = "PATH")]
+    pub vmm: Option<PathBuf>,
+    /// Also run every scenario against this Firecracker binary, with the
+    /// same guests, and report vmm/Firecracker ratios.
+    #[arg(long, value_name = "PATH")]
+    pub vs_firecracker: Option<PathBuf>,
+    /// Measured runs per metric (after warm-up) [default: per scenario:
+    /// cold-boot 20, restore 30, creation-rate 5 rounds, memory-overhead 5,
+    /// snapshot-write 10].
+    #[arg(long, value_name = "N")]
+    pub runs: Option<u32>,
+    /// Warm-up runs discarded before measuring [default: 2, 1 with --quick].
+    #[arg(long, value_name = "N")]
+    pub warmup: Option<u32>,
+    /// A short run: few runs, one warm-up, 128 MiB only (unless overridden).
+    #[arg(long)]
+    pub quick: bool,
+    /// Folder for results.json, results.md and latency.svg.
+    #[arg(long, value_name = "DIR", default_value = "perf-results")]
+    pub out: PathBuf,
+    /// Guest memory sizes in MiB for restore, memory-overhead and
+    /// snapshot-write [default: 128,1024,4096; 128 with --quick].
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub mem_sizes: Option<Vec<u64>>,
+    /// Restores in flight at once in creation-rate [default: number of cores].
+    #[arg(long, value_name = "N")]
+    pub concurrency: Option<usize>,
+    /// Cold-boot this kernel image instead of the hello test guest (needs
+    /// hardware KVM; skipped otherwise).
+    #[arg(long, value_name = "PATH")]
+    pub kernel: Option<PathBuf>,
+    /// Kernel command line for --kernel [default: console=ttyS0 reboot=k panic=-1 pci=off].
+    #[arg(long, value_name = "STR")]
+    pub cmdline: Option<String>,
+    /// Passed to `vmm restore --memory-backend`.
+    #[arg(long, value_name = "BACKEND", value_parser = ["file", "uffd"])]
+    pub memory_backend: Option<String>,
+    /// Seconds one step (a boot, a restore, a snapshot) may take before the run fails.
+    #[arg(long, value_name = "SECS", default_value_t = 120)]
+    pub timeout_secs: u64,
+    /// Scratch folder for sockets and snapshots [default: a new folder in
+    /// $TMPDIR]; removed at the end. Put it on the disk you want snapshots
+    /// written to.
+    #[arg(long, value_name = "DIR")]
+    pub work_dir: Option<PathBuf>,
+}
+
+/// The scenarios, by command-line name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ScenarioArg {
+    /// Spawn -> guest output -> clean exit.
+    ColdBoot,
+    /// Spawn restoring a snapshot -> first guest output (p50/p90/p99 per memory size).
+    Restore,
+    /// Sustained restores per second with N in flight.
+    CreationRate,
+    /// VMM resident memory minus guest memory touched.
+    MemoryOverhead,
+    /// Full and diff (1 %, 10 % dirty) snapshot write time.
+    SnapshotWrite,
+    /// Every scenario, in the order above.
+    All,
+}
+
+impl ScenarioArg {
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScenarioArg::ColdBoot => "cold-boot",
+            ScenarioArg::Restore => "restore",
+            ScenarioArg::CreationRate => "creation-rate",
+            ScenarioArg::MemoryOverhead => "memory-overhead",
+            ScenarioArg::SnapshotWrite => "snapshot-write",
+            ScenarioArg::All => "all",
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! cold-boot: spawn the VMM with a guest, wait for the guest's output and
+//! for the VMM to exit cleanly after the guest resets.
+//!
+//! Clocks: wall starts immediately before `fork` and stops when `wait4`
+//! reaps the exited VMM; CPU is the child's user + system time from `wait4`'s
+//! rusage (every thread of the VMM); first-output stops when the pipe read
+//! that completes the guest's line returns. With several VMMs, each run
+//! boots each of them in turn.
+
+use crate::backend::BootSpec;
+use crate::error::Result;
+use crate::guests;
+use crate::results::{Metric, ScenarioResult};
+use crate::runner::{ms, Context};
+
+/// Scenario name.
+pub const NAME: &str = "cold-boot";
+/// Kernel command line for `--kernel` when `--cmdline` is not given: with no
+/// root filesystem the kernel panics and `panic=-1 reboot=k` resets at
+/// once, so the run ends with the VMM's clean exit.
+pub const KERNEL_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off";
+
+fn runs(ctx: &Context) -> u32 {
+    ctx.runs(20, 5)
+}
+
+/// Progress steps: one per run of every VMM.
+pub fn plan(ctx: &Context) -> u64 {
+    u64::from(ctx.warmup() + runs(ctx))
+}
+
+/// Runs the scenario.
+pub fn run(ctx: &Context) -> ScenarioResult {
+    if ctx.settings.kernel.is_some() && !ctx.hardware_virtualization {
+        return ScenarioResult::skipped(
+            NAME,
+            "skipped: --kernel needs hardware KVM (no vmx or svm flag in /proc/cpuinfo); this \
+             host's KVM emulates guest kernel code, so a Linux kernel does not boot here",
+        );
+    }
+    super::guarded(NAME, |result| measure(ctx, result))
+}
+
+fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
+    let (spec, marker, guest) = match &ctx.settings.kernel {
+        Some(kernel) => (
+            BootSpec {
+                kernel: kernel.into(),
+                cmdline: ctx.cmdline.clone().unwrap_or_else(|| KERNEL_CMDLINE.into()),
+                mem_mib: ctx.settings.mem_sizes_mib.first().copied().unwrap_or(128),
+                control: false,
+            },
+            "",
+            "kernel",
+        ),
+        None => (
+            BootSpec {
+                kernel: guests::path(guests::HELLO)?,
+                cmdline: ctx.cmdline.clone().unwrap_or_default(),
+                mem_mib: 128,
+                control: false,
+            },
+            guests::HELLO_LINE,
+            "hello guest",
+        ),
+    };
+    result.notes.push(format!(
+        "guest: {}, {} MiB, 1 vCPU",
+        spec.kernel.display(),
+        spec.mem_mib
+    ));
+    // One set of metrics per VMM; each run boots every VMM in turn, so a
+    // change in the machine's load hits all of them alike.
+    let mut sets: Vec<[Metric; 3]> = ctx
+        .backends
+        .iter()
+        .map(|backend| {
+            let subject = backend.subject();
+            let param = |m: Metric| m.param("guest", guest).param("mem_mib", spec.mem_mib);
+            [
+                param(Metric::new(
+                    "cold-boot.wall",
+                    "cold boot: spawn -> guest output -> clean exit (wall)",
+                    "ms",
+                    subject,
+                )),
+                param(Metric::new(
+                    "cold-boot.cpu",
+                    "cold boot: VMM CPU time, user + system",
+                    "ms",
+                    subject,
+                )),
+                param(Metric::new(
+                    "cold-boot.first-output",
+                    "cold boot: spawn -> first guest output",
+                    "ms",
+                    subject,
+                )),
+            ]
+        })
+        .collect();
+    ctx.repeat(runs(ctx), |warmup| {
+        for (backend, [wall, cpu, first]) in ctx.backends.iter().zip(sets.iter_mut()) {
+            let dir = ctx.scratch()?;
+            let mut vm = backend.boot(&spec, dir.path(), ctx.timeout())?;
+            let (seen, _) = vm.process.wait_for(marker, 0, ctx.timeout())?;
+            let exit = vm.process.wait_exit(ctx.timeout())?;
+            vm.process.check_success(&exit)?;
+            let started = vm.process.started();
+            wall.push(ms(exit.at - started), warmup);
+            cpu.push(ms(exit.cpu), warmup);
+            first.push(ms(seen - started), warmup);
+        }
+        Ok(())
+    })?;
+    for set in sets {
+        result.metrics.extend(set.into_iter().map(Metric::finish));
+    }
+    Ok(())
+}

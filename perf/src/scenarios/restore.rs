@@ -1,0 +1,84 @@
+//! restore: latency from starting a VMM that restores a snapshot to the
+//! restored guest's first output, across guest memory sizes.
+//!
+//! Clock: starts immediately before `fork` of the restoring VMM (for
+//! Firecracker the API calls that load the snapshot are inside the window)
+//! and stops when the pipe read returning the guest's first serial byte
+//! returns. The counter guest prints on every increment, so its first byte
+//! comes as soon as it runs again. After the clock stops, the count printed
+//! is checked to continue from the snapshot. With several VMMs, each run
+//! restores each of them in turn.
+
+use crate::error::Result;
+use crate::results::{Metric, ScenarioResult};
+use crate::runner::{ms, Context};
+
+use super::prepare::{check_continues, counter_snapshot};
+
+/// Scenario name.
+pub const NAME: &str = "restore";
+
+fn runs(ctx: &Context) -> u32 {
+    ctx.runs(30, 5)
+}
+
+/// Progress steps: one per run of every VMM, per memory size.
+pub fn plan(ctx: &Context) -> u64 {
+    ctx.settings.mem_sizes_mib.len() as u64 * u64::from(ctx.warmup() + runs(ctx))
+}
+
+/// Runs the scenario.
+pub fn run(ctx: &Context) -> ScenarioResult {
+    if let Some(reason) = ctx.backends.iter().find_map(|b| b.restore_unsupported()) {
+        return ScenarioResult::skipped(NAME, reason);
+    }
+    super::guarded(NAME, |result| measure(ctx, result))
+}
+
+fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
+    if let Some(backend) = &ctx.settings.memory_backend {
+        result
+            .notes
+            .push(format!("vmm restore --memory-backend {backend}"));
+    }
+    for &mem_mib in &ctx.settings.mem_sizes_mib {
+        // Snapshots first, then runs that restore every VMM in turn, so a
+        // change in the machine's load hits all of them alike.
+        let mut sets = Vec::new();
+        for backend in &ctx.backends {
+            let subject = backend.subject();
+            ctx.status(format!(
+                "{NAME} ({subject}, {mem_mib} MiB): taking the snapshot"
+            ));
+            let snapshot = counter_snapshot(ctx, backend.as_ref(), mem_mib)?;
+            let latency = Metric::new(
+                format!("restore.latency.{}", super::mem_id(mem_mib)),
+                format!("restore: spawn -> first guest output, {mem_mib} MiB"),
+                "ms",
+                subject,
+            )
+            .param("mem_mib", mem_mib)
+            .param(
+                "memory_backend",
+                ctx.settings.memory_backend.as_deref().unwrap_or("default"),
+            );
+            sets.push((snapshot, latency));
+        }
+        ctx.status(format!("{NAME} ({mem_mib} MiB)"));
+        ctx.repeat(runs(ctx), |warmup| {
+            for (backend, (snapshot, latency)) in ctx.backends.iter().zip(sets.iter_mut()) {
+                let dir = ctx.scratch()?;
+                let mut vm = backend.restore(&snapshot.path, dir.path(), false, ctx.timeout())?;
+                let (seen, _) = vm.process.wait_for("", 0, ctx.timeout())?;
+                latency.push(ms(seen - vm.process.started()), warmup);
+                check_continues(&mut vm.process, snapshot.last_count, ctx.timeout())?;
+                vm.process.kill();
+            }
+            Ok(())
+        })?;
+        for (_, latency) in sets {
+            result.metrics.push(latency.finish());
+        }
+    }
+    Ok(())
+}

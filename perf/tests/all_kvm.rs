@@ -1,0 +1,77 @@
+//! Every scenario once, tiny, under real KVM with the workspace's vmm: the
+//! snapshot and restore interface is exercised for real. Nothing about speed.
+
+mod common;
+
+use std::process::Command;
+
+#[test]
+fn every_scenario_runs_once_with_the_real_vmm() {
+    common::build_vmm();
+    let out = common::out_dir("all-kvm");
+    let output = Command::new(common::perf_bin())
+        .args([
+            "all",
+            "--runs",
+            "1",
+            "--warmup",
+            "0",
+            "--mem-sizes",
+            "64",
+            "--concurrency",
+            "2",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .expect("run perf");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    let json = common::check_reports(&out);
+    let scenarios = json["scenarios"].as_array().unwrap();
+    let names: Vec<&str> = scenarios
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "cold-boot",
+            "restore",
+            "creation-rate",
+            "memory-overhead",
+            "snapshot-write"
+        ]
+    );
+    let has_restore = scenarios[1]["status"] == "ok";
+    for s in scenarios {
+        if has_restore || s["name"] == "cold-boot" || s["name"] == "memory-overhead" {
+            assert_eq!(s["status"], "ok", "{s:#}");
+        } else {
+            assert_eq!(s["reason"], "skipped: vmm has no restore", "{s:#}");
+        }
+    }
+    if has_restore {
+        for (scenario, id) in [
+            ("restore", "restore.latency.mem64"),
+            ("memory-overhead", "memory-overhead.restored.mem64"),
+            ("snapshot-write", "snapshot-write.full.mem64"),
+            ("snapshot-write", "snapshot-write.diff-10permille.mem64"),
+            ("snapshot-write", "snapshot-write.diff-100permille.mem64"),
+        ] {
+            let m = common::metric(&json, scenario, id);
+            assert_eq!(m["samples"].as_array().unwrap().len(), 1, "{m:#}");
+        }
+        let rate = common::metric(&json, "creation-rate", "creation-rate.latency");
+        assert_eq!(
+            rate["samples"].as_array().unwrap().len(),
+            10,
+            "2 workers x 5 restores"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

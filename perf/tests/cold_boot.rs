@@ -1,0 +1,92 @@
+//! End to end under real KVM: `perf cold-boot --runs 2` on the hello guest
+//! writes valid results.json, results.md and latency.svg. Nothing about speed.
+
+mod common;
+
+use std::process::Command;
+
+#[test]
+fn cold_boot_runs_end_to_end_and_writes_valid_reports() {
+    common::build_vmm();
+    let out = common::out_dir("cold-boot");
+    let output = Command::new(common::perf_bin())
+        .args(["cold-boot", "--runs", "2", "--warmup", "1", "--out"])
+        .arg(&out)
+        .output()
+        .expect("run perf");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "perf failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+
+    let json = common::check_reports(&out);
+    assert_eq!(json["settings"]["scenario"], "cold-boot");
+    let scenarios = json["scenarios"].as_array().unwrap();
+    assert_eq!(scenarios.len(), 1);
+    assert_eq!(scenarios[0]["name"], "cold-boot");
+    assert_eq!(scenarios[0]["status"], "ok", "{:#}", scenarios[0]);
+    for id in ["cold-boot.wall", "cold-boot.cpu", "cold-boot.first-output"] {
+        let m = common::metric(&json, "cold-boot", id);
+        assert_eq!(m["unit"], "ms");
+        assert_eq!(m["samples"].as_array().unwrap().len(), 2, "{m:#}");
+        assert_eq!(m["warmup"].as_array().unwrap().len(), 1, "{m:#}");
+        let summary = &m["summary"];
+        for field in ["n", "min", "max", "mean", "median", "p90", "p99"] {
+            assert!(summary[field].is_number(), "summary lacks {field}: {m:#}");
+        }
+        assert!(m["samples"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s.as_f64().unwrap() >= 0.0));
+    }
+    // First output comes before the exit in every run.
+    let wall = common::metric(&json, "cold-boot", "cold-boot.wall")["samples"].clone();
+    let first = common::metric(&json, "cold-boot", "cold-boot.first-output")["samples"].clone();
+    for (w, f) in wall
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(first.as_array().unwrap())
+    {
+        assert!(f.as_f64().unwrap() <= w.as_f64().unwrap());
+    }
+
+    let md = common::read(&out.join("results.md"));
+    assert!(
+        md.contains(
+            "| cold-boot | cold boot: spawn -> guest output -> clean exit (wall) | ms | 2 |"
+        ),
+        "{md}"
+    );
+    let svg = common::read(&out.join("latency.svg"));
+    let doc = roxmltree::Document::parse(&svg).unwrap();
+    let dots = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("circle"))
+        .count();
+    assert_eq!(dots, 6, "one dot per measured sample of the three metrics");
+    assert!(stdout.contains("wrote"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn a_missing_vmm_is_an_actionable_error() {
+    let out = common::out_dir("missing-vmm");
+    let output = Command::new(common::perf_bin())
+        .args(["cold-boot", "--vmm", "/nonexistent/vmm", "--out"])
+        .arg(&out)
+        .output()
+        .expect("run perf");
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("no vmm binary at /nonexistent/vmm"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("cargo build -p vmm"), "{stderr}");
+    assert!(!out.join("results.json").exists());
+    let _ = std::fs::remove_dir_all(&out);
+}

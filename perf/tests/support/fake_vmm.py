@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""A stand-in VMM for testing the perf harness's scenario logic without a
+snapshot-capable vmm: it speaks the vmm's interface (issue 3: `run`,
+`restore --snapshot`, control-socket `pause`/`resume`/`snapshot`/`stop`) or,
+when given --api-sock, Firecracker's HTTP API. It runs no guest: it prints
+what the test guests print (hello line, count=N, pass=K) and keeps an
+anonymous mapping of the guest's memory size. Timings mean nothing.
+
+FAKE_NO_RESTORE=1 makes it a vmm without the restore subcommand."""
+
+import json
+import mmap
+import os
+import socket
+import socketserver
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+
+
+class Guest:
+    def __init__(self, kind, mem_mib, cmdline, count=0, passes=0):
+        self.kind = kind
+        self.mem_mib = mem_mib
+        self.cmdline = cmdline
+        self.count = count
+        self.passes = passes
+        self.paused = threading.Event()
+        self.running = threading.Event()
+        self.memory = mmap.mmap(-1, mem_mib << 20)
+        for off in range(0, 64 << 10, 4096):  # touch a few pages, like a guest
+            self.memory[off] = 1
+
+    def out(self, text):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def run(self):
+        self.running.wait()
+        if self.kind == "hello":
+            self.out("Hello from the hello test guest!\n")
+            os._exit(0)
+        if self.kind == "dirtier" and self.passes == 0:
+            self.out("dirtier: start pages=1\n")
+        if self.kind == "counter" and self.count == 0:
+            self.out("counter: start\n")
+        while True:
+            if self.paused.is_set():
+                time.sleep(0.0005)
+                continue
+            if self.kind == "dirtier":
+                self.passes += 1
+                self.out(f"pass={self.passes}\n")
+                time.sleep(0.005)
+            else:
+                self.count += 1
+                self.out(f"count={self.count}\n")
+                time.sleep(0.001)
+
+    def snapshot(self, directory, kind):
+        os.makedirs(directory)
+        with open(os.path.join(directory, "state"), "w") as f:
+            json.dump({"kind": self.kind, "mem_mib": self.mem_mib, "cmdline": self.cmdline,
+                       "count": self.count, "passes": self.passes}, f)
+        with open(os.path.join(directory, "memory"), "wb") as f:
+            f.truncate((self.mem_mib << 20) if kind == "full" else 4096)
+
+    @staticmethod
+    def load(directory):
+        with open(os.path.join(directory, "state")) as f:
+            s = json.load(f)
+        return Guest(s["kind"], s["mem_mib"], s["cmdline"], s["count"], s["passes"])
+
+
+def guest_kind(kernel):
+    return os.path.basename(kernel).split(".")[0]
+
+
+def serve_control(path, guest):
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(4)
+
+    def client(conn):
+        f = conn.makefile("rw")
+        for line in f:
+            req = json.loads(line)
+            op = req.get("op")
+            ans = {"ok": True, "state": "running", "vcpus": 1}
+            if op == "pause":
+                guest.paused.set()
+                ans["state"] = "paused"
+            elif op == "resume":
+                guest.paused.clear()
+            elif op == "snapshot":
+                if not guest.paused.is_set():
+                    ans = {"ok": False, "error": "snapshot needs a paused VM"}
+                else:
+                    guest.snapshot(req["dir"], req["kind"])
+                    ans["state"] = "paused"
+            elif op == "stop":
+                f.write(json.dumps(ans) + "\n")
+                f.flush()
+                os._exit(0)
+            f.write(json.dumps(ans) + "\n")
+            f.flush()
+
+    def accept():
+        while True:
+            conn, _ = srv.accept()
+            threading.Thread(target=client, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+
+def arg(args, name, default=None):
+    return args[args.index(name) + 1] if name in args else default
+
+
+def vmm_main(args):
+    if not args:
+        sys.exit(2)
+    if args[0] == "--version":
+        print("vmm 0.0.0-fake")
+        return
+    cmd, args = args[0], args[1:]
+    if cmd == "restore" and os.environ.get("FAKE_NO_RESTORE"):
+        sys.stderr.write("error: unrecognized subcommand 'restore'\n")
+        sys.exit(2)
+    if "--help" in args:
+        print(f"usage: vmm {cmd}")
+        return
+    if cmd == "run":
+        guest = Guest(guest_kind(arg(args, "--kernel")), int(arg(args, "--mem-mib", "128")),
+                      arg(args, "--cmdline", ""))
+    elif cmd == "restore":
+        guest = Guest.load(arg(args, "--snapshot"))
+    else:
+        sys.exit(2)
+    sock = arg(args, "--control-socket")
+    if sock:
+        serve_control(sock, guest)
+    if cmd == "restore" and "--paused" in args:
+        guest.paused.set()
+    guest.running.set()
+    guest.run()
+
+
+class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+def firecracker_main(args):
+    if "--version" in args:
+        print("Firecracker v0.0.0-fake")
+        return
+    state = {"guest": None, "boot": {}, "machine": {}}
+
+    class Api(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def reply(self, code, body=b""):
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def handle_req(self):
+            n = int(self.headers.get("Content-Length", "0"))
+            body = json.loads(self.rfile.read(n) or b"{}")
+            g = state["guest"]
+            if self.path == "/boot-source":
+                state["boot"] = body
+            elif self.path == "/machine-config":
+                state["machine"] = body
+            elif self.path == "/actions" and body.get("action_type") == "InstanceStart":
+                g = state["guest"] = Guest(guest_kind(state["boot"]["kernel_image_path"]),
+                                           state["machine"]["mem_size_mib"],
+                                           state["boot"].get("boot_args", ""))
+                threading.Thread(target=g.run, daemon=True).start()
+                g.running.set()
+            elif self.path == "/vm" and g:
+                if body.get("state") == "Paused":
+                    g.paused.set()
+                else:
+                    g.paused.clear()
+            elif self.path == "/snapshot/create" and g:
+                d = os.path.dirname(body["snapshot_path"])
+                with open(body["snapshot_path"], "w") as f:
+                    json.dump({"kind": g.kind, "mem_mib": g.mem_mib, "cmdline": g.cmdline,
+                               "count": g.count, "passes": g.passes}, f)
+                with open(body["mem_file_path"], "wb") as f:
+                    f.truncate(4096)
+                del d
+            elif self.path == "/snapshot/load":
+                with open(body["snapshot_path"]) as f:
+                    s = json.load(f)
+                g = state["guest"] = Guest(s["kind"], s["mem_mib"], s["cmdline"], s["count"], s["passes"])
+                threading.Thread(target=g.run, daemon=True).start()
+                g.running.set()
+            else:
+                return self.reply(400, b'{"fault_message":"fake: unsupported"}')
+            self.reply(204)
+
+        do_PUT = handle_req
+        do_PATCH = handle_req
+
+    server = UnixHTTPServer(arg(args, "--api-sock"), Api)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    if "--api-sock" in sys.argv or os.path.basename(sys.argv[0]).startswith("fake_firecracker"):
+        firecracker_main(sys.argv[1:])
+    else:
+        vmm_main(sys.argv[1:])
