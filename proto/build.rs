@@ -1,5 +1,9 @@
 //! Compiles `proto/*.proto` with protox (a pure-Rust protobuf compiler), so
 //! building this crate never needs a system `protoc`.
+//!
+//! With the `grpc` feature, tonic service code is generated as well and the
+//! encoded file descriptor set is written to `$OUT_DIR/descriptor.bin` for
+//! gRPC reflection.
 
 use std::path::PathBuf;
 
@@ -16,6 +20,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     files.sort();
     println!("cargo:rerun-if-changed={}", dir.display());
     let descriptors = protox::compile(&files, [&dir])?;
+    #[cfg(feature = "grpc")]
+    {
+        use protox::prost::Message as _;
+        let out = PathBuf::from(std::env::var("OUT_DIR")?);
+        std::fs::write(out.join("descriptor.bin"), descriptors.encode_to_vec())?;
+        tonic_prost_build::configure()
+            .build_transport(false)
+            .compile_fds(descriptors)?;
+    }
+    #[cfg(not(feature = "grpc"))]
     prost_build::Config::new().compile_fds(descriptors)?;
     Ok(())
 }

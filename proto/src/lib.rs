@@ -2,6 +2,8 @@
 //!
 //! * [`guest`]: the guest <-> host session protocol (`proto/guest.proto`).
 //! * [`framing`]: the length-prefixed frames those messages travel in.
+//! * `hostagent` (feature `grpc`): the host-agent gRPC API
+//!   (`proto/hostagent.proto`), tonic clients and servers.
 //!
 //! The `.proto` files are compiled at build time by protox, in pure Rust.
 
@@ -17,6 +19,21 @@ pub mod guest {
 
     /// The vsock port guest-init listens on by default.
     pub const DEFAULT_VSOCK_PORT: u32 = 1024;
+}
+
+/// The host-agent gRPC API, package `hostagent.v1` (feature `grpc`).
+#[cfg(feature = "grpc")]
+pub mod hostagent {
+    #![allow(
+        missing_docs,
+        clippy::doc_lazy_continuation,
+        clippy::large_enum_variant
+    )]
+    include!(concat!(env!("OUT_DIR"), "/hostagent.v1.rs"));
+
+    /// Encoded `FileDescriptorSet` of every .proto file, for gRPC reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/descriptor.bin"));
 }
 
 pub use prost::Message;

@@ -1,0 +1,104 @@
+//! `hostagent.v1.Approvals`: pending asks, answers, and the audit stream.
+
+use std::sync::Arc;
+
+use proto::hostagent as pb;
+use proto::hostagent::approvals_server::Approvals;
+use tonic::{Request, Response, Status};
+
+use super::check_session_id;
+use super::exec::check_execution;
+use crate::error::Error;
+use crate::sessions::Manager;
+use proto::guest::{host_message::Kind as In, Answer as GAnswer};
+
+/// The Approvals service.
+pub struct ApprovalsApi(pub Arc<Manager>);
+
+#[tonic::async_trait]
+impl Approvals for ApprovalsApi {
+    async fn list_asks(
+        &self,
+        req: Request<pb::ListAsksRequest>,
+    ) -> Result<Response<pb::ListAsksResponse>, Status> {
+        let id = req.into_inner().session_id;
+        check_session_id(&id)?;
+        let sess = self.0.session(&id)?;
+        let asks = sess
+            .guest()
+            .map(|g| g.asks())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|a| pb::Ask {
+                ask_id: a.ask.ask_id,
+                session_id: id.clone(),
+                exec_id: a.ask.exec_id,
+                turn_id: a.ask.turn_id,
+                tool: a.ask.tool,
+                subject: a.ask.subject,
+                rule: a.ask.rule,
+                asked_at: a.asked_at,
+            })
+            .collect();
+        Ok(Response::new(pb::ListAsksResponse { asks }))
+    }
+
+    async fn answer(
+        &self,
+        req: Request<pb::AnswerRequest>,
+    ) -> Result<Response<pb::AnswerResponse>, Status> {
+        let r = req.into_inner();
+        if r.ask_id.is_empty() || r.ask_id.len() > 128 {
+            return Err(Error::invalid("ask_id must be 1..=128 bytes").into());
+        }
+        match pb::Reply::try_from(r.reply) {
+            Ok(pb::Reply::Once | pb::Reply::Always | pb::Reply::Reject) => {}
+            _ => {
+                return Err(Error::invalid(format!(
+                    "reply {} is not ONCE, ALWAYS or REJECT",
+                    r.reply
+                ))
+                .into())
+            }
+        }
+        check_execution(&self.0, &r.session_id, &r.execution_id)?;
+        let sess = self.0.session(&r.session_id)?;
+        let Some(conn) = sess.guest() else {
+            return Err(Error::not_found("ask", r.ask_id).into());
+        };
+        if !conn.take_ask(&r.ask_id) {
+            return Err(Error::not_found("ask", r.ask_id).into());
+        }
+        conn.send(In::Answer(GAnswer {
+            ask_id: r.ask_id,
+            reply: r.reply,
+        }))
+        .await?;
+        Ok(Response::new(pb::AnswerResponse {}))
+    }
+
+    async fn list_audit(
+        &self,
+        req: Request<pb::ListAuditRequest>,
+    ) -> Result<Response<pb::ListAuditResponse>, Status> {
+        let r = req.into_inner();
+        check_session_id(&r.session_id)?;
+        if self.0.store.session(&r.session_id)?.is_none() {
+            return Err(Error::not_found("session", &r.session_id).into());
+        }
+        let records = self
+            .0
+            .store
+            .audit_since(&r.session_id, r.since_guest_seq)?
+            .into_iter()
+            .map(|a| pb::AuditRecord {
+                session_id: a.session_id,
+                guest_seq: a.guest_seq,
+                json: a.json,
+                host_hash: a.host_hash,
+                received_at: a.received_at,
+            })
+            .collect();
+        Ok(Response::new(pb::ListAuditResponse { records }))
+    }
+}

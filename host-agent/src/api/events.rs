@@ -1,0 +1,42 @@
+//! `hostagent.v1.Events`: Watch(since_seq).
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use proto::hostagent as pb;
+use proto::hostagent::events_server::Events;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status};
+
+use super::{check_session_id, event_pb};
+use crate::sessions::Manager;
+
+/// The Events service.
+pub struct EventsApi(pub Arc<Manager>);
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::Event, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Events for EventsApi {
+    type WatchStream = EventStream;
+
+    async fn watch(
+        &self,
+        req: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let r = req.into_inner();
+        let session = if r.session_id.is_empty() {
+            None
+        } else {
+            check_session_id(&r.session_id)?;
+            Some(r.session_id)
+        };
+        let rx = self
+            .0
+            .events
+            .watch(self.0.store.clone(), r.since_seq, session);
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
+            .map(|item| item.map(|e| event_pb(&e)).map_err(Status::from));
+        Ok(Response::new(Box::pin(stream)))
+    }
+}

@@ -1,0 +1,179 @@
+//! `hostagent.v1.Exec`: a bidirectional stream relayed to guest-init.
+//!
+//! The first request must be `start`, naming the session and its current
+//! execution id (a stale id is refused). Sessions of images without
+//! guest-init have nobody to run commands and are refused with
+//! FAILED_PRECONDITION.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use proto::hostagent as pb;
+use proto::hostagent::exec_server::Exec;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+use super::check_session_id;
+use crate::error::Error;
+use crate::sessions::{state_name, Manager};
+use proto::guest::{
+    exec_exited, guest_message::Kind as Out, host_message::Kind as In, output, Exec as GExec,
+    Signal as GSignal, StdinData,
+};
+
+/// The Exec service.
+pub struct ExecApi(pub Arc<Manager>);
+
+type ExecStream = Pin<Box<dyn Stream<Item = Result<pb::ExecResponse, Status>> + Send>>;
+
+/// Checks that `session_id` exists and `execution_id` is its current one;
+/// returns whether its image runs guest-init.
+pub fn check_execution(mgr: &Manager, session_id: &str, execution_id: &str) -> Result<bool, Error> {
+    check_session_id(session_id)?;
+    if execution_id.is_empty() {
+        return Err(Error::invalid("execution_id is required"));
+    }
+    let sess = mgr.session(session_id)?;
+    let row = sess.row();
+    if row.execution_id != execution_id {
+        return Err(Error::FailedPrecondition(format!(
+            "execution_id {execution_id:?} is stale: session {session_id} is now execution {:?}",
+            row.execution_id
+        )));
+    }
+    mgr.touch(&sess);
+    Ok(mgr
+        .store
+        .image(&row.image_id)?
+        .is_some_and(|i| i.guest_init))
+}
+
+#[tonic::async_trait]
+impl Exec for ExecApi {
+    type ExecStream = ExecStream;
+
+    async fn exec(
+        &self,
+        req: Request<Streaming<pb::ExecRequest>>,
+    ) -> Result<Response<Self::ExecStream>, Status> {
+        let mut input = req.into_inner();
+        let first = match input.next().await {
+            Some(Ok(m)) => m,
+            Some(Err(e)) => return Err(e),
+            None => return Err(Error::invalid("empty exec stream: send start first").into()),
+        };
+        let Some(pb::exec_request::Kind::Start(start)) = first.kind else {
+            return Err(Error::invalid("the first exec message must be start").into());
+        };
+        if start.argv.is_empty() || start.argv[0].is_empty() {
+            return Err(Error::invalid("argv must name a program").into());
+        }
+        let guest_init = check_execution(&self.0, &start.session_id, &start.execution_id)?;
+        if !guest_init {
+            return Err(Error::FailedPrecondition(format!(
+                "session {} runs an image without guest-init; there is no agent to run commands",
+                start.session_id
+            ))
+            .into());
+        }
+        let sess = self.0.session(&start.session_id)?;
+        let state = sess.row().state;
+        if state != pb::SessionState::Running as i32 {
+            return Err(Error::FailedPrecondition(format!(
+                "session {} is {}; commands run only while RUNNING",
+                start.session_id,
+                state_name(state)
+            ))
+            .into());
+        }
+        let conn = sess.guest().ok_or_else(|| {
+            Error::FailedPrecondition(format!(
+                "session {} has no open guest channel (it was re-attached after a host-agent \
+                 restart, or is stopping)",
+                start.session_id
+            ))
+        })?;
+        let exec_id = uuid::Uuid::new_v4().to_string();
+        let rx = conn.route_exec(&exec_id)?;
+        let turn_id = if start.turn_id.is_empty() {
+            format!("turn-{exec_id}")
+        } else {
+            start.turn_id.clone()
+        };
+        conn.send(In::Exec(GExec {
+            exec_id: exec_id.clone(),
+            turn_id,
+            argv: start.argv.clone(),
+            cwd: start.cwd.clone().into_bytes(),
+            env: start.env.clone(),
+            stdin: Vec::new(),
+            keep_stdin_open: start.keep_stdin_open,
+        }))
+        .await?;
+        let conn2 = conn.clone();
+        let id2 = exec_id.clone();
+        // Input is forwarded once the guest has started the command (it
+        // refuses stdin for a command it has not started yet).
+        let (started_tx, mut started_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            if started_rx.wait_for(|s| *s).await.is_err() {
+                return;
+            }
+            while let Some(Ok(req)) = input.next().await {
+                let m = match req.kind {
+                    Some(pb::exec_request::Kind::Stdin(data)) => In::Stdin(StdinData {
+                        exec_id: id2.clone(),
+                        data,
+                        eof: false,
+                    }),
+                    Some(pb::exec_request::Kind::StdinEof(_)) => In::Stdin(StdinData {
+                        exec_id: id2.clone(),
+                        data: Vec::new(),
+                        eof: true,
+                    }),
+                    Some(pb::exec_request::Kind::Signal(signal)) => In::Signal(GSignal {
+                        exec_id: id2.clone(),
+                        signal,
+                    }),
+                    _ => continue,
+                };
+                if conn2.send(m).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let out = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).filter_map(move |m| {
+            use pb::exec_response::Kind as R;
+            let kind = match m.kind? {
+                Out::ExecStarted(e) => {
+                    let _ = started_tx.send(true);
+                    R::Started(format!("{} {}", e.exec_id, e.pid))
+                }
+                Out::Output(o) => {
+                    if o.stream == output::Stream::Stderr as i32 {
+                        R::Stderr(o.data)
+                    } else {
+                        R::Stdout(o.data)
+                    }
+                }
+                Out::ExecExited(e) => R::Exit(pb::ExecExit {
+                    status: e.status.map(|s| match s {
+                        exec_exited::Status::Code(c) => pb::exec_exit::Status::Code(c),
+                        exec_exited::Status::Signal(n) => pb::exec_exit::Status::Signal(n),
+                    }),
+                }),
+                Out::ExecRejected(r) => R::Rejected(if r.rule.is_empty() {
+                    r.reason
+                } else {
+                    format!("{} ({})", r.reason, r.rule)
+                }),
+                Out::Error(e) => {
+                    return Some(Err(Status::aborted(format!("guest-init: {}", e.message))))
+                }
+                _ => return None,
+            };
+            Some(Ok(pb::ExecResponse { kind: Some(kind) }))
+        });
+        Ok(Response::new(Box::pin(out)))
+    }
+}

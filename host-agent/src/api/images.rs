@@ -1,0 +1,131 @@
+//! `hostagent.v1.Images`.
+
+use std::sync::Arc;
+
+use proto::hostagent as pb;
+use proto::hostagent::images_server::Images;
+use tonic::{Request, Response, Status};
+
+use super::{idempotent, image_pb};
+use crate::error::Error;
+use crate::images::{build_golden, valid_id, validate};
+use crate::sessions::{now_ms, Manager};
+use crate::store::ImageRow;
+
+/// The Images service.
+pub struct ImagesApi(pub Arc<Manager>);
+
+#[tonic::async_trait]
+impl Images for ImagesApi {
+    async fn register_image(
+        &self,
+        req: Request<pb::RegisterImageRequest>,
+    ) -> Result<Response<pb::Image>, Status> {
+        let r = req.into_inner();
+        let fp = format!(
+            "{:?}",
+            (
+                &r.image_id,
+                &r.kernel_path,
+                &r.rootfs_path,
+                &r.cmdline,
+                r.mem_mib,
+                r.vcpus,
+                r.guest_init
+            )
+        );
+        let mgr = &self.0;
+        let img = idempotent(mgr, &r.idempotency_key, "RegisterImage", &fp, async {
+            let mut row = ImageRow {
+                id: r.image_id.clone(),
+                kernel: r.kernel_path.clone(),
+                rootfs: r.rootfs_path.clone(),
+                cmdline: r.cmdline.clone(),
+                mem_mib: r.mem_mib,
+                vcpus: r.vcpus,
+                guest_init: r.guest_init,
+                golden_dir: String::new(),
+                created_at: now_ms(),
+                golden_built_at: 0,
+            };
+            validate(&mut row)?;
+            mgr.store.insert_image(&row)?;
+            Ok(image_pb(&row))
+        })
+        .await?;
+        Ok(Response::new(img))
+    }
+
+    async fn build_golden_snapshot(
+        &self,
+        req: Request<pb::BuildGoldenSnapshotRequest>,
+    ) -> Result<Response<pb::Image>, Status> {
+        let r = req.into_inner();
+        valid_id(&r.image_id)?;
+        if r.settle_ms > 60_000 {
+            return Err(Error::invalid(format!(
+                "settle_ms {} is out of range 0..=60000",
+                r.settle_ms
+            ))
+            .into());
+        }
+        let fp = format!("{:?}", (&r.image_id, r.settle_ms));
+        let mgr = &self.0;
+        let img = idempotent(mgr, &r.idempotency_key, "BuildGoldenSnapshot", &fp, async {
+            Ok(image_pb(
+                &build_golden(mgr, &r.image_id, r.settle_ms).await?,
+            ))
+        })
+        .await?;
+        Ok(Response::new(img))
+    }
+
+    async fn get_image(
+        &self,
+        req: Request<pb::GetImageRequest>,
+    ) -> Result<Response<pb::Image>, Status> {
+        let id = req.into_inner().image_id;
+        valid_id(&id)?;
+        let img = self
+            .0
+            .store
+            .image(&id)?
+            .ok_or_else(|| Error::not_found("image", &id))?;
+        Ok(Response::new(image_pb(&img)))
+    }
+
+    async fn list_images(
+        &self,
+        _req: Request<pb::ListImagesRequest>,
+    ) -> Result<Response<pb::ListImagesResponse>, Status> {
+        let images = self.0.store.images()?.iter().map(image_pb).collect();
+        Ok(Response::new(pb::ListImagesResponse { images }))
+    }
+
+    async fn delete_image(
+        &self,
+        req: Request<pb::DeleteImageRequest>,
+    ) -> Result<Response<pb::DeleteImageResponse>, Status> {
+        let r = req.into_inner();
+        valid_id(&r.image_id)?;
+        let mgr = &self.0;
+        let resp = idempotent(mgr, &r.idempotency_key, "DeleteImage", &r.image_id, async {
+            let _g = mgr.golden_lock.lock().await;
+            if mgr.store.image(&r.image_id)?.is_none() {
+                return Err(Error::not_found("image", &r.image_id));
+            }
+            if mgr.image_in_use(&r.image_id) {
+                return Err(Error::FailedPrecondition(format!(
+                    "image {:?} has live sessions; stop them first",
+                    r.image_id
+                )));
+            }
+            mgr.pool.drain(&r.image_id);
+            mgr.store.delete_image(&r.image_id)?;
+            let _ = std::fs::remove_dir_all(mgr.image_dir(&r.image_id));
+            Ok(pb::DeleteImageResponse {})
+        })
+        .await?;
+        Ok(Response::new(resp))
+    }
+}

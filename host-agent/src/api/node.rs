@@ -1,0 +1,59 @@
+//! `hostagent.v1.Node`: capacity and version (health is the standard
+//! `grpc.health.v1.Health` service).
+
+use std::sync::Arc;
+
+use proto::hostagent as pb;
+use proto::hostagent::node_server::Node;
+use tonic::{Request, Response, Status};
+
+use crate::sessions::Manager;
+
+/// The Node service.
+pub struct NodeApi(pub Arc<Manager>);
+
+/// Total memory of this node in MiB (0 if unknown).
+pub fn host_memory_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map(|kib| kib / 1024)
+        .unwrap_or(0)
+}
+
+#[tonic::async_trait]
+impl Node for NodeApi {
+    async fn get_capacity(
+        &self,
+        _req: Request<pb::GetCapacityRequest>,
+    ) -> Result<Response<pb::Capacity>, Status> {
+        let (vcpus_used, mem_used) = self.0.used_resources();
+        let vcpus_total = std::thread::available_parallelism()
+            .map(|n| n.get() as u32)
+            .unwrap_or(1);
+        Ok(Response::new(pb::Capacity {
+            vcpus_total,
+            vcpus_used,
+            memory_mib_total: host_memory_mib(),
+            memory_mib_used: mem_used,
+            sessions_max: self.0.cfg.max_sessions,
+            sessions_live: self.0.live_count() as u32,
+            warm_pool_ready: self.0.pool.ready() as u32,
+        }))
+    }
+
+    async fn get_version(
+        &self,
+        _req: Request<pb::GetVersionRequest>,
+    ) -> Result<Response<pb::Version>, Status> {
+        Ok(Response::new(pb::Version {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            vmm_path: self.0.vmm_path.display().to_string(),
+        }))
+    }
+}

@@ -1,0 +1,215 @@
+//! `hostagent.v1.Sessions`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use proto::hostagent as pb;
+use proto::hostagent::sessions_server::Sessions;
+use tonic::{Request, Response, Status};
+
+use super::{check_key, check_session_id, idempotent, session_pb};
+use crate::error::{Error, Result};
+use crate::images::valid_id;
+use crate::sessions::{reason, CreateParams, Manager};
+
+/// Longest TTL or idle timeout accepted: 30 days.
+const MAX_LIMIT_S: u64 = 30 * 24 * 3600;
+
+/// The Sessions service.
+pub struct SessionsApi(pub Arc<Manager>);
+
+fn create_params(r: pb::CreateSessionRequest) -> Result<CreateParams> {
+    valid_id(&r.image_id)?;
+    check_key(&r.idempotency_key)?;
+    let limits = r.limits.unwrap_or_default();
+    for (name, v) in [
+        ("limits.ttl_seconds", limits.ttl_seconds),
+        ("limits.idle_timeout_seconds", limits.idle_timeout_seconds),
+    ] {
+        if v > MAX_LIMIT_S {
+            return Err(Error::invalid(format!(
+                "{name} {v} is out of range 0..={MAX_LIMIT_S}"
+            )));
+        }
+    }
+    if r.labels.len() > 16 {
+        return Err(Error::invalid(format!(
+            "{} labels; at most 16",
+            r.labels.len()
+        )));
+    }
+    for (k, v) in &r.labels {
+        if k.is_empty() || k.len() > 64 || v.len() > 256 {
+            return Err(Error::invalid(format!(
+                "label {k:?}: keys are 1..=64 bytes and values at most 256"
+            )));
+        }
+    }
+    for (name, v) in [
+        ("repository_path", &r.repository_path),
+        ("agent", &r.agent),
+        ("base_ref", &r.base_ref),
+    ] {
+        if v.len() > 4096 {
+            return Err(Error::invalid(format!("{name} is longer than 4096 bytes")));
+        }
+    }
+    Ok(CreateParams {
+        image_id: r.image_id,
+        idempotency_key: r.idempotency_key,
+        ttl_s: limits.ttl_seconds,
+        idle_s: limits.idle_timeout_seconds,
+        labels: r.labels.into_iter().collect::<BTreeMap<_, _>>(),
+        repository: r.repository_path,
+        agent: r.agent,
+        base_ref: r.base_ref,
+    })
+}
+
+#[tonic::async_trait]
+impl Sessions for SessionsApi {
+    async fn create_session(
+        &self,
+        req: Request<pb::CreateSessionRequest>,
+    ) -> Result<Response<pb::Session>, Status> {
+        let p = create_params(req.into_inner())?;
+        let row = self.0.create(p).await?;
+        Ok(Response::new(session_pb(&row)))
+    }
+
+    async fn get_session(
+        &self,
+        req: Request<pb::SessionRef>,
+    ) -> Result<Response<pb::Session>, Status> {
+        let id = req.into_inner().session_id;
+        check_session_id(&id)?;
+        Ok(Response::new(session_pb(&self.0.session(&id)?.row())))
+    }
+
+    async fn list_sessions(
+        &self,
+        req: Request<pb::ListSessionsRequest>,
+    ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        let r = req.into_inner();
+        if pb::SessionState::try_from(r.state).is_err() {
+            return Err(Error::invalid(format!("state {} is not a SessionState", r.state)).into());
+        }
+        if !r.image_id.is_empty() {
+            valid_id(&r.image_id)?;
+        }
+        let sessions = self
+            .0
+            .list(r.state, &r.image_id)
+            .iter()
+            .map(session_pb)
+            .collect();
+        Ok(Response::new(pb::ListSessionsResponse { sessions }))
+    }
+
+    async fn pause_session(
+        &self,
+        req: Request<pb::SessionCall>,
+    ) -> Result<Response<pb::Session>, Status> {
+        let r = req.into_inner();
+        check_session_id(&r.session_id)?;
+        let mgr = &self.0;
+        let s = idempotent(
+            mgr,
+            &r.idempotency_key,
+            "PauseSession",
+            &r.session_id,
+            async {
+                let row = mgr.pause(&r.session_id, reason::REQUESTED).await?;
+                Ok(session_pb(&row))
+            },
+        )
+        .await?;
+        Ok(Response::new(s))
+    }
+
+    async fn resume_session(
+        &self,
+        req: Request<pb::SessionCall>,
+    ) -> Result<Response<pb::Session>, Status> {
+        let r = req.into_inner();
+        check_session_id(&r.session_id)?;
+        let mgr = &self.0;
+        let s = idempotent(
+            mgr,
+            &r.idempotency_key,
+            "ResumeSession",
+            &r.session_id,
+            async { Ok(session_pb(&mgr.resume(&r.session_id).await?)) },
+        )
+        .await?;
+        Ok(Response::new(s))
+    }
+
+    async fn snapshot_session(
+        &self,
+        req: Request<pb::SessionCall>,
+    ) -> Result<Response<pb::SnapshotSessionResponse>, Status> {
+        let r = req.into_inner();
+        check_session_id(&r.session_id)?;
+        let mgr = &self.0;
+        let s = idempotent(
+            mgr,
+            &r.idempotency_key,
+            "SnapshotSession",
+            &r.session_id,
+            async {
+                let (row, dir, pages) = mgr.snapshot(&r.session_id).await?;
+                Ok(pb::SnapshotSessionResponse {
+                    session: Some(session_pb(&row)),
+                    snapshot_dir: dir,
+                    pages_written: pages,
+                })
+            },
+        )
+        .await?;
+        Ok(Response::new(s))
+    }
+
+    async fn stop_session(
+        &self,
+        req: Request<pb::SessionCall>,
+    ) -> Result<Response<pb::Session>, Status> {
+        let r = req.into_inner();
+        check_session_id(&r.session_id)?;
+        let mgr = &self.0;
+        let s = idempotent(
+            mgr,
+            &r.idempotency_key,
+            "StopSession",
+            &r.session_id,
+            async {
+                Ok(session_pb(
+                    &mgr.stop(&r.session_id, reason::REQUESTED).await?,
+                ))
+            },
+        )
+        .await?;
+        Ok(Response::new(s))
+    }
+
+    async fn delete_session(
+        &self,
+        req: Request<pb::SessionCall>,
+    ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
+        let r = req.into_inner();
+        check_session_id(&r.session_id)?;
+        let mgr = &self.0;
+        let s = idempotent(
+            mgr,
+            &r.idempotency_key,
+            "DeleteSession",
+            &r.session_id,
+            async {
+                mgr.delete(&r.session_id).await?;
+                Ok(pb::DeleteSessionResponse {})
+            },
+        )
+        .await?;
+        Ok(Response::new(s))
+    }
+}

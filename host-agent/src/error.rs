@@ -1,0 +1,100 @@
+//! Typed errors of host-agent and their gRPC status codes.
+
+use tonic::{Code, Status};
+
+/// Everything that can go wrong while serving a call or running a session.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A request field is missing or out of range.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The named image, session or ask does not exist.
+    #[error("{kind} {id:?} not found")]
+    NotFound {
+        /// What was looked up ("image", "session", ...).
+        kind: &'static str,
+        /// The id asked for.
+        id: String,
+    },
+    /// The object exists already (e.g. an image id registered twice).
+    #[error("{0}")]
+    AlreadyExists(String),
+    /// The call is valid but not in the object's current state.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// A node limit (max sessions, memory, vCPUs) refuses the call.
+    #[error("{0}")]
+    ResourceExhausted(String),
+    /// The vmm or guest did not answer in time.
+    #[error("{0}")]
+    Timeout(String),
+    /// A vmm process failed to start or answered with an error.
+    #[error("vmm: {0}")]
+    Vmm(String),
+    /// The guest channel failed.
+    #[error("guest: {0}")]
+    Guest(String),
+    /// The state database failed.
+    #[error("database: {0}")]
+    Store(#[from] rusqlite::Error),
+    /// A file operation on the node failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done, with the path.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// host-agent is shutting down.
+    #[error("host-agent is shutting down")]
+    ShuttingDown,
+}
+
+impl Error {
+    /// Builds an [`Error::Io`] with `context` (say what and which path).
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+
+    /// Shorthand for [`Error::NotFound`].
+    pub fn not_found(kind: &'static str, id: impl Into<String>) -> Self {
+        Error::NotFound {
+            kind,
+            id: id.into(),
+        }
+    }
+
+    /// The gRPC status code this error maps to.
+    pub fn code(&self) -> Code {
+        match self {
+            Error::InvalidArgument(_) => Code::InvalidArgument,
+            Error::NotFound { .. } => Code::NotFound,
+            Error::AlreadyExists(_) => Code::AlreadyExists,
+            Error::FailedPrecondition(_) => Code::FailedPrecondition,
+            Error::ResourceExhausted(_) => Code::ResourceExhausted,
+            Error::Timeout(_) => Code::DeadlineExceeded,
+            Error::Vmm(_) | Error::Guest(_) => Code::Unavailable,
+            Error::Store(_) | Error::Io { .. } => Code::Internal,
+            Error::ShuttingDown => Code::Unavailable,
+        }
+    }
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        crate::metrics::api_error(e.code());
+        Status::new(e.code(), e.to_string())
+    }
+}
+
+/// Result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

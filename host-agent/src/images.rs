@@ -1,0 +1,170 @@
+//! Images: registration checks and golden snapshot builds.
+//!
+//! A golden snapshot is built by booting the image in a fresh vmm, waiting
+//! until it is ready (for images without guest-init: running, plus a settle
+//! time), pausing it and writing a full snapshot to
+//! `<state>/images/<id>/golden-<time>`. Every session of the image restores
+//! that directory; nothing session-specific is in it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::error::{Error, Result};
+use crate::guest::{self, GuestConn};
+use crate::sessions::{now_ms, Manager};
+use crate::store::ImageRow;
+use crate::supervisor;
+
+/// Longest accepted kernel command line.
+pub const MAX_CMDLINE: usize = 2048;
+
+/// Checks an image id: 1..=64 of `[A-Za-z0-9._-]`, not starting with '.'.
+pub fn valid_id(id: &str) -> Result<()> {
+    if id.is_empty() || id.len() > 64 {
+        return Err(Error::invalid(format!(
+            "image_id must be 1 to 64 characters, got {}",
+            id.len()
+        )));
+    }
+    if id.starts_with('.')
+        || !id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        return Err(Error::invalid(format!(
+            "image_id {id:?} may only hold letters, digits, '.', '_' and '-' and must not start with '.'"
+        )));
+    }
+    Ok(())
+}
+
+fn check_file(field: &str, path: &str) -> Result<()> {
+    if path.len() > 4096 {
+        return Err(Error::invalid(format!("{field} is longer than 4096 bytes")));
+    }
+    let p = Path::new(path);
+    if !p.is_absolute() {
+        return Err(Error::invalid(format!(
+            "{field} must be an absolute path, got {path:?}"
+        )));
+    }
+    if !p.is_file() {
+        return Err(Error::invalid(format!(
+            "{field} {path:?} is not a readable file on this node"
+        )));
+    }
+    Ok(())
+}
+
+/// Validates and fills defaults of a registration.
+pub fn validate(img: &mut ImageRow) -> Result<()> {
+    valid_id(&img.id)?;
+    if img.kernel.is_empty() {
+        return Err(Error::invalid("kernel_path is required"));
+    }
+    check_file("kernel_path", &img.kernel)?;
+    if !img.rootfs.is_empty() {
+        check_file("rootfs_path", &img.rootfs)?;
+    }
+    if img.cmdline.len() > MAX_CMDLINE {
+        return Err(Error::invalid(format!(
+            "cmdline is {} bytes; at most {MAX_CMDLINE}",
+            img.cmdline.len()
+        )));
+    }
+    if img.cmdline.bytes().any(|b| b == 0 || b == b'\n') {
+        return Err(Error::invalid("cmdline must not contain NUL or newline"));
+    }
+    if img.mem_mib == 0 {
+        img.mem_mib = 128;
+    }
+    if img.mem_mib > 65536 {
+        return Err(Error::invalid(format!(
+            "mem_mib {} is out of range 1..=65536",
+            img.mem_mib
+        )));
+    }
+    if img.vcpus == 0 {
+        img.vcpus = 1;
+    }
+    if img.vcpus > 32 {
+        return Err(Error::invalid(format!(
+            "vcpus {} is out of range 1..=32",
+            img.vcpus
+        )));
+    }
+    Ok(())
+}
+
+/// Boots `id`, lets it settle, pauses it and writes its golden snapshot.
+pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<ImageRow> {
+    let _g = mgr.golden_lock.lock().await;
+    let image = mgr
+        .store
+        .image(id)?
+        .ok_or_else(|| Error::not_found("image", id))?;
+    let settle = if settle_ms == 0 { 200 } else { settle_ms };
+    let dir = mgr.image_dir(id);
+    let build = dir.join(format!("build-{}", uuid::Uuid::new_v4().simple()));
+    let mut args = vec![
+        "run".to_string(),
+        "--kernel".to_string(),
+        image.kernel.clone(),
+        "--mem-mib".to_string(),
+        image.mem_mib.to_string(),
+        "--vcpus".to_string(),
+        image.vcpus.to_string(),
+        "--serial".to_string(),
+        format!("file:{}", build.join("serial.log").display()),
+    ];
+    if !image.cmdline.is_empty() {
+        args.push("--cmdline".to_string());
+        args.push(image.cmdline.clone());
+    }
+    let vmm = supervisor::spawn(&mgr.vmm_path, &build, &args)?;
+    let golden = dir.join(format!("golden-{}", now_ms()));
+    let result = async {
+        supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await?;
+        if image.guest_init {
+            // Idle guest-init answering on vsock is what the snapshot keeps.
+            let timeout = Duration::from_secs(mgr.cfg.guest_ready_timeout_seconds);
+            let stream =
+                guest::connect_retry(&mgr.cfg.vsock_path(&build), mgr.cfg.guest_port, timeout)
+                    .await?;
+            drop(GuestConn::open(stream, "golden", None).await?);
+        } else {
+            tokio::time::sleep(Duration::from_millis(u64::from(settle))).await;
+        }
+        vmm.control(json!({"op":"pause"})).await?;
+        vmm.control(json!({"op":"snapshot","dir":golden,"kind":"full"}))
+            .await?;
+        Ok::<_, Error>(())
+    }
+    .await;
+    let _ = vmm.control(json!({"op":"stop"})).await;
+    if tokio::time::timeout(Duration::from_secs(10), vmm.wait())
+        .await
+        .is_err()
+    {
+        vmm.kill();
+    }
+    let _ = std::fs::remove_dir_all(&build);
+    if let Err(e) = result {
+        let _ = std::fs::remove_dir_all(&golden);
+        return Err(e);
+    }
+    let old = PathBuf::from(&image.golden_dir);
+    mgr.store
+        .set_golden(id, &golden.display().to_string(), now_ms())?;
+    mgr.pool.drain(id);
+    if !image.golden_dir.is_empty() && old != golden {
+        // Sessions restored from the old snapshot keep their private
+        // mappings of the unlinked memory file.
+        let _ = std::fs::remove_dir_all(&old);
+    }
+    mgr.store
+        .image(id)?
+        .ok_or_else(|| Error::not_found("image", id))
+}

@@ -1,0 +1,210 @@
+//! host-agent: the per-node daemon that control planes call over gRPC.
+//!
+//! It supervises one `vmm` process per session (restored from an image's
+//! golden snapshot or taken from a warm pool), records every lifecycle
+//! transition as an event with a per-node seq, samples usage every second,
+//! and keeps all of it in SQLite so that a restart re-attaches to running
+//! VMs and loses nothing.
+//!
+//! Modules follow the data flow: [`api`] (one module per gRPC service) →
+//! [`sessions`] (state machine) → [`supervisor`] (vmm processes), with
+//! [`pool`], [`accounting`], [`events`], [`store`], [`images`], [`metrics`]
+//! and [`config`] beside them.
+
+#![warn(missing_docs)]
+
+pub mod accounting;
+pub mod api;
+pub mod config;
+pub mod error;
+pub mod events;
+pub mod guest;
+pub mod images;
+pub mod metrics;
+pub mod pool;
+pub mod sessions;
+pub mod store;
+pub mod supervisor;
+
+use std::future::Future;
+use std::time::Duration;
+
+use proto::hostagent::{
+    approvals_server::ApprovalsServer, events_server::EventsServer, exec_server::ExecServer,
+    images_server::ImagesServer, node_server::NodeServer, sessions_server::SessionsServer,
+    usage_server::UsageServer,
+};
+use tokio::net::TcpListener;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::sessions::Manager;
+
+/// Where the gRPC server accepts connections.
+pub enum Listener {
+    /// A TCP listener (loopback, or anything with mutual TLS).
+    Tcp(TcpListener),
+    /// A Unix socket listener.
+    Unix(tokio::net::UnixListener),
+}
+
+/// Runs host-agent on `listener` until `shutdown` completes.
+pub async fn serve(
+    cfg: Config,
+    listener: Listener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    cfg.validate()?;
+    let mgr = Manager::new(cfg.clone())?;
+    mgr.recover().await?;
+
+    let m = mgr.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(m.cfg.usage_interval_ms));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            m.sample_usage();
+        }
+    });
+    let m = mgr.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(m.cfg.limits_interval_ms));
+        loop {
+            tick.tick().await;
+            m.enforce_limits();
+        }
+    });
+    if cfg.warm_pool_size > 0 {
+        tokio::spawn(pool::Pool::run(mgr.clone(), cfg.warm_pool_size as usize));
+    }
+    if let Some(addr) = cfg.metrics_listen {
+        let l = TcpListener::bind(addr)
+            .await
+            .map_err(|e| Error::io(format!("binding metrics address {addr}"), e))?;
+        tokio::spawn(metrics::serve(l, mgr.clone()));
+    }
+
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<ImagesServer<api::images::ImagesApi>>()
+        .await;
+    health
+        .set_serving::<SessionsServer<api::sessions::SessionsApi>>()
+        .await;
+    health.set_serving::<ExecServer<api::exec::ExecApi>>().await;
+    health
+        .set_serving::<ApprovalsServer<api::approvals::ApprovalsApi>>()
+        .await;
+    health
+        .set_serving::<EventsServer<api::events::EventsApi>>()
+        .await;
+    health
+        .set_serving::<UsageServer<api::usage::UsageApi>>()
+        .await;
+    health.set_serving::<NodeServer<api::node::NodeApi>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::hostagent::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| Error::invalid(format!("reflection: {e}")))?;
+
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(t) = &cfg.tls {
+        let read = |p: &std::path::Path| {
+            std::fs::read(p).map_err(|e| Error::io(format!("reading {}", p.display()), e))
+        };
+        let tls = tonic::transport::ServerTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(
+                read(&t.cert)?,
+                read(&t.key)?,
+            ))
+            .client_ca_root(tonic::transport::Certificate::from_pem(read(&t.ca)?))
+            .client_auth_optional(false);
+        builder = builder
+            .tls_config(tls)
+            .map_err(|e| Error::invalid(format!("TLS configuration: {e}")))?;
+    }
+    let router = builder
+        .add_service(health_svc)
+        .add_service(reflection)
+        .add_service(ImagesServer::new(api::images::ImagesApi(mgr.clone())))
+        .add_service(SessionsServer::new(api::sessions::SessionsApi(mgr.clone())))
+        .add_service(ExecServer::new(api::exec::ExecApi(mgr.clone())))
+        .add_service(ApprovalsServer::new(api::approvals::ApprovalsApi(
+            mgr.clone(),
+        )))
+        .add_service(EventsServer::new(api::events::EventsApi(mgr.clone())))
+        .add_service(UsageServer::new(api::usage::UsageApi(mgr.clone())))
+        .add_service(NodeServer::new(api::node::NodeApi(mgr.clone())));
+    let result = match listener {
+        Listener::Tcp(l) => {
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+        Listener::Unix(l) => {
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(l);
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+    };
+    if mgr.cfg.stop_sessions_on_shutdown {
+        mgr.stop_all().await;
+    }
+    mgr.pool.drain_all();
+    // Warm VMs still being restored are not in the pool yet: kill them by
+    // their pid files.
+    pool::Pool::clean_leftovers(&mgr.pool_dir());
+    result.map_err(|e| Error::io("gRPC server", std::io::Error::other(e)))
+}
+
+/// Waits for SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // Without signal handlers, run until killed.
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+}
+
+/// Connects a gRPC channel to `addr`: `http://HOST:PORT`, `https://...`, or
+/// `unix:PATH` for a Unix socket.
+pub async fn connect(
+    addr: &str,
+    tls: Option<tonic::transport::ClientTlsConfig>,
+) -> std::result::Result<tonic::transport::Channel, String> {
+    if let Some(path) = addr.strip_prefix("unix:") {
+        let path = std::path::PathBuf::from(path);
+        // The URI is required by the API but unused by the connector.
+        let ep = tonic::transport::Endpoint::from_static("http://localhost");
+        return ep
+            .connect_with_connector(tower::service_fn(move |_| {
+                let path = path.clone();
+                async move {
+                    let s = tokio::net::UnixStream::connect(path).await?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
+                }
+            }))
+            .await
+            .map_err(|e| format!("cannot connect to {addr}: {e}"));
+    }
+    let mut ep = tonic::transport::Channel::from_shared(addr.to_string())
+        .map_err(|e| format!("bad address {addr:?}: {e}"))?;
+    if let Some(t) = tls {
+        ep = ep.tls_config(t).map_err(|e| format!("TLS: {e}"))?;
+    }
+    ep.connect()
+        .await
+        .map_err(|e| format!("cannot connect to {addr}: {e}"))
+}

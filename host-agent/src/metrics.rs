@@ -1,0 +1,98 @@
+//! Prometheus metrics in text format, served over plain HTTP on loopback.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::sessions::Manager;
+
+static API_ERRORS: Mutex<Vec<(i32, u64)>> = Mutex::new(Vec::new());
+/// Restore latency histogram bucket bounds, seconds.
+const BUCKETS: [f64; 10] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+static RESTORE_BUCKETS: [AtomicU64; 11] = [const { AtomicU64::new(0) }; 11];
+static RESTORE_SUM_US: AtomicU64 = AtomicU64::new(0);
+static RESTORE_COUNT: AtomicU64 = AtomicU64::new(0);
+
+/// Counts an API error by gRPC code.
+pub fn api_error(code: tonic::Code) {
+    let mut v = API_ERRORS.lock().unwrap_or_else(|p| p.into_inner());
+    let c = code as i32;
+    match v.iter_mut().find(|(k, _)| *k == c) {
+        Some((_, n)) => *n += 1,
+        None => v.push((c, 1)),
+    }
+}
+
+/// Records one restore (spawn or pool take → READY) duration.
+pub fn restore_latency(d: std::time::Duration) {
+    let s = d.as_secs_f64();
+    let i = BUCKETS
+        .iter()
+        .position(|b| s <= *b)
+        .unwrap_or(BUCKETS.len());
+    RESTORE_BUCKETS[i].fetch_add(1, Ordering::Relaxed);
+    RESTORE_SUM_US.fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+    RESTORE_COUNT.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Renders all metrics in Prometheus text format.
+pub fn render(mgr: &Manager) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "# TYPE hostagent_sessions gauge");
+    for (state, n) in mgr.count_by_state() {
+        let _ = writeln!(out, "hostagent_sessions{{state=\"{state}\"}} {n}");
+    }
+    let _ = writeln!(out, "# TYPE hostagent_restore_seconds histogram");
+    let mut cum = 0;
+    for (i, b) in BUCKETS.iter().enumerate() {
+        cum += RESTORE_BUCKETS[i].load(Ordering::Relaxed);
+        let _ = writeln!(out, "hostagent_restore_seconds_bucket{{le=\"{b}\"}} {cum}");
+    }
+    cum += RESTORE_BUCKETS[BUCKETS.len()].load(Ordering::Relaxed);
+    let _ = writeln!(out, "hostagent_restore_seconds_bucket{{le=\"+Inf\"}} {cum}");
+    let _ = writeln!(
+        out,
+        "hostagent_restore_seconds_sum {}",
+        RESTORE_SUM_US.load(Ordering::Relaxed) as f64 / 1e6
+    );
+    let _ = writeln!(
+        out,
+        "hostagent_restore_seconds_count {}",
+        RESTORE_COUNT.load(Ordering::Relaxed)
+    );
+    let u = mgr.usage_totals();
+    let _ = writeln!(out, "# TYPE hostagent_usage_billed_seconds_total counter");
+    let _ = writeln!(out, "hostagent_usage_billed_seconds_total {}", u.0);
+    let _ = writeln!(out, "# TYPE hostagent_usage_vcpu_seconds_total counter");
+    let _ = writeln!(out, "hostagent_usage_vcpu_seconds_total {}", u.1);
+    let _ = writeln!(out, "# TYPE hostagent_api_errors_total counter");
+    for (code, n) in API_ERRORS.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let name = format!("{:?}", tonic::Code::from_i32(*code));
+        let _ = writeln!(out, "hostagent_api_errors_total{{code=\"{name}\"}} {n}");
+    }
+    out
+}
+
+/// Serves `GET /metrics` (any path) until the process exits.
+pub async fn serve(listener: TcpListener, mgr: Arc<Manager>) {
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else {
+            continue;
+        };
+        let mgr = mgr.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 2048];
+            let _ =
+                tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf)).await;
+            let body = render(&mgr);
+            let resp = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = sock.write_all(resp.as_bytes()).await;
+        });
+    }
+}

@@ -1,0 +1,184 @@
+//! Warm pool: per image, N vmm processes restored from the golden snapshot
+//! and left paused, so Create is an assignment plus a `resume`.
+//!
+//! Warm VMs live in `<state>/pool/<uuid>/` with a `pid` file. They are not
+//! persisted as sessions: a host-agent that restarts kills the leftovers it
+//! finds there and fills the pool anew.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::accounting::process_start_ticks;
+use crate::error::{Error, Result};
+use crate::sessions::Manager;
+use crate::store::ImageRow;
+use crate::supervisor::{self, VmmProcess};
+
+/// The warm VMs of every image.
+#[derive(Default)]
+pub struct Pool {
+    warm: Mutex<HashMap<String, VecDeque<VmmProcess>>>,
+}
+
+impl Pool {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, VecDeque<VmmProcess>>> {
+        self.warm.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes a live warm VM of `image`, moved into `dest` (its directory is
+    /// renamed; the vmm's open files and bound sockets follow the inode).
+    pub fn take(&self, image: &str, dest: &Path) -> Option<VmmProcess> {
+        loop {
+            let mut vm = self.lock().get_mut(image)?.pop_front()?;
+            if vm.exit_status().is_some() {
+                let _ = std::fs::remove_dir_all(&vm.dir);
+                continue;
+            }
+            if let Some(parent) = dest.parent() {
+                let _ = std::fs::create_dir_all(parent);
+            }
+            if std::fs::rename(&vm.dir, dest).is_err() {
+                vm.kill();
+                continue;
+            }
+            let _ = std::fs::remove_file(dest.join("pid"));
+            vm.dir = dest.to_path_buf();
+            vm.control = dest.join("control.sock");
+            return Some(vm);
+        }
+    }
+
+    /// Number of live warm VMs (all images).
+    pub fn ready(&self) -> usize {
+        self.lock()
+            .values()
+            .map(|q| q.iter().filter(|v| v.exit_status().is_none()).count())
+            .sum()
+    }
+
+    fn count(&self, image: &str) -> usize {
+        let mut map = self.lock();
+        let Some(q) = map.get_mut(image) else {
+            return 0;
+        };
+        q.retain(|v| {
+            let alive = v.exit_status().is_none();
+            if !alive {
+                let _ = std::fs::remove_dir_all(&v.dir);
+            }
+            alive
+        });
+        q.len()
+    }
+
+    /// Drops (kills) the warm VMs of `image`.
+    pub fn drain(&self, image: &str) {
+        if let Some(q) = self.lock().remove(image) {
+            for vm in q {
+                vm.kill();
+                let _ = std::fs::remove_dir_all(&vm.dir);
+            }
+        }
+    }
+
+    /// Kills every warm VM (on shutdown).
+    pub fn drain_all(&self) {
+        let all: Vec<VmmProcess> = self.lock().drain().flat_map(|(_, q)| q).collect();
+        for vm in all {
+            vm.kill();
+            let _ = std::fs::remove_dir_all(&vm.dir);
+        }
+    }
+
+    async fn spawn_one(mgr: &Manager, image: &ImageRow) -> Result<VmmProcess> {
+        let dir = mgr.pool_dir().join(uuid::Uuid::new_v4().to_string());
+        let vm = supervisor::spawn(&mgr.vmm_path, &dir, &restore_args(image, &dir, true))?;
+        std::fs::write(dir.join("pid"), format!("{} {}", vm.pid, vm.start_ticks))
+            .map_err(|e| Error::io(format!("writing {}/pid", dir.display()), e))?;
+        if let Err(e) = supervisor::wait_for_state(&vm, "paused", Duration::from_secs(30)).await {
+            vm.kill();
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+        Ok(vm)
+    }
+
+    /// Tops up every image with a golden snapshot to `size` warm VMs.
+    pub async fn fill(&self, mgr: &Manager, size: usize) {
+        let Ok(images) = mgr.store.images() else {
+            return;
+        };
+        for image in images.into_iter().filter(|i| !i.golden_dir.is_empty()) {
+            while self.count(&image.id) < size {
+                match Self::spawn_one(mgr, &image).await {
+                    Ok(vm) => {
+                        // The image may have been deleted meanwhile.
+                        if matches!(mgr.store.image(&image.id), Ok(Some(_))) {
+                            self.lock()
+                                .entry(image.id.clone())
+                                .or_default()
+                                .push_back(vm);
+                        } else {
+                            vm.kill();
+                            let _ = std::fs::remove_dir_all(&vm.dir);
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(image = %image.id, error = %e, "warm pool: restore failed");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs [`Pool::fill`] forever.
+    pub async fn run(mgr: Arc<Manager>, size: usize) {
+        loop {
+            mgr.pool.fill(&mgr, size).await;
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// Kills warm VMs left by an earlier run and removes their directories.
+    pub fn clean_leftovers(dir: &Path) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            if let Ok(text) = std::fs::read_to_string(path.join("pid")) {
+                let mut it = text.split_whitespace();
+                let pid: Option<u32> = it.next().and_then(|v| v.parse().ok());
+                let ticks: Option<u64> = it.next().and_then(|v| v.parse().ok());
+                if let (Some(pid), Some(ticks)) = (pid, ticks) {
+                    if process_start_ticks(pid) == Some(ticks) {
+                        // SAFETY: kill(2) on a pid verified by its start time.
+                        unsafe {
+                            libc::kill(pid as libc::pid_t, libc::SIGKILL);
+                        }
+                    }
+                }
+            }
+            let _ = std::fs::remove_dir_all(&path);
+        }
+    }
+}
+
+/// Arguments of `vmm restore` for `image` with its files in `dir`.
+pub fn restore_args(image: &ImageRow, dir: &Path, paused: bool) -> Vec<String> {
+    let mut args = vec![
+        "restore".to_string(),
+        "--snapshot".to_string(),
+        image.golden_dir.clone(),
+        "--serial".to_string(),
+        format!("file:{}", PathBuf::from(dir).join("serial.log").display()),
+    ];
+    if paused {
+        args.push("--paused".to_string());
+    }
+    args
+}

@@ -1,0 +1,594 @@
+//! The node's state in an embedded SQLite database: images, sessions,
+//! lifecycle events, usage records, audit records and idempotency keys.
+//!
+//! Every write is one statement or one transaction, so a SIGKILL at any point
+//! leaves a consistent database. The journal is WAL with `synchronous=NORMAL`:
+//! a committed transaction survives the process being killed (it is in the
+//! WAL file); only a power loss or kernel crash may lose the last few
+//! commits.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+use rusqlite::{params, Connection, OptionalExtension, Row};
+
+use crate::error::{Error, Result};
+
+/// A registered image.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageRow {
+    /// Caller-chosen id.
+    pub id: String,
+    /// Kernel image path.
+    pub kernel: String,
+    /// Root filesystem path, may be empty.
+    pub rootfs: String,
+    /// Kernel command line.
+    pub cmdline: String,
+    /// Guest memory.
+    pub mem_mib: u32,
+    /// vCPU count.
+    pub vcpus: u32,
+    /// Whether the image runs guest-init.
+    pub guest_init: bool,
+    /// Golden snapshot directory, empty until built.
+    pub golden_dir: String,
+    /// Registration time (Unix ms).
+    pub created_at: i64,
+    /// Golden snapshot time (Unix ms), 0 until built.
+    pub golden_built_at: i64,
+}
+
+/// A session as persisted.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SessionRow {
+    /// Session id (UUID).
+    pub id: String,
+    /// Image it was created from.
+    pub image_id: String,
+    /// `SessionState` as i32.
+    pub state: i32,
+    /// Current execution id.
+    pub execution_id: String,
+    /// Last stop/pause/failure reason.
+    pub reason: String,
+    /// Detail for `reason`.
+    pub detail: String,
+    /// Creation time (Unix ms).
+    pub created_at: i64,
+    /// First READY (Unix ms), 0 before.
+    pub ready_at: i64,
+    /// STOPPED/FAILED time (Unix ms), 0 before.
+    pub ended_at: i64,
+    /// The vmm process, 0 when none.
+    pub vmm_pid: u32,
+    /// The vmm's start time in clock ticks since boot (field 22 of
+    /// /proc/PID/stat), to tell a re-used pid apart on re-attach.
+    pub vmm_start_ticks: u64,
+    /// The session's directory on the node.
+    pub dir: String,
+    /// TTL in seconds (0 = none).
+    pub ttl_s: u64,
+    /// Idle timeout in seconds (0 = none).
+    pub idle_s: u64,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Session branch after stop.
+    pub branch: String,
+    /// Head commit of the branch after stop.
+    pub head_commit: String,
+    /// Last API activity (Unix ms), for the idle timeout.
+    pub last_activity: i64,
+    /// Host repository served to guest-init.
+    pub repository: String,
+    /// Agent name for guest-init.
+    pub agent: String,
+    /// Base ref for guest-init.
+    pub base_ref: String,
+}
+
+/// One lifecycle event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventRow {
+    /// Per-node sequence number.
+    pub seq: u64,
+    /// Session.
+    pub session_id: String,
+    /// Execution id at the time.
+    pub execution_id: String,
+    /// Unix ms.
+    pub at: i64,
+    /// From state (i32).
+    pub from: i32,
+    /// To state (i32).
+    pub to: i32,
+    /// Reason.
+    pub reason: String,
+    /// Detail.
+    pub detail: String,
+}
+
+/// One usage record.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct UsageRow {
+    /// Per-node sequence number (0 before insertion).
+    pub seq: u64,
+    /// Session.
+    pub session_id: String,
+    /// Execution id.
+    pub execution_id: String,
+    /// Interval start (Unix ms).
+    pub interval_start: i64,
+    /// Interval end (Unix ms).
+    pub interval_end: i64,
+    /// Cumulative billed milliseconds.
+    pub billed_ms: i64,
+    /// Cumulative vCPU nanoseconds.
+    pub vcpu_ns: u64,
+    /// Cumulative GiB-milliseconds at allocated size.
+    pub mem_alloc_gib_ms: f64,
+    /// Cumulative GiB-milliseconds at resident size.
+    pub mem_resident_gib_ms: f64,
+    /// Cumulative disk bytes written.
+    pub disk_bytes: u64,
+    /// Last record of the session.
+    pub is_final: bool,
+    /// Raw vCPU-thread CPU time of the process at `interval_end` (ns).
+    pub raw_cpu_ns: u64,
+    /// Raw write_bytes of the process at `interval_end`.
+    pub raw_disk: u64,
+}
+
+/// One audit record from a guest, chained on the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuditRow {
+    /// Session.
+    pub session_id: String,
+    /// The guest's seq.
+    pub guest_seq: u64,
+    /// The JSON line.
+    pub json: String,
+    /// Host chain hash (hex).
+    pub host_hash: String,
+    /// Unix ms.
+    pub received_at: i64,
+}
+
+/// The database. Calls are short and synchronous; the mutex serializes them.
+pub struct Store {
+    conn: Mutex<Connection>,
+}
+
+const SCHEMA: &str = r#"
+PRAGMA journal_mode=WAL;
+CREATE TABLE IF NOT EXISTS images(
+  id TEXT PRIMARY KEY, kernel TEXT NOT NULL, rootfs TEXT NOT NULL, cmdline TEXT NOT NULL,
+  mem_mib INTEGER NOT NULL, vcpus INTEGER NOT NULL, guest_init INTEGER NOT NULL,
+  golden_dir TEXT NOT NULL, created_at INTEGER NOT NULL, golden_built_at INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions(
+  id TEXT PRIMARY KEY, image_id TEXT NOT NULL, state INTEGER NOT NULL, execution_id TEXT NOT NULL,
+  reason TEXT NOT NULL, detail TEXT NOT NULL, created_at INTEGER NOT NULL, ready_at INTEGER NOT NULL,
+  ended_at INTEGER NOT NULL, vmm_pid INTEGER NOT NULL, vmm_start_ticks INTEGER NOT NULL,
+  dir TEXT NOT NULL, ttl_s INTEGER NOT NULL, idle_s INTEGER NOT NULL, labels TEXT NOT NULL,
+  branch TEXT NOT NULL, head_commit TEXT NOT NULL, last_activity INTEGER NOT NULL,
+  repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events(
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
+  at INTEGER NOT NULL, from_state INTEGER NOT NULL, to_state INTEGER NOT NULL,
+  reason TEXT NOT NULL, detail TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS usage(
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
+  interval_start INTEGER NOT NULL, interval_end INTEGER NOT NULL, billed_ms INTEGER NOT NULL,
+  vcpu_ns INTEGER NOT NULL, mem_alloc REAL NOT NULL, mem_res REAL NOT NULL, disk INTEGER NOT NULL,
+  final INTEGER NOT NULL, raw_cpu_ns INTEGER NOT NULL, raw_disk INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS usage_session ON usage(session_id, seq);
+CREATE TABLE IF NOT EXISTS audit(
+  session_id TEXT NOT NULL, guest_seq INTEGER NOT NULL, json TEXT NOT NULL,
+  host_hash TEXT NOT NULL, received_at INTEGER NOT NULL, PRIMARY KEY(session_id, guest_seq));
+CREATE TABLE IF NOT EXISTS idempotency(
+  key TEXT PRIMARY KEY, method TEXT NOT NULL, fingerprint TEXT NOT NULL,
+  response BLOB NOT NULL, at INTEGER NOT NULL);
+"#;
+
+fn image_from_row(r: &Row<'_>) -> rusqlite::Result<ImageRow> {
+    Ok(ImageRow {
+        id: r.get(0)?,
+        kernel: r.get(1)?,
+        rootfs: r.get(2)?,
+        cmdline: r.get(3)?,
+        mem_mib: r.get(4)?,
+        vcpus: r.get(5)?,
+        guest_init: r.get(6)?,
+        golden_dir: r.get(7)?,
+        created_at: r.get(8)?,
+        golden_built_at: r.get(9)?,
+    })
+}
+
+const SESSION_COLS: &str = "id, image_id, state, execution_id, reason, detail, created_at, \
+    ready_at, ended_at, vmm_pid, vmm_start_ticks, dir, ttl_s, idle_s, labels, branch, \
+    head_commit, last_activity, repository, agent, base_ref";
+
+fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
+    let labels: String = r.get(14)?;
+    Ok(SessionRow {
+        id: r.get(0)?,
+        image_id: r.get(1)?,
+        state: r.get(2)?,
+        execution_id: r.get(3)?,
+        reason: r.get(4)?,
+        detail: r.get(5)?,
+        created_at: r.get(6)?,
+        ready_at: r.get(7)?,
+        ended_at: r.get(8)?,
+        vmm_pid: r.get(9)?,
+        vmm_start_ticks: r.get::<_, i64>(10)? as u64,
+        dir: r.get(11)?,
+        ttl_s: r.get::<_, i64>(12)? as u64,
+        idle_s: r.get::<_, i64>(13)? as u64,
+        // Labels are always written by `put_session` as a JSON object.
+        labels: serde_json::from_str(&labels).unwrap_or_default(),
+        branch: r.get(15)?,
+        head_commit: r.get(16)?,
+        last_activity: r.get(17)?,
+        repository: r.get(18)?,
+        agent: r.get(19)?,
+        base_ref: r.get(20)?,
+    })
+}
+
+const USAGE_COLS: &str = "seq, session_id, execution_id, interval_start, interval_end, \
+    billed_ms, vcpu_ns, mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk";
+
+fn usage_from_row(r: &Row<'_>) -> rusqlite::Result<UsageRow> {
+    Ok(UsageRow {
+        seq: r.get::<_, i64>(0)? as u64,
+        session_id: r.get(1)?,
+        execution_id: r.get(2)?,
+        interval_start: r.get(3)?,
+        interval_end: r.get(4)?,
+        billed_ms: r.get(5)?,
+        vcpu_ns: r.get::<_, i64>(6)? as u64,
+        mem_alloc_gib_ms: r.get(7)?,
+        mem_resident_gib_ms: r.get(8)?,
+        disk_bytes: r.get::<_, i64>(9)? as u64,
+        is_final: r.get(10)?,
+        raw_cpu_ns: r.get::<_, i64>(11)? as u64,
+        raw_disk: r.get::<_, i64>(12)? as u64,
+    })
+}
+
+fn event_from_row(r: &Row<'_>) -> rusqlite::Result<EventRow> {
+    Ok(EventRow {
+        seq: r.get::<_, i64>(0)? as u64,
+        session_id: r.get(1)?,
+        execution_id: r.get(2)?,
+        at: r.get(3)?,
+        from: r.get(4)?,
+        to: r.get(5)?,
+        reason: r.get(6)?,
+        detail: r.get(7)?,
+    })
+}
+
+impl Store {
+    /// Opens (creating if needed) the database at `path`.
+    pub fn open(path: &Path) -> Result<Store> {
+        let conn = Connection::open(path)?;
+        conn.busy_timeout(std::time::Duration::from_secs(10))?;
+        conn.execute_batch(SCHEMA)?;
+        conn.execute_batch("PRAGMA synchronous=NORMAL;")?;
+        Ok(Store {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut Connection) -> rusqlite::Result<T>) -> Result<T> {
+        // A poisoned lock means a panic mid-call; SQLite itself stays
+        // consistent (each call is atomic), so carry on with the connection.
+        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(f(&mut conn)?)
+    }
+
+    /// Inserts an image; `AlreadyExists` if the id is taken.
+    pub fn insert_image(&self, img: &ImageRow) -> Result<()> {
+        let n = self.with(|c| {
+            c.execute(
+                "INSERT OR IGNORE INTO images VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10)",
+                params![
+                    img.id,
+                    img.kernel,
+                    img.rootfs,
+                    img.cmdline,
+                    img.mem_mib,
+                    img.vcpus,
+                    img.guest_init,
+                    img.golden_dir,
+                    img.created_at,
+                    img.golden_built_at
+                ],
+            )
+        })?;
+        if n == 0 {
+            return Err(Error::AlreadyExists(format!(
+                "image {:?} is already registered; delete it first or pick another id",
+                img.id
+            )));
+        }
+        Ok(())
+    }
+
+    /// Records an image's golden snapshot.
+    pub fn set_golden(&self, id: &str, dir: &str, at: i64) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE images SET golden_dir=?2, golden_built_at=?3 WHERE id=?1",
+                params![id, dir, at],
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Looks an image up.
+    pub fn image(&self, id: &str) -> Result<Option<ImageRow>> {
+        self.with(|c| {
+            c.query_row("SELECT * FROM images WHERE id=?1", [id], image_from_row)
+                .optional()
+        })
+    }
+
+    /// All images by id.
+    pub fn images(&self) -> Result<Vec<ImageRow>> {
+        self.with(|c| {
+            let mut st = c.prepare("SELECT * FROM images ORDER BY id")?;
+            let rows = st.query_map([], image_from_row)?;
+            rows.collect()
+        })
+    }
+
+    /// Deletes an image record.
+    pub fn delete_image(&self, id: &str) -> Result<bool> {
+        Ok(self.with(|c| c.execute("DELETE FROM images WHERE id=?1", [id]))? > 0)
+    }
+
+    /// Inserts or replaces a session row.
+    pub fn put_session(&self, s: &SessionRow) -> Result<()> {
+        self.with(|c| put_session(c, s))
+    }
+
+    /// Writes a session row and appends its event in one transaction;
+    /// returns the event's seq.
+    pub fn transition(&self, s: &SessionRow, ev: &EventRow) -> Result<u64> {
+        self.with(|c| {
+            let tx = c.transaction()?;
+            put_session(&tx, s)?;
+            tx.execute(
+                "INSERT INTO events(session_id, execution_id, at, from_state, to_state, reason, detail) \
+                 VALUES (?1,?2,?3,?4,?5,?6,?7)",
+                params![ev.session_id, ev.execution_id, ev.at, ev.from, ev.to, ev.reason, ev.detail],
+            )?;
+            let seq = tx.last_insert_rowid() as u64;
+            tx.commit()?;
+            Ok(seq)
+        })
+    }
+
+    /// Looks a session up.
+    pub fn session(&self, id: &str) -> Result<Option<SessionRow>> {
+        self.with(|c| {
+            c.query_row(
+                &format!("SELECT {SESSION_COLS} FROM sessions WHERE id=?1"),
+                [id],
+                session_from_row,
+            )
+            .optional()
+        })
+    }
+
+    /// All sessions, oldest first.
+    pub fn sessions(&self) -> Result<Vec<SessionRow>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {SESSION_COLS} FROM sessions ORDER BY created_at, id"
+            ))?;
+            let rows = st.query_map([], session_from_row)?;
+            rows.collect()
+        })
+    }
+
+    /// Removes a session row (events and usage stay).
+    pub fn delete_session(&self, id: &str) -> Result<()> {
+        self.with(|c| c.execute("DELETE FROM sessions WHERE id=?1", [id]))?;
+        Ok(())
+    }
+
+    /// Events with seq > `since`, at most `limit`, optionally for one session.
+    pub fn events_since(
+        &self,
+        since: u64,
+        session: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<EventRow>> {
+        self.with(|c| {
+            let mut st = c.prepare(
+                "SELECT seq, session_id, execution_id, at, from_state, to_state, reason, detail \
+                 FROM events WHERE seq > ?1 AND (?2 IS NULL OR session_id = ?2) ORDER BY seq LIMIT ?3",
+            )?;
+            let rows = st.query_map(params![since as i64, session, limit], event_from_row)?;
+            rows.collect()
+        })
+    }
+
+    /// The highest event seq, 0 when none.
+    pub fn last_event_seq(&self) -> Result<u64> {
+        self.with(|c| {
+            c.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| {
+                r.get::<_, i64>(0)
+            })
+        })
+        .map(|v| v as u64)
+    }
+
+    /// Appends a usage record; returns its seq.
+    pub fn insert_usage(&self, u: &UsageRow) -> Result<u64> {
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO usage(session_id, execution_id, interval_start, interval_end, billed_ms, \
+                 vcpu_ns, mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk) \
+                 VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12)",
+                params![
+                    u.session_id,
+                    u.execution_id,
+                    u.interval_start,
+                    u.interval_end,
+                    u.billed_ms,
+                    u.vcpu_ns as i64,
+                    u.mem_alloc_gib_ms,
+                    u.mem_resident_gib_ms,
+                    u.disk_bytes as i64,
+                    u.is_final,
+                    u.raw_cpu_ns as i64,
+                    u.raw_disk as i64
+                ],
+            )?;
+            Ok(c.last_insert_rowid() as u64)
+        })
+    }
+
+    /// The latest usage record of a session.
+    pub fn last_usage(&self, session: &str) -> Result<Option<UsageRow>> {
+        self.with(|c| {
+            c.query_row(
+                &format!(
+                    "SELECT {USAGE_COLS} FROM usage WHERE session_id=?1 ORDER BY seq DESC LIMIT 1"
+                ),
+                [session],
+                usage_from_row,
+            )
+            .optional()
+        })
+    }
+
+    /// Usage records with seq > `since_seq` and interval_end > `since_time`.
+    pub fn usage_since(
+        &self,
+        session: Option<&str>,
+        since_seq: u64,
+        since_time: i64,
+        limit: u32,
+    ) -> Result<Vec<UsageRow>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {USAGE_COLS} FROM usage WHERE seq > ?1 AND interval_end > ?2 \
+                 AND (?3 IS NULL OR session_id = ?3) ORDER BY seq LIMIT ?4"
+            ))?;
+            let rows = st.query_map(
+                params![since_seq as i64, since_time, session, limit],
+                usage_from_row,
+            )?;
+            rows.collect()
+        })
+    }
+
+    /// Appends an audit record.
+    pub fn insert_audit(&self, a: &AuditRow) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "INSERT OR IGNORE INTO audit VALUES (?1,?2,?3,?4,?5)",
+                params![
+                    a.session_id,
+                    a.guest_seq as i64,
+                    a.json,
+                    a.host_hash,
+                    a.received_at
+                ],
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Audit records of a session after `since` (guest seq).
+    pub fn audit_since(&self, session: &str, since: u64) -> Result<Vec<AuditRow>> {
+        self.with(|c| {
+            let mut st = c.prepare(
+                "SELECT session_id, guest_seq, json, host_hash, received_at FROM audit \
+                 WHERE session_id=?1 AND guest_seq > ?2 ORDER BY guest_seq",
+            )?;
+            let rows = st.query_map(params![session, since as i64], |r| {
+                Ok(AuditRow {
+                    session_id: r.get(0)?,
+                    guest_seq: r.get::<_, i64>(1)? as u64,
+                    json: r.get(2)?,
+                    host_hash: r.get(3)?,
+                    received_at: r.get(4)?,
+                })
+            })?;
+            rows.collect()
+        })
+    }
+
+    /// Looks up an idempotency key: `(method, fingerprint, response)`.
+    pub fn idempotent(&self, key: &str) -> Result<Option<(String, String, Vec<u8>)>> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT method, fingerprint, response FROM idempotency WHERE key=?1",
+                [key],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .optional()
+        })
+    }
+
+    /// Records an idempotency key's response; returns false if the key was
+    /// already recorded (the first response stands).
+    pub fn put_idempotent(
+        &self,
+        key: &str,
+        method: &str,
+        fingerprint: &str,
+        response: &[u8],
+        at: i64,
+    ) -> Result<bool> {
+        Ok(self.with(|c| {
+            c.execute(
+                "INSERT OR IGNORE INTO idempotency VALUES (?1,?2,?3,?4,?5)",
+                params![key, method, fingerprint, response, at],
+            )
+        })? > 0)
+    }
+}
+
+fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
+    let labels = serde_json::to_string(&s.labels).unwrap_or_else(|_| "{}".into());
+    c.execute(
+        &format!(
+            "INSERT OR REPLACE INTO sessions({SESSION_COLS}) VALUES \
+             (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21)"
+        ),
+        params![
+            s.id,
+            s.image_id,
+            s.state,
+            s.execution_id,
+            s.reason,
+            s.detail,
+            s.created_at,
+            s.ready_at,
+            s.ended_at,
+            s.vmm_pid,
+            s.vmm_start_ticks as i64,
+            s.dir,
+            s.ttl_s as i64,
+            s.idle_s as i64,
+            labels,
+            s.branch,
+            s.head_commit,
+            s.last_activity,
+            s.repository,
+            s.agent,
+            s.base_ref
+        ],
+    )?;
+    Ok(())
+}

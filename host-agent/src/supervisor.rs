@@ -1,0 +1,277 @@
+//! vmm processes: spawning (one per session or warm VM), the JSON-lines
+//! control socket, and noticing exit at once.
+//!
+//! A vmm spawned by this host-agent is a child: its exit status comes from
+//! `waitpid` (tokio's child reaper). A vmm re-attached after a host-agent
+//! restart is no longer our child: its exit is noticed through a pidfd
+//! (`pidfd_open`, readable when the process exits), without a status.
+//!
+//! vmm processes run in their own process group with stdin from /dev/null
+//! and stdout/stderr to a log file in their directory, so they outlive a
+//! host-agent that is killed and never write to a pipe nobody reads.
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+use tokio::sync::watch;
+
+use crate::accounting::{is_zombie, process_start_ticks};
+use crate::error::{Error, Result};
+
+/// How a vmm process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitStatus {
+    /// Exit code (0: guest reset or stop requested; 1: guest/VM failure;
+    /// 2: bad input).
+    Code(i32),
+    /// Killed by this signal.
+    Signal(i32),
+    /// Exited while not our child (after a re-attach): status unknown.
+    Unknown,
+}
+
+impl std::fmt::Display for ExitStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExitStatus::Code(c) => write!(f, "vmm exited with code {c}"),
+            ExitStatus::Signal(s) => write!(f, "vmm killed by signal {s}"),
+            ExitStatus::Unknown => write!(f, "vmm exited (status unknown: not our child)"),
+        }
+    }
+}
+
+/// A running (or exited) vmm process.
+#[derive(Debug)]
+pub struct VmmProcess {
+    /// Process id.
+    pub pid: u32,
+    /// Start time in clock ticks since boot, to recognise the pid later.
+    pub start_ticks: u64,
+    /// The control socket.
+    pub control: PathBuf,
+    /// The process's directory (serial log, vmm log, sockets).
+    pub dir: PathBuf,
+    exited: watch::Receiver<Option<ExitStatus>>,
+}
+
+impl VmmProcess {
+    /// Waits for the process to exit.
+    pub async fn wait(&self) -> ExitStatus {
+        let mut rx = self.exited.clone();
+        loop {
+            if let Some(s) = *rx.borrow_and_update() {
+                return s;
+            }
+            if rx.changed().await.is_err() {
+                // The waiter task ended without a status; only possible if
+                // the runtime is shutting down.
+                return ExitStatus::Unknown;
+            }
+        }
+    }
+
+    /// The exit status, if the process has exited.
+    pub fn exit_status(&self) -> Option<ExitStatus> {
+        *self.exited.borrow()
+    }
+
+    /// Sends SIGKILL (if it still runs).
+    pub fn kill(&self) {
+        if self.exit_status().is_none() && process_start_ticks(self.pid) == Some(self.start_ticks) {
+            // SAFETY: kill(2) with a pid we started and verified by its start
+            // time; no memory is involved.
+            unsafe {
+                libc::kill(self.pid as libc::pid_t, libc::SIGKILL);
+            }
+        }
+    }
+
+    /// Sends one control request, returning the response object.
+    pub async fn control(&self, request: Value) -> Result<Value> {
+        control(&self.control, request, Duration::from_secs(30)).await
+    }
+
+    /// Last lines of the vmm's log, for error messages.
+    pub fn log_tail(&self) -> String {
+        log_tail(&self.dir.join("vmm.log"))
+    }
+}
+
+/// The last few lines of a log file, joined with "; ".
+pub fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let start = lines.len().saturating_sub(3);
+    lines[start..].join("; ")
+}
+
+/// Spawns `vmm` with `args` in `dir` (created if needed), with its log in
+/// `dir/vmm.log` and its control socket at `dir/control.sock`.
+pub fn spawn(vmm: &Path, dir: &Path, args: &[String]) -> Result<VmmProcess> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    let control = dir.join("control.sock");
+    let _ = std::fs::remove_file(&control);
+    let log_path = dir.join("vmm.log");
+    let log = std::fs::File::create(&log_path)
+        .map_err(|e| Error::io(format!("creating {}", log_path.display()), e))?;
+    let log2 = log
+        .try_clone()
+        .map_err(|e| Error::io(format!("duplicating {}", log_path.display()), e))?;
+    let mut cmd = tokio::process::Command::new(vmm);
+    cmd.args(args)
+        .arg("--control-socket")
+        .arg(&control)
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log2))
+        .process_group(0)
+        .kill_on_drop(false);
+    let mut child = cmd.spawn().map_err(|e| {
+        Error::Vmm(format!(
+            "cannot start {}: {e} (set --vmm to the vmm binary)",
+            vmm.display()
+        ))
+    })?;
+    let pid = child
+        .id()
+        .ok_or_else(|| Error::Vmm("vmm exited before its pid was read".into()))?;
+    let start_ticks = process_start_ticks(pid).unwrap_or(0);
+    let (tx, rx) = watch::channel(None);
+    tokio::spawn(async move {
+        let status = match child.wait().await {
+            Ok(s) => {
+                use std::os::unix::process::ExitStatusExt;
+                match (s.code(), s.signal()) {
+                    (Some(c), _) => ExitStatus::Code(c),
+                    (None, Some(sig)) => ExitStatus::Signal(sig),
+                    _ => ExitStatus::Unknown,
+                }
+            }
+            Err(_) => ExitStatus::Unknown,
+        };
+        let _ = tx.send(Some(status));
+    });
+    Ok(VmmProcess {
+        pid,
+        start_ticks,
+        control,
+        dir: dir.to_path_buf(),
+        exited: rx,
+    })
+}
+
+/// Re-attaches to a vmm this host-agent (an earlier run of it) started:
+/// checks the pid still names the same process (start time) and watches it
+/// through a pidfd. `None` if the process is gone.
+pub fn attach(pid: u32, start_ticks: u64, dir: &Path) -> Option<VmmProcess> {
+    if pid == 0 || process_start_ticks(pid) != Some(start_ticks) || is_zombie(pid) {
+        return None;
+    }
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1;
+    // no memory is passed.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `fd` is a fresh descriptor returned by pidfd_open, owned by
+    // nothing else.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // The pid could have been reused between the check and pidfd_open;
+    // check again now that the pidfd pins the process.
+    if process_start_ticks(pid) != Some(start_ticks) {
+        return None;
+    }
+    // SAFETY: `owned` is an OwnedFd: its descriptor is valid, open, and
+    // stays the same until the AsyncFd (which owns it) is dropped.
+    let afd =
+        unsafe { AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE) }.ok()?;
+    let (tx, rx) = watch::channel(None);
+    tokio::spawn(async move {
+        // A pidfd becomes readable when the process exits.
+        let _ = afd.readable().await;
+        let _ = tx.send(Some(ExitStatus::Unknown));
+    });
+    Some(VmmProcess {
+        pid,
+        start_ticks,
+        control: dir.join("control.sock"),
+        dir: dir.to_path_buf(),
+        exited: rx,
+    })
+}
+
+/// Sends one JSON request on the control socket at `path` and reads the
+/// response line. `{"ok":false}` answers become [`Error::Vmm`].
+pub async fn control(path: &Path, request: Value, timeout: Duration) -> Result<Value> {
+    let op = request
+        .get("op")
+        .and_then(|v| v.as_str())
+        .unwrap_or("?")
+        .to_string();
+    let fut = async {
+        let stream = UnixStream::connect(path)
+            .await
+            .map_err(|e| Error::Vmm(format!("control socket {}: {e}", path.display())))?;
+        let (r, mut w) = stream.into_split();
+        let mut line = request.to_string();
+        line.push('\n');
+        w.write_all(line.as_bytes())
+            .await
+            .map_err(|e| Error::Vmm(format!("control {op}: {e}")))?;
+        let mut reader = BufReader::new(r);
+        let mut resp = String::new();
+        reader
+            .read_line(&mut resp)
+            .await
+            .map_err(|e| Error::Vmm(format!("control {op}: {e}")))?;
+        if resp.is_empty() {
+            return Err(Error::Vmm(format!("control {op}: connection closed")));
+        }
+        let v: Value = serde_json::from_str(&resp)
+            .map_err(|e| Error::Vmm(format!("control {op}: bad response {resp:?}: {e}")))?;
+        if v.get("ok") != Some(&Value::Bool(true)) {
+            let msg = v
+                .get("error")
+                .and_then(|e| e.as_str())
+                .unwrap_or("no message");
+            return Err(Error::Vmm(format!("control {op} refused: {msg}")));
+        }
+        Ok(v)
+    };
+    tokio::time::timeout(timeout, fut)
+        .await
+        .map_err(|_| Error::Timeout(format!("vmm did not answer control {op} in {timeout:?}")))?
+}
+
+/// Waits until the vmm answers `status` with `want` (e.g. "running"), or
+/// fails if it exits or `timeout` passes.
+pub async fn wait_for_state(vmm: &VmmProcess, want: &str, timeout: Duration) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut delay = Duration::from_millis(2);
+    loop {
+        if let Some(status) = vmm.exit_status() {
+            return Err(Error::Vmm(format!("{status}: {}", vmm.log_tail())));
+        }
+        if let Ok(v) = control(&vmm.control, json!({"op":"status"}), Duration::from_secs(5)).await {
+            if v.get("state").and_then(|s| s.as_str()) == Some(want) {
+                return Ok(());
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(Error::Timeout(format!(
+                "vmm (pid {}) not {want} after {timeout:?}: {}",
+                vmm.pid,
+                vmm.log_tail()
+            )));
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(100));
+    }
+}

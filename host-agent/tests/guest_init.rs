@@ -1,0 +1,471 @@
+//! Session calls against guest-init run as a host process (a real Linux
+//! guest cannot boot on this machine), reached through a small shim that
+//! speaks the vsock CONNECT convention on a Unix socket — the host side of
+//! a vmm's vsock. The vmm itself runs the counter test guest.
+//!
+//! Covers: golden snapshot waiting for guest-init, Create → READY on
+//! guest-init's Ready, exec with streaming stdin/stdout and exit codes,
+//! approvals (once / reject), a stale execution id, the audit stream
+//! chained on the host, and the session branch fetched back at Stop.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use proto::hostagent as pb;
+use proto::hostagent::exec_request::Kind as Req;
+use proto::hostagent::exec_response::Kind as Resp;
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tonic::Code;
+
+const RULES: &str = r#"---
+description: test agent
+permission:
+  bash:
+    "*": ask
+    "echo *": allow
+    "cat": allow
+    "git *": allow
+    "git push *": deny
+---
+# Coder
+"#;
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "user.name=Test", "-c", "user.email=test@example.com"])
+        .args(args)
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .output()
+        .expect("git runs");
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+struct Guest {
+    dir: tempfile::TempDir,
+    child: Child,
+}
+
+impl Guest {
+    fn repo(&self) -> PathBuf {
+        self.dir.path().join("repo")
+    }
+    fn vsock(&self) -> PathBuf {
+        self.dir.path().join("vsock.sock")
+    }
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// guest-init serving on a Unix socket, a repository, and the CONNECT shim.
+async fn start_guest() -> Guest {
+    let dir = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let repo = dir.path().join("repo");
+    std::fs::create_dir_all(repo.join("agents")).unwrap();
+    git(&repo, &["init", "-q", "-b", "main"]);
+    std::fs::write(repo.join("agents/coder.md"), RULES).unwrap();
+    std::fs::write(
+        repo.join("agent-manifest.yaml"),
+        "version: 1\nagents:\n  coder: {}\n",
+    )
+    .unwrap();
+    std::fs::write(repo.join("README.md"), "hello\n").unwrap();
+    git(&repo, &["add", "-A"]);
+    git(&repo, &["commit", "-q", "-m", "initial"]);
+
+    let gi_sock = dir.path().join("guest-init.sock");
+    let child = Command::new(guest_init_path())
+        .arg("serve")
+        .arg("--listen")
+        .arg(format!("unix:{}", gi_sock.display()))
+        .arg("--workspace")
+        .arg(dir.path().join("workspace"))
+        .arg("--turns")
+        .arg("process-tree")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("guest-init.log")).unwrap())
+        .spawn()
+        .expect("spawning guest-init");
+    for _ in 0..600 {
+        if gi_sock.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gi_sock.exists(), "guest-init did not listen");
+
+    // The shim: accept on the "vsock" socket, expect `CONNECT <port>\n`,
+    // connect to guest-init, answer `OK <hostport>\n`, then relay bytes.
+    let listener = UnixListener::bind(dir.path().join("vsock.sock")).unwrap();
+    tokio::spawn(async move {
+        let mut hostport = 50_000u32;
+        loop {
+            let Ok((conn, _)) = listener.accept().await else {
+                return;
+            };
+            hostport += 1;
+            let gi_sock = gi_sock.clone();
+            tokio::spawn(async move {
+                let mut conn = BufReader::new(conn);
+                let mut line = String::new();
+                if conn.read_line(&mut line).await.is_err() || line.trim() != "CONNECT 1024" {
+                    let _ = conn.get_mut().write_all(b"ERR unknown port\n").await;
+                    return;
+                }
+                let Ok(mut upstream) = UnixStream::connect(&gi_sock).await else {
+                    return;
+                };
+                let mut conn = conn.into_inner();
+                if conn
+                    .write_all(format!("OK {hostport}\n").as_bytes())
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                let _ = tokio::io::copy_bidirectional(&mut conn, &mut upstream).await;
+            });
+        }
+    });
+    Guest { dir, child }
+}
+
+async fn exec(
+    agent: &Agent,
+    s: &pb::Session,
+    argv: &[&str],
+    stdin: Vec<Req>,
+) -> Result<(Vec<Resp>, String), tonic::Status> {
+    let mut msgs = vec![pb::ExecRequest {
+        kind: Some(Req::Start(pb::ExecStart {
+            session_id: s.session_id.clone(),
+            execution_id: s.execution_id.clone(),
+            argv: argv.iter().map(|a| a.to_string()).collect(),
+            keep_stdin_open: !stdin.is_empty(),
+            ..Default::default()
+        })),
+    }];
+    msgs.extend(stdin.into_iter().map(|k| pb::ExecRequest { kind: Some(k) }));
+    let mut ex = pb::exec_client::ExecClient::new(agent.channel().await);
+    let mut stream = ex.exec(tokio_stream::iter(msgs)).await?.into_inner();
+    let mut out = Vec::new();
+    let mut stdout = String::new();
+    while let Some(m) = tokio::time::timeout(Duration::from_secs(60), stream.message())
+        .await
+        .expect("exec output in time")?
+    {
+        let k = m.kind.unwrap();
+        if let Resp::Stdout(d) = &k {
+            stdout.push_str(&String::from_utf8_lossy(d));
+        }
+        out.push(k);
+    }
+    Ok((out, stdout))
+}
+
+fn exit_code(out: &[Resp]) -> Option<i32> {
+    out.iter().find_map(|k| match k {
+        Resp::Exit(pb::ExecExit {
+            status: Some(pb::exec_exit::Status::Code(c)),
+        }) => Some(*c),
+        _ => None,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guest_init_session_exec_approvals_audit_branch() {
+    let guest = start_guest().await;
+    let vsock = guest.vsock().display().to_string();
+    let agent = Agent::start(&["--guest-vsock-uds", &vsock]);
+    let mut im = agent.images().await;
+    im.register_image(pb::RegisterImageRequest {
+        image_id: "gi".into(),
+        kernel_path: counter_kernel(),
+        cmdline: "interval=100000000".into(),
+        mem_mib: 32,
+        guest_init: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+        image_id: "gi".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("golden snapshot after guest-init's Hello");
+
+    let mut se = agent.sessions().await;
+    // guest-init images need a repository, agent and base ref.
+    let err = se
+        .create_session(pb::CreateSessionRequest {
+            image_id: "gi".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    let s = se
+        .create_session(pb::CreateSessionRequest {
+            image_id: "gi".into(),
+            repository_path: guest.repo().display().to_string(),
+            agent: "coder".into(),
+            base_ref: "main".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("create on guest-init Ready")
+        .into_inner();
+    assert_eq!(s.state, S::Running as i32);
+
+    // Allowed command, streamed output and exit code.
+    let (out, stdout) = exec(&agent, &s, &["echo", "hello", "world"], vec![])
+        .await
+        .unwrap();
+    assert!(matches!(out.first(), Some(Resp::Started(_))), "{out:?}");
+    assert_eq!(stdout, "hello world\n");
+    assert_eq!(exit_code(&out), Some(0));
+
+    // The operator CLI relays too, stdin included, and exits with the
+    // command's status.
+    let cli = |args: &[&str], input: &str| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_host-agent"))
+            .arg("--addr")
+            .arg(&agent.addr)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let sid = s.session_id.clone();
+    // (Blocking here is fine: host-agent is another process.)
+    let out = cli(
+        &["exec", &sid, "--stdin", "--", "cat"],
+        "from the terminal\n",
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "from the terminal\n");
+    let out = cli(&["exec", &sid, "--", "git", "push", "x"], "");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rejected"));
+
+    // Streaming stdin.
+    let (out, stdout) = exec(
+        &agent,
+        &s,
+        &["cat"],
+        vec![
+            Req::Stdin(b"abc".to_vec()),
+            Req::Stdin(b"def".to_vec()),
+            Req::StdinEof(true),
+        ],
+    )
+    .await
+    .unwrap();
+    assert_eq!(stdout, "abcdef");
+    assert_eq!(exit_code(&out), Some(0));
+
+    // A denied command is rejected with its rule.
+    let (out, _) = exec(&agent, &s, &["git", "push", "origin"], vec![])
+        .await
+        .unwrap();
+    assert!(
+        out.iter().any(|k| matches!(k, Resp::Rejected(_))),
+        "{out:?}"
+    );
+
+    // An ask, answered once, then one rejected.
+    let mut ap = pb::approvals_client::ApprovalsClient::new(agent.channel().await);
+    for (reply, runs) in [(pb::Reply::Once, true), (pb::Reply::Reject, false)] {
+        let exec_fut = exec(&agent, &s, &["ls"], vec![]);
+        let answer_fut = async {
+            let ask = loop {
+                let asks = ap
+                    .list_asks(pb::ListAsksRequest {
+                        session_id: s.session_id.clone(),
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .asks;
+                if let Some(a) = asks.into_iter().next() {
+                    break a;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            assert_eq!(ask.subject, "ls");
+            // A stale execution id cannot answer.
+            let err = ap
+                .answer(pb::AnswerRequest {
+                    session_id: s.session_id.clone(),
+                    execution_id: "stale".into(),
+                    ask_id: ask.ask_id.clone(),
+                    reply: reply as i32,
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), Code::FailedPrecondition);
+            ap.answer(pb::AnswerRequest {
+                session_id: s.session_id.clone(),
+                execution_id: s.execution_id.clone(),
+                ask_id: ask.ask_id.clone(),
+                reply: reply as i32,
+            })
+            .await
+            .unwrap();
+            // Answered asks are gone.
+            let err = ap
+                .answer(pb::AnswerRequest {
+                    session_id: s.session_id.clone(),
+                    execution_id: s.execution_id.clone(),
+                    ask_id: ask.ask_id,
+                    reply: reply as i32,
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), Code::NotFound);
+        };
+        let ((out, stdout), ()) = tokio::join!(async { exec_fut.await.unwrap() }, answer_fut);
+        if runs {
+            assert_eq!(exit_code(&out), Some(0), "{out:?}");
+            assert!(stdout.contains("README.md"), "{stdout:?}");
+        } else {
+            assert!(
+                out.iter().any(|k| matches!(k, Resp::Rejected(_))),
+                "{out:?}"
+            );
+        }
+    }
+
+    // Work on the session branch.
+    let (out, _) = exec(
+        &agent,
+        &s,
+        &[
+            "git",
+            "-c",
+            "user.name=Agent",
+            "-c",
+            "user.email=agent@example.com",
+            "commit",
+            "--allow-empty",
+            "-q",
+            "-m",
+            "agent work",
+        ],
+        vec![],
+    )
+    .await
+    .unwrap();
+    assert_eq!(exit_code(&out), Some(0), "{out:?}");
+
+    let main_before = git(&guest.repo(), &["rev-parse", "refs/heads/main"]);
+    let st = se
+        .stop_session(pb::SessionCall {
+            session_id: s.session_id.clone(),
+            idempotency_key: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.state, S::Stopped as i32);
+    let branch = format!("session/{}", s.session_id);
+    assert_eq!(st.branch, branch);
+    let head = git(
+        &guest.repo(),
+        &["rev-parse", &format!("refs/heads/{branch}")],
+    );
+    assert_eq!(st.head_commit, head);
+    assert_ne!(head, main_before, "the agent's commit came back");
+    assert_eq!(
+        git(&guest.repo(), &["log", "-1", "--format=%s", &head]),
+        "agent work"
+    );
+    assert_eq!(
+        git(&guest.repo(), &["rev-parse", "refs/heads/main"]),
+        main_before,
+        "default branch untouched"
+    );
+    // The Stop event names the branch and its head.
+    let mut w = agent
+        .events()
+        .await
+        .watch(pb::WatchRequest {
+            since_seq: 0,
+            session_id: s.session_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut stopped = None;
+    while let Ok(Ok(Some(e))) = tokio::time::timeout(Duration::from_millis(500), w.message()).await
+    {
+        if e.to == S::Stopped as i32 {
+            stopped = Some(e);
+        }
+    }
+    let stopped = stopped.expect("a STOPPED event");
+    assert!(
+        stopped.detail.contains(&branch) && stopped.detail.contains(&head),
+        "{stopped:?}"
+    );
+
+    // The audit stream is stored, chained on the host.
+    let audit = ap
+        .list_audit(pb::ListAuditRequest {
+            session_id: s.session_id.clone(),
+            since_guest_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .records;
+    assert!(audit.len() >= 5, "{audit:?}");
+    let mut prev = String::new();
+    for a in &audit {
+        let mut h = Sha256::new();
+        h.update(prev.as_bytes());
+        h.update(a.json.as_bytes());
+        assert_eq!(a.host_hash, hex::encode(h.finalize()));
+        prev = a.host_hash.clone();
+        assert!(serde_json::from_str::<serde_json::Value>(&a.json).is_ok());
+    }
+    assert!(
+        audit.iter().any(|a| a.json.contains("git push")),
+        "denied command audited"
+    );
+}
