@@ -189,6 +189,12 @@ impl Entry {
     }
 }
 
+/// `p` made absolute (against the current directory), so that programs
+/// run from elsewhere (`make -C`) see the same path.
+pub fn absolute(p: &Path) -> Result<PathBuf> {
+    std::path::absolute(p).at(p, "resolve a path")
+}
+
 /// First 12 hex digits of a hash, for messages.
 pub fn short(hash: &str) -> &str {
     hash.get(..12).unwrap_or(hash)

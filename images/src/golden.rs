@@ -171,7 +171,7 @@ pub fn build(opts: &GoldenOptions) -> Result<Outcome> {
         .set("vcpus", opts.vcpus.to_string())
         .set("cmdline", opts.cmdline.clone())
         .set("guest_cid", GUEST_CID.to_string());
-    let entry = Entry::at(opts.out.clone(), "golden", inputs);
+    let entry = Entry::at(crate::cache::absolute(&opts.out)?, "golden", inputs);
     entry.get_or_build(step, |out| {
         check_kvm()?;
         let disk = out.join("rootfs.ext4");

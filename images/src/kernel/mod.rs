@@ -96,18 +96,19 @@ pub fn build(opts: &KernelOptions) -> Result<Outcome> {
     if !opts.check_config_only {
         inputs.set("gcc", compiler_version()?);
     }
+    let cache_dir = crate::cache::absolute(&opts.cache_dir)?;
     let kind = if opts.check_config_only {
         "kernel-config"
     } else {
         "kernel"
     };
-    let entry = Entry::in_cache(&opts.cache_dir, kind, inputs);
-    let objdir = opts.cache_dir.join("work").join(format!(
+    let entry = Entry::in_cache(&cache_dir, kind, inputs);
+    let objdir = cache_dir.join("work").join(format!(
         "{kind}-{}",
         crate::cache::short(&entry.input_hash())
     ));
     entry.get_or_build(step, |out| {
-        let tree = source::unpacked_tree(&opts.cache_dir, &opts.source_package, &version)?;
+        let tree = source::unpacked_tree(&cache_dir, &opts.source_package, &version)?;
         configure(step, &tree, &objdir, &opts.fragment)?;
         let checked = config::verify(&opts.fragment, &objdir.join(".config"))?;
         progress::note(

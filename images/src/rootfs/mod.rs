@@ -64,7 +64,8 @@ pub fn build(opts: &RootfsOptions) -> Result<Outcome> {
         }
         None => guest_init::build_static()?,
     };
-    let base = base::build(&opts.cache_dir, &opts.base)?;
+    let cache_dir = crate::cache::absolute(&opts.cache_dir)?;
+    let base = base::build(&cache_dir, &opts.base)?;
     let mut inputs = Inputs::default();
     inputs
         .set("recipe", RECIPE_VERSION)
@@ -75,9 +76,8 @@ pub fn build(opts: &RootfsOptions) -> Result<Outcome> {
             "agent_user",
             format!("{}:{}", customize::AGENT_USER, customize::AGENT_ID),
         );
-    let entry = Entry::in_cache(&opts.cache_dir, "rootfs", inputs);
-    let work = opts
-        .cache_dir
+    let entry = Entry::in_cache(&cache_dir, "rootfs", inputs);
+    let work = cache_dir
         .join("work")
         .join(format!("rootfs-{}", cache::short(&entry.input_hash())));
     let uuid = mkfs::uuid_from_hash(&entry.input_hash());
