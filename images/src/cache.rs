@@ -82,6 +82,18 @@ impl Entry {
         self.inputs.hash(&self.kind)
     }
 
+    /// The lock file: beside the directory, so removing the directory
+    /// does not remove it.
+    fn lock_path(&self) -> PathBuf {
+        let mut name = self
+            .dir
+            .file_name()
+            .map(|n| n.to_os_string())
+            .unwrap_or_default();
+        name.push(".lock");
+        self.dir.with_file_name(name)
+    }
+
     /// The complete, matching manifest if this entry is already built.
     pub fn lookup(&self) -> Option<Manifest> {
         if self.dir.join(BUILDING).exists() {
@@ -104,6 +116,7 @@ impl Entry {
     where
         F: FnOnce(&Path) -> Result<Built>,
     {
+        let _lock = Lock::acquire(&self.lock_path(), step)?;
         if let Some(manifest) = self.lookup() {
             progress::note(
                 step,
@@ -186,6 +199,41 @@ impl Entry {
         let marker = self.dir.join(BUILDING);
         std::fs::write(&marker, b"").at(&marker, step)?;
         Ok(())
+    }
+}
+
+/// An exclusive lock on a file beside what it protects (`flock`), held
+/// until dropped, so that two builds of the same entry (two terminals, or
+/// parallel tests) take turns instead of writing over each other.
+pub struct Lock {
+    _file: std::fs::File,
+}
+
+impl Lock {
+    /// Locks `path` (created if needed), waiting for another holder.
+    pub fn acquire(path: &Path, step: &str) -> Result<Self> {
+        use std::os::fd::AsRawFd;
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).at(parent, step)?;
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .at(path, step)?;
+        // SAFETY: flock(2) on a descriptor this function owns.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            progress::note(
+                step,
+                &format!("waiting for another build holding {}", path.display()),
+            );
+            // SAFETY: as above, blocking this time.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+                return Err(Error::io(path, step, std::io::Error::last_os_error()));
+            }
+        }
+        Ok(Self { _file: file })
     }
 }
 

@@ -20,6 +20,8 @@ pub fn unpacked_tree(cache: &Path, package: &str, version: &str) -> Result<PathB
     let step = "kernel source";
     let dest = cache.join("src").join(format!("{package}_{version}"));
     let tree = dest.join(package);
+    let lock = cache.join("src").join(format!("{package}_{version}.lock"));
+    let _lock = crate::cache::Lock::acquire(&lock, step)?;
     if dest.join(UNPACKED).exists() && tree.join("Makefile").exists() {
         progress::note(step, &format!("cached: {}", tree.display()));
         return Ok(tree);
