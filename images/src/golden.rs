@@ -48,6 +48,10 @@ pub struct GoldenOptions {
     pub cmdline: String,
     /// How long the boot may take until guest-init answers.
     pub boot_timeout: Duration,
+    /// A tap interface for a virtio-net device (`TAP[,mac=..]`). The device
+    /// set is part of the snapshot: sessions that need the network must be
+    /// restored from a golden snapshot that has it.
+    pub net: Option<String>,
 }
 
 /// A private directory for sockets (short paths: a Unix socket path is
@@ -170,7 +174,8 @@ pub fn build(opts: &GoldenOptions) -> Result<Outcome> {
         .set("mem_mib", opts.mem_mib.to_string())
         .set("vcpus", opts.vcpus.to_string())
         .set("cmdline", opts.cmdline.clone())
-        .set("guest_cid", GUEST_CID.to_string());
+        .set("guest_cid", GUEST_CID.to_string())
+        .set("net", opts.net.clone().unwrap_or_default());
     let entry = Entry::at(crate::cache::absolute(&opts.out)?, "golden", inputs);
     entry.get_or_build(step, |out| {
         check_kvm()?;
@@ -179,7 +184,7 @@ pub fn build(opts: &GoldenOptions) -> Result<Outcome> {
         let run = RunDir::new()?;
         let uds = run.path().join("vsock.sock");
         let ctl = run.path().join("control.sock");
-        let args = vec![
+        let mut args = vec![
             "run".to_string(),
             "--kernel".into(),
             opts.kernel.display().to_string(),
@@ -197,6 +202,9 @@ pub fn build(opts: &GoldenOptions) -> Result<Outcome> {
             "--control-socket".into(),
             ctl.display().to_string(),
         ];
+        if let Some(net) = &opts.net {
+            args.extend(["--net".to_string(), net.clone()]);
+        }
         progress::note(
             step,
             &format!("booting: {} {}", vmm.display(), args.join(" ")),

@@ -84,6 +84,9 @@ enum Cmd {
         /// Seconds the boot may take until guest-init answers.
         #[arg(long, default_value_t = 120)]
         boot_timeout_s: u64,
+        /// Give the guest a virtio-net device on this tap (`TAP[,mac=..]`).
+        #[arg(long)]
+        net: Option<String>,
     },
 }
 
@@ -125,6 +128,7 @@ fn main() -> ExitCode {
             vcpus,
             cmdline,
             boot_timeout_s,
+            net,
         } => golden::build(&golden::GoldenOptions {
             kernel,
             rootfs,
@@ -134,6 +138,7 @@ fn main() -> ExitCode {
             vcpus,
             cmdline,
             boot_timeout: Duration::from_secs(boot_timeout_s),
+            net,
         }),
     };
     match result {
