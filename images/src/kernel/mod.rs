@@ -81,6 +81,8 @@ pub fn build(opts: &KernelOptions) -> Result<Outcome> {
     } else {
         "kernel"
     };
+    // A malformed fragment is reported before anything is downloaded.
+    let required = config::load_fragment(&opts.fragment)?;
     tools::require(step, &needs(opts.check_config_only))?;
     let version = match &opts.source_version {
         Some(v) => v.clone(),
@@ -110,10 +112,13 @@ pub fn build(opts: &KernelOptions) -> Result<Outcome> {
     entry.get_or_build(step, |out| {
         let tree = source::unpacked_tree(&cache_dir, &opts.source_package, &version)?;
         configure(step, &tree, &objdir, &opts.fragment)?;
-        let checked = config::verify(&opts.fragment, &objdir.join(".config"))?;
+        config::verify(&opts.fragment, &objdir.join(".config"))?;
         progress::note(
             step,
-            &format!("all {checked} required options survived olddefconfig"),
+            &format!(
+                "all {} required options survived olddefconfig",
+                required.len()
+            ),
         );
         let cfg = out.join("config");
         std::fs::copy(objdir.join(".config"), &cfg).at(&cfg, "keep the config")?;

@@ -18,9 +18,11 @@ const TREE_MIB: u64 = 2000;
 /// unpacking it into `cache` if needed.
 pub fn unpacked_tree(cache: &Path, package: &str, version: &str) -> Result<PathBuf> {
     let step = "kernel source";
-    let dest = cache.join("src").join(format!("{package}_{version}"));
+    // Kbuild refuses source paths with colons (an epoch in the version).
+    let name = format!("{package}_{}", version.replace(':', "_"));
+    let dest = cache.join("src").join(&name);
     let tree = dest.join(package);
-    let lock = cache.join("src").join(format!("{package}_{version}.lock"));
+    let lock = cache.join("src").join(format!("{name}.lock"));
     let _lock = crate::cache::Lock::acquire(&lock, step)?;
     if dest.join(UNPACKED).exists() && tree.join("Makefile").exists() {
         progress::note(step, &format!("cached: {}", tree.display()));

@@ -51,6 +51,9 @@ pub fn build(opts: &RootfsOptions) -> Result<Outcome> {
             Need::Program("tar"),
         ],
     )?;
+    if let Some(p) = &opts.guest_init {
+        guest_init::check_static(p)?;
+    }
     if !tools::is_root() {
         return Err(Error::NotRoot {
             step: "images rootfs".into(),
