@@ -51,6 +51,9 @@ enum Cmd {
         /// A static guest-init (default: build one with cargo).
         #[arg(long)]
         guest_init: Option<PathBuf>,
+        /// Cargo profile for building guest-init (`dev` compiles much faster, for tests).
+        #[arg(long, value_enum, default_value = "release")]
+        guest_init_profile: rootfs::guest_init::Profile,
         /// Debian suite.
         #[arg(long, default_value = "bookworm")]
         suite: String,
@@ -111,12 +114,14 @@ fn main() -> ExitCode {
         Cmd::Rootfs {
             size_mib,
             guest_init,
+            guest_init_profile,
             suite,
             mirror,
         } => rootfs::build(&rootfs::RootfsOptions {
             cache_dir: cli.cache_dir,
             size_mib,
             guest_init,
+            guest_init_profile,
             base: rootfs::base::BaseOptions { suite, mirror },
         }),
         Cmd::Golden {

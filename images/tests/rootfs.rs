@@ -5,8 +5,9 @@
 //! package versions, and a second run that is a cache hit.
 //!
 //! Needs root (debootstrap) and the network; without root it says so and
-//! passes. The first run takes a few minutes (guest-init release build,
-//! debootstrap); later runs reuse the cached Debian base.
+//! passes. The first run takes a few minutes (guest-init build,
+//! debootstrap); later runs reuse the cached Debian base. Set
+//! `IMAGES_TEST_GUEST_INIT` to a prebuilt static guest-init to skip its build.
 
 mod common;
 
@@ -30,7 +31,15 @@ fn builds_a_bootable_root_filesystem_and_caches_it() {
     }
     let cache = shared_cache();
     let cache = cache.to_str().unwrap();
-    let (out, _) = images(&["--cache-dir", cache, "rootfs", "--size-mib", "1024"]);
+    // guest-init: a prebuilt static one, or an unoptimised build (minutes
+    // faster to compile than the release build images ship).
+    let prebuilt = std::env::var("IMAGES_TEST_GUEST_INIT").ok();
+    let mut args = vec!["--cache-dir", cache, "rootfs", "--size-mib", "1024"];
+    match &prebuilt {
+        Some(p) => args.extend(["--guest-init", p.as_str()]),
+        None => args.extend(["--guest-init-profile", "dev"]),
+    }
+    let (out, _) = images(&args);
     assert!(out.status.success(), "rootfs build failed");
     let dir = printed_dir(&out);
     let image = dir.join("rootfs.ext4");
@@ -118,7 +127,7 @@ fn builds_a_bootable_root_filesystem_and_caches_it() {
     mount_read_only(&image);
 
     // A second run does nothing.
-    let (again, took) = images(&["--cache-dir", cache, "rootfs", "--size-mib", "1024"]);
+    let (again, took) = images(&args);
     assert!(again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("cached:"));
     assert_eq!(printed_dir(&again), dir);

@@ -21,31 +21,63 @@ pub fn workspace_root() -> PathBuf {
     here.parent().unwrap_or(here).to_path_buf()
 }
 
+/// The cargo profile guest-init is built with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Profile {
+    /// Optimised: what images ship.
+    Release,
+    /// Unoptimised, much faster to compile: for tests of the recipe.
+    Dev,
+}
+
+impl Profile {
+    /// The directory cargo builds this profile into.
+    fn dir(self) -> &'static str {
+        match self {
+            Profile::Release => "release",
+            Profile::Dev => "debug",
+        }
+    }
+}
+
 /// Where cargo leaves the static build.
-pub fn built_path() -> PathBuf {
+pub fn built_path(profile: Profile) -> PathBuf {
     let target_dir = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace_root().join("target"));
-    target_dir.join(TARGET).join("release").join("guest-init")
+    target_dir
+        .join(TARGET)
+        .join(profile.dir())
+        .join("guest-init")
 }
 
 /// Builds guest-init static with cargo (incremental: fast when up to date)
 /// and returns its path.
-pub fn build_static() -> Result<PathBuf> {
+pub fn build_static(profile: Profile) -> Result<PathBuf> {
     let step = "guest-init";
     tools::require(step, &[Need::Program("cargo")])?;
-    progress::note(step, &format!("building: {BUILD_COMMAND}"));
+    let mut args = vec!["build", "-p", "guest-init", "--target", TARGET];
+    if profile == Profile::Release {
+        args.insert(1, "--release");
+    }
+    progress::note(
+        step,
+        &format!(
+            "building: RUSTFLAGS='-C target-feature=+crt-static' cargo {}",
+            args.join(" ")
+        ),
+    );
     let root = workspace_root();
     progress::run(
         step,
         Command::new("cargo")
-            .args(["build", "--release", "-p", "guest-init", "--target", TARGET])
+            .args(&args)
             .env("RUSTFLAGS", "-C target-feature=+crt-static")
             .current_dir(&root),
         Echo::Lines,
         &root,
     )?;
-    let path = built_path();
+    let path = built_path(profile);
     check_static(&path)?;
     Ok(path)
 }

@@ -36,6 +36,8 @@ pub struct RootfsOptions {
     pub size_mib: u64,
     /// A static guest-init; `None` builds one with cargo.
     pub guest_init: Option<PathBuf>,
+    /// The cargo profile when building guest-init.
+    pub guest_init_profile: guest_init::Profile,
     /// Debian suite and mirror.
     pub base: base::BaseOptions,
 }
@@ -65,7 +67,7 @@ pub fn build(opts: &RootfsOptions) -> Result<Outcome> {
             guest_init::check_static(p)?;
             p.clone()
         }
-        None => guest_init::build_static()?,
+        None => guest_init::build_static(opts.guest_init_profile)?,
     };
     let cache_dir = crate::cache::absolute(&opts.cache_dir)?;
     let base = base::build(&cache_dir, &opts.base)?;
