@@ -25,9 +25,15 @@ pub fn shared_cache() -> PathBuf {
 /// Runs the `images` binary with `args`, echoing its stderr, and returns
 /// the output and how long it took.
 pub fn images(args: &[&str]) -> (Output, Duration) {
+    images_env(args, &[])
+}
+
+/// [`images`] with extra environment variables for the command.
+pub fn images_env(args: &[&str], env: &[(&str, &str)]) -> (Output, Duration) {
     let start = Instant::now();
     let out = Command::new(env!("CARGO_BIN_EXE_images"))
         .args(args)
+        .envs(env.iter().copied())
         .current_dir(workspace())
         .output()
         .expect("run images");
