@@ -114,6 +114,9 @@ fn builds_a_bootable_root_filesystem_and_caches_it() {
         let s = debugfs(&image, &format!("stat {bin}"));
         assert!(s.contains("Type: regular"), "{bin}: {s}");
     }
+    // guest-init runs nft without a PATH: glibc then looks in /usr/bin.
+    let nft_link = debugfs(&image, "stat /usr/bin/nft");
+    assert!(nft_link.contains("Type: symlink"), "{nft_link}");
     let certs = debugfs(&image, "stat /etc/ssl/certs/ca-certificates.crt");
     assert!(certs.contains("Type: regular"), "{certs}");
     for p in ["git", "bash", "coreutils", "ca-certificates", "nftables"] {

@@ -114,6 +114,23 @@ pub fn add_agent_user(root: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Programs guest-init runs by bare name without setting `PATH`. The kernel
+/// starts init with no `PATH`, so glibc searches only `/bin:/usr/bin`, and
+/// `nft` lives in `/usr/sbin`: link it into `/usr/bin` as well.
+const SBIN_PROGRAMS_FOR_INIT: &[&str] = &["nft"];
+
+/// Links [`SBIN_PROGRAMS_FOR_INIT`] into `/usr/bin` (relative links).
+pub fn link_sbin_programs(root: &Path) -> Result<()> {
+    for name in SBIN_PROGRAMS_FOR_INIT {
+        let target = root.join("usr/sbin").join(name);
+        let link = root.join("usr/bin").join(name);
+        if target.exists() && std::fs::symlink_metadata(&link).is_err() {
+            std::os::unix::fs::symlink(format!("../sbin/{name}"), &link).at(&link, STEP)?;
+        }
+    }
+    Ok(())
+}
+
 /// Hostname, hosts, fstab and an empty machine-id.
 pub fn write_system_files(root: &Path) -> Result<()> {
     let files = [
@@ -152,6 +169,22 @@ mod tests {
             resolve_in(r, "usr/escape/passwd").unwrap(),
             r.join("etc/passwd")
         );
+    }
+
+    #[test]
+    fn links_nft_where_a_pathless_init_finds_it() {
+        let d = tempfile::tempdir().unwrap();
+        let r = d.path();
+        std::fs::create_dir_all(r.join("usr/sbin")).unwrap();
+        std::fs::create_dir_all(r.join("usr/bin")).unwrap();
+        std::fs::write(r.join("usr/sbin/nft"), "").unwrap();
+        link_sbin_programs(r).unwrap();
+        link_sbin_programs(r).unwrap();
+        assert_eq!(
+            std::fs::read_link(r.join("usr/bin/nft")).unwrap(),
+            Path::new("../sbin/nft")
+        );
+        assert!(r.join("usr/bin/nft").exists());
     }
 
     #[test]

@@ -22,6 +22,8 @@ use crate::progress::{self, Echo};
 use crate::tools::{self, Need};
 use crate::RECIPE_VERSION;
 
+/// Version of [`customize`]'s changes; part of the rootfs input hash.
+const CUSTOMIZE_VERSION: &str = "2";
 /// Default image size.
 pub const DEFAULT_SIZE_MIB: u64 = 1024;
 /// Timestamps inside the image (2024-01-01), for reproducibility.
@@ -74,6 +76,9 @@ pub fn build(opts: &RootfsOptions) -> Result<Outcome> {
     let mut inputs = Inputs::default();
     inputs
         .set("recipe", RECIPE_VERSION)
+        // Version of the customize step alone (bumped when it changes what
+        // it writes, without invalidating the Debian base).
+        .set("customize", CUSTOMIZE_VERSION)
         .set("base_input_hash", base.manifest.input_hash.clone())
         .set("guest_init_sha256", hash::file_sha256(&guest_init)?)
         .set("size_mib", opts.size_mib.to_string())
@@ -107,6 +112,7 @@ pub fn build(opts: &RootfsOptions) -> Result<Outcome> {
         progress::note(step, &format!("guest-init installed at {}", init.display()));
         customize::add_agent_user(&tree)?;
         customize::write_system_files(&tree)?;
+        customize::link_sbin_programs(&tree)?;
         let image = out.join("rootfs.ext4");
         mkfs::make_image(&tree, &image, opts.size_mib, &uuid, EPOCH)?;
         std::fs::remove_dir_all(&work).at(&work, step)?;
