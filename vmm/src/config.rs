@@ -43,6 +43,41 @@ impl FromStr for SerialConfig {
     }
 }
 
+/// The virtio devices of a VM and their host back ends. A restore takes the
+/// same device set as the snapshotted VM, with back ends that may differ (a
+/// per-session disk copy, another socket path).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeviceConfig {
+    /// virtio-blk disks.
+    pub disks: Vec<DiskConfig>,
+    /// virtio-vsock.
+    pub vsock: Option<VsockConfig>,
+    /// virtio-net.
+    pub net: Option<NetConfig>,
+    /// virtio-rng.
+    pub rng: bool,
+}
+
+impl DeviceConfig {
+    /// Parses the CLI / config-file forms of every device.
+    pub fn parse(
+        disks: &[String],
+        vsock: Option<&str>,
+        net: Option<&str>,
+        rng: bool,
+    ) -> Result<DeviceConfig, ConfigError> {
+        Ok(DeviceConfig {
+            disks: disks
+                .iter()
+                .map(|d| d.parse())
+                .collect::<Result<Vec<DiskConfig>, _>>()?,
+            vsock: vsock.map(str::parse).transpose()?,
+            net: net.map(str::parse).transpose()?,
+            rng,
+        })
+    }
+}
+
 /// A virtio-blk disk: `PATH[,ro]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiskConfig {
@@ -267,6 +302,18 @@ pub struct VmConfig {
     pub net: Option<NetConfig>,
     /// virtio-rng.
     pub rng: bool,
+}
+
+impl VmConfig {
+    /// The VM's virtio devices.
+    pub fn devices(&self) -> DeviceConfig {
+        DeviceConfig {
+            disks: self.disks.clone(),
+            vsock: self.vsock.clone(),
+            net: self.net.clone(),
+            rng: self.rng,
+        }
+    }
 }
 
 impl TryFrom<ConfigFile> for VmConfig {

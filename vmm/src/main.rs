@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use vmm::config::{ConfigFile, SerialConfig, VmConfig};
+use vmm::config::{ConfigFile, DeviceConfig, SerialConfig, VmConfig};
 use vmm::control::server::ControlServer;
 use vmm::exit::{EXIT_BAD_INPUT, EXIT_VM_FAILURE};
 use vmm::machine::{Machine, RestoreConfig};
@@ -70,6 +70,19 @@ struct RestoreArgs {
     /// Leave the vCPUs paused after the restore (resume through the control socket).
     #[arg(long)]
     paused: bool,
+    /// virtio-blk back end for the snapshot's next disk, `PATH` or `PATH,ro`; give the
+    /// same devices as the snapshotted VM, in the same order.
+    #[arg(long = "disk", value_name = "PATH[,ro]")]
+    disk: Vec<String>,
+    /// virtio-vsock back end, `CID:UDS_PATH` (the CID must match the snapshot's).
+    #[arg(long, value_name = "CID:UDS_PATH")]
+    vsock: Option<String>,
+    /// virtio-net back end, `TAP[,mac=..]`.
+    #[arg(long, value_name = "TAP[,mac=MAC]")]
+    net: Option<String>,
+    /// The snapshot has a virtio-rng device.
+    #[arg(long)]
+    rng: bool,
 }
 
 #[derive(clap::Args)]
@@ -168,6 +181,13 @@ fn restore(args: RestoreArgs) -> Result<i32, (i32, String)> {
         serial: args.serial.parse::<SerialConfig>().map_err(|e| bad(&e))?,
         control_socket: args.control_socket,
         paused: args.paused,
+        devices: DeviceConfig::parse(
+            &args.disk,
+            args.vsock.as_deref(),
+            args.net.as_deref(),
+            args.rng,
+        )
+        .map_err(|e| bad(&e))?,
     };
     let blocked = signals::block_termination_signals().map_err(|e| {
         (

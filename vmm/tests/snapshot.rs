@@ -411,3 +411,84 @@ fn damaged_snapshots_are_refused_with_clear_errors() {
         "cannot read snapshot manifest",
     );
 }
+
+#[test]
+fn virtio_devices_are_saved_and_come_back_with_new_back_ends() {
+    let t = tempfile::tempdir().unwrap();
+    let disk = t.path().join("disk.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    let log = t.path().join("origin.log");
+    let sock = t.path().join("origin.sock");
+    let vsock = t.path().join("origin.vsock");
+    let g = guest("counter");
+    let child = spawn(&[
+        "run",
+        "--kernel",
+        g.to_str().unwrap(),
+        "--mem-mib",
+        "64",
+        "--cmdline",
+        &format!("interval={INTERVAL}"),
+        "--serial",
+        &format!("file:{}", log.display()),
+        "--control-socket",
+        sock.to_str().unwrap(),
+        "--disk",
+        disk.to_str().unwrap(),
+        "--rng",
+        "--vsock",
+        &format!("3:{}", vsock.display()),
+    ]);
+    let mut ctl = Control::connect(&sock);
+    wait_for_counts(&log, 2);
+    assert_eq!(ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);
+    let snap = t.path().join("snap");
+    snapshot(&mut ctl, &snap, "full");
+    let last = *counts(&log).last().unwrap();
+    stop(ctl, child);
+
+    // Without the devices the restore is refused, naming what to pass.
+    let out = run_vmm(&[
+        "restore",
+        "--snapshot",
+        snap.to_str().unwrap(),
+        "--serial",
+        "none",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("the snapshot has 3 virtio devices, the restore was given 0"),
+        "{}",
+        stderr(&out)
+    );
+
+    // A per-session copy of the disk and a new vsock socket path.
+    let copy = t.path().join("session-disk.img");
+    std::fs::copy(&disk, &copy).unwrap();
+    let new_vsock = t.path().join("session.vsock");
+    let log2 = t.path().join("restored.log");
+    let sock2 = t.path().join("restored.sock");
+    let child = spawn(&[
+        "restore",
+        "--snapshot",
+        snap.to_str().unwrap(),
+        "--serial",
+        &format!("file:{}", log2.display()),
+        "--control-socket",
+        sock2.to_str().unwrap(),
+        "--disk",
+        copy.to_str().unwrap(),
+        "--rng",
+        "--vsock",
+        &format!("3:{}", new_vsock.display()),
+    ]);
+    let mut ctl = Control::connect(&sock2);
+    let after = wait_for_counts(&log2, 1);
+    assert_continues(after[0], last);
+    assert!(
+        new_vsock.exists(),
+        "the vsock host socket listens after restore"
+    );
+    assert_eq!(ctl.send_raw(r#"{"op":"status"}"#)["state"], "running");
+    stop(ctl, child);
+}

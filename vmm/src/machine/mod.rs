@@ -127,7 +127,8 @@ impl StartError {
                 SetupError::Block(_)
                 | SetupError::Net(_)
                 | SetupError::Vsock(_)
-                | SetupError::TooMany(_),
+                | SetupError::TooMany(_)
+                | SetupError::Restore { .. },
             ) => EXIT_BAD_INPUT,
             _ => EXIT_VM_FAILURE,
         }
@@ -236,7 +237,7 @@ impl Machine {
         let memory = create_guest_memory(config.mem_mib)?;
 
         let kernel = loader::load_kernel(&memory, &config.kernel)?;
-        let virtio_devices = virtio_setup::create_devices(config)?;
+        let virtio_devices = virtio_setup::create_devices(&config.devices())?;
         let mut cmdline_text = config.cmdline.clone();
         if !virtio_devices.is_empty() {
             cmdline_text.push(' ');

@@ -4,9 +4,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use super::{build_devices, serial_irq, serial_output, Machine, MachineShared, StartError};
-use crate::config::SerialConfig;
+use crate::config::{DeviceConfig, SerialConfig};
 use crate::devices::legacy::serial::persist::SerialRestoreArgs;
 use crate::devices::legacy::serial::SerialDevice;
+use crate::devices::virtio::setup as virtio_setup;
 use crate::kvm::KvmHandle;
 use crate::snapshot::manifest::resolve_chain;
 use crate::snapshot::persist::Persist;
@@ -29,6 +30,8 @@ pub struct RestoreConfig {
     pub control_socket: Option<PathBuf>,
     /// Leave the vCPUs paused after restore.
     pub paused: bool,
+    /// The virtio devices' back ends: the same device set as the snapshotted VM.
+    pub devices: DeviceConfig,
 }
 
 impl Machine {
@@ -66,7 +69,9 @@ impl Machine {
         )?;
         // Virtio device state is not in the snapshot format yet (see
         // devices/virtio/setup.rs: VirtioRuntime::save, restore_devices).
-        let devices = build_devices(&vm, &coordinator, serial, Vec::new())?;
+        let virtio_devices =
+            virtio_setup::restore_devices(&config.devices, vm.memory(), &state.virtio)?;
+        let devices = build_devices(&vm, &coordinator, serial, virtio_devices)?;
         let mut vcpus = Vec::with_capacity(count);
         for vstate in &state.vcpus {
             let vcpu = Vcpu::new(vm.fd(), vstate.index, devices.buses.clone())?;

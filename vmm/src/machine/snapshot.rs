@@ -8,6 +8,7 @@ use serde_json::{Map, Value};
 
 use super::MachineShared;
 use crate::control::protocol::ControlTarget;
+use crate::devices::virtio::setup::VirtioState;
 use crate::snapshot::manifest::SnapshotKind;
 use crate::snapshot::memory_file;
 use crate::snapshot::persist::Persist;
@@ -51,7 +52,7 @@ fn or_into(acc: &mut Vec<Vec<u64>>, new: Vec<Vec<u64>>) {
 }
 
 impl MachineShared {
-    fn save_state(&self) -> Result<MachineState, SnapshotRequestError> {
+    fn save_state(&self, virtio: VirtioState) -> Result<MachineState, SnapshotRequestError> {
         let state_err = |e: &dyn std::fmt::Display| SnapshotRequestError::State(e.to_string());
         let msr_indices: Vec<u32> = self
             .kvm
@@ -70,6 +71,7 @@ impl MachineShared {
             vm: vm_persist::save(self.vm.fd()).map_err(|e| state_err(&e))?,
             vcpus,
             serial: lock(&self.serial).save().map_err(|e| state_err(&e))?,
+            virtio,
         })
     }
 
@@ -87,6 +89,8 @@ impl MachineShared {
         if kind == SnapshotKind::Diff && parent.is_none() {
             return Err(SnapshotRequestError::NoParent);
         }
+        // Stop device work (DMA into guest memory) until the snapshot is written.
+        let devices = self.virtio.quiesce();
         // Collect dirty pages first, so nothing written from here on is missed; keep them
         // pending until a snapshot that includes them is safely on disk.
         let newly_dirty = self
@@ -96,7 +100,10 @@ impl MachineShared {
         let mut pending = lock(&self.pending_dirty);
         or_into(&mut pending, newly_dirty);
 
-        let state = self.save_state()?;
+        let virtio = devices
+            .save()
+            .map_err(|e| SnapshotRequestError::State(e.to_string()))?;
+        let state = self.save_state(virtio)?;
         let state_bytes = state
             .encode()
             .map_err(|e| SnapshotRequestError::State(e.to_string()))?;
@@ -109,6 +116,7 @@ impl MachineShared {
             (SnapshotKind::Diff, None) => return Err(SnapshotRequestError::NoParent),
         };
         let manifest = write_snapshot(dir, &state_bytes, self.vm.memory(), content)?;
+        drop(devices);
         pending.clear();
         let canonical = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
         *lock(&self.last_snapshot) = Some(canonical.clone());

@@ -10,6 +10,7 @@ use super::format::{self, FormatError, MAX_PAYLOAD_LEN};
 use super::manifest::STATE_FILE;
 use crate::arch::x86_64::mptable::MAX_CPUS;
 use crate::devices::legacy::serial::persist::SerialSnapshot;
+use crate::devices::virtio::setup::VirtioState;
 use crate::vcpu::persist::VcpuState;
 use crate::vm::persist::VmState;
 
@@ -24,6 +25,8 @@ pub struct MachineState {
     pub vcpus: Vec<VcpuState>,
     /// The serial console.
     pub serial: SerialSnapshot,
+    /// Every virtio device and its transport, in slot order.
+    pub virtio: VirtioState,
 }
 
 /// Errors reading or decoding the state file.

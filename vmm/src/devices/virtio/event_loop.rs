@@ -67,6 +67,7 @@ impl EventLoop {
         let thread = std::thread::Builder::new()
             .name("virtio-events".into())
             .spawn(move || {
+                crate::seccomp::apply_or_die(crate::seccomp::ThreadKind::Device);
                 while !stop.load(Ordering::SeqCst) {
                     if let Err(e) = manager.run() {
                         tracing::error!(error = ?e, "device event loop failed");

@@ -21,7 +21,7 @@ use super::rng::{Rng, RngError};
 use super::vsock::persist::{VsockConstructorArgs, VsockState};
 use super::vsock::{Vsock, VsockError};
 use super::Interrupt;
-use crate::config::{DiskConfig, NetConfig, VmConfig, VsockConfig};
+use crate::config::{DeviceConfig, DiskConfig, NetConfig, VsockConfig};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::irq::IrqLine;
 use crate::memory::GuestMemoryMmap;
@@ -158,7 +158,7 @@ enum Kind<'a> {
 }
 
 /// The configured devices with their names, in device order: block, net, vsock, rng.
-fn kinds(config: &VmConfig) -> Vec<(String, Kind<'_>)> {
+fn kinds(config: &DeviceConfig) -> Vec<(String, Kind<'_>)> {
     let mut kinds: Vec<(String, Kind)> = config
         .disks
         .iter()
@@ -201,7 +201,7 @@ fn check_count(n: usize) -> Result<(), SetupError> {
 
 /// Opens every configured backend (disks, tap, vsock socket, rng), in the
 /// order block, net, vsock, rng, and assigns addresses and GSIs.
-pub fn create_devices(config: &VmConfig) -> Result<Vec<PlannedDevice>, SetupError> {
+pub fn create_devices(config: &DeviceConfig) -> Result<Vec<PlannedDevice>, SetupError> {
     let kinds = kinds(config);
     check_count(kinds.len())?;
     let mut devices = Vec::with_capacity(kinds.len());
@@ -267,7 +267,7 @@ pub struct VirtioState {
 /// backends: disk paths, tap, socket path). The state is untrusted: its slots
 /// must match the configuration one for one, and each device checks its own.
 pub fn restore_devices(
-    config: &VmConfig,
+    config: &DeviceConfig,
     mem: &GuestMemoryMmap,
     state: &VirtioState,
 ) -> Result<Vec<PlannedDevice>, SetupError> {
@@ -281,7 +281,8 @@ pub fn restore_devices(
         return Err(mismatch(
             "virtio devices",
             format!(
-                "the snapshot has {} devices, the configuration {}",
+                "the snapshot has {} virtio devices, the restore was given {}: pass the \
+                 same --disk/--net/--vsock/--rng devices as the snapshotted VM",
                 state.slots.len(),
                 kinds.len()
             ),

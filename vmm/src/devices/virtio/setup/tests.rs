@@ -3,18 +3,11 @@ use std::path::PathBuf;
 use vm_memory::GuestAddress;
 
 use super::*;
-use crate::config::{DiskConfig, SerialConfig};
+use crate::config::DiskConfig;
 use crate::devices::virtio::test_utils::memory;
 
-fn config(disk: PathBuf, rng: bool) -> VmConfig {
-    VmConfig {
-        kernel: "/k".into(),
-        initrd: None,
-        cmdline: String::new(),
-        mem_mib: 4,
-        vcpus: 1,
-        serial: SerialConfig::None,
-        control_socket: None,
+fn config(disk: PathBuf, rng: bool) -> DeviceConfig {
+    DeviceConfig {
         disks: vec![DiskConfig {
             path: disk,
             read_only: false,
