@@ -18,6 +18,9 @@ fuzz_target!(|data: &[u8]| {
             let _ = decode_payload::<HostMessage>(&frame);
             let _ = decode_payload::<GuestMessage>(&frame);
         }
-        assert!(decoder.buffered() <= 64 * 1024 + 4, "decoder buffers beyond its limit");
+        assert!(
+            decoder.buffered() <= 64 * 1024 + 4,
+            "decoder buffers beyond its limit"
+        );
     }
 });
