@@ -8,6 +8,7 @@ pub mod config;
 pub mod control;
 pub mod devices;
 pub mod exit;
+pub mod jail;
 pub mod kvm;
 pub mod machine;
 pub mod memory;

@@ -8,6 +8,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use vmm::config::{ConfigFile, DeviceConfig, SerialConfig, VmConfig};
 use vmm::control::server::ControlServer;
 use vmm::exit::{EXIT_BAD_INPUT, EXIT_VM_FAILURE};
+use vmm::jail::cgroup::{parse_cpu_max, parse_size, CgroupLimits};
+use vmm::jail::{BindMount, JailConfig, JailError};
 use vmm::machine::{Machine, RestoreConfig};
 use vmm::seccomp::{self, ThreadKind};
 use vmm::signals;
@@ -50,6 +52,53 @@ enum Command {
     Run(RunArgs),
     /// Restore a VM from a snapshot in this new process and run it until it ends.
     Restore(RestoreArgs),
+    /// Run `vmm ARGS...` confined: new namespaces, a per-VM root directory, cgroup
+    /// limits, resource limits and an unprivileged uid/gid (must start as root).
+    Jail(JailArgs),
+}
+
+#[derive(clap::Args)]
+struct JailArgs {
+    /// VM name: the cgroup `agentvm/<id>` and the jail's hostname.
+    #[arg(long)]
+    id: String,
+    /// The jail's root directory (created if missing); paths given to the jailed vmm
+    /// are relative to it.
+    #[arg(long)]
+    root: PathBuf,
+    /// uid the vmm runs as (not 0).
+    #[arg(long)]
+    uid: u32,
+    /// gid the vmm runs as (not 0).
+    #[arg(long)]
+    gid: u32,
+    /// Give the VM its own network namespace (a tap is then created inside it).
+    #[arg(long)]
+    netns: bool,
+    /// Bring a host file or directory in: `HOST_PATH:/JAIL_PATH[:ro]` (repeatable).
+    #[arg(long = "bind")]
+    binds: Vec<String>,
+    /// Device nodes to create: kvm, tun, urandom, userfaultfd (repeatable).
+    #[arg(long = "device", default_values_t = ["kvm".to_string(), "urandom".to_string()])]
+    devices: Vec<String>,
+    /// CPU bandwidth `QUOTA_US/PERIOD_US`, e.g. 100000/100000 for one CPU.
+    #[arg(long)]
+    cpu_max: Option<String>,
+    /// Memory limit of the cgroup (bytes, or K/M/G).
+    #[arg(long)]
+    memory_max: Option<String>,
+    /// Where cgroups are mounted.
+    #[arg(long, default_value = "/sys/fs/cgroup")]
+    cgroup_root: PathBuf,
+    /// RLIMIT_NOFILE for the vmm.
+    #[arg(long, default_value_t = 1024)]
+    nofile: u64,
+    /// RLIMIT_FSIZE for the vmm: the largest file it may write (bytes, or K/M/G).
+    #[arg(long)]
+    max_file_size: Option<String>,
+    /// The vmm command to run inside, after `--`: e.g. `-- run --kernel /kernel`.
+    #[arg(last = true, required = true)]
+    vmm_args: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -199,6 +248,52 @@ fn restore(args: RestoreArgs) -> Result<i32, (i32, String)> {
     serve(machine, blocked, config.control_socket.as_deref())
 }
 
+fn jail(args: JailArgs) -> Result<i32, (i32, String)> {
+    let bad = |e: String| (EXIT_BAD_INPUT, e);
+    let limits = CgroupLimits {
+        cpu_max: args
+            .cpu_max
+            .as_deref()
+            .map(parse_cpu_max)
+            .transpose()
+            .map_err(bad)?,
+        memory_max: args
+            .memory_max
+            .as_deref()
+            .map(parse_size)
+            .transpose()
+            .map_err(bad)?,
+    };
+    let config = JailConfig {
+        id: args.id,
+        root: args.root,
+        uid: args.uid,
+        gid: args.gid,
+        netns: args.netns,
+        binds: args
+            .binds
+            .iter()
+            .map(|b| b.parse::<BindMount>())
+            .collect::<Result<_, _>>()
+            .map_err(bad)?,
+        devices: args.devices,
+        limits,
+        cgroup_root: args.cgroup_root,
+        nofile: args.nofile,
+        fsize: args
+            .max_file_size
+            .as_deref()
+            .map(parse_size)
+            .transpose()
+            .map_err(bad)?,
+        vmm_args: args.vmm_args,
+    };
+    vmm::jail::run(&config).map_err(|e| match e {
+        JailError::Invalid(_) | JailError::NotRoot => (EXIT_BAD_INPUT, e.to_string()),
+        _ => (EXIT_VM_FAILURE, e.to_string()),
+    })
+}
+
 /// Serves the control socket and signals until the VM ends; returns the exit code.
 fn serve(
     machine: Machine,
@@ -254,6 +349,7 @@ fn main() -> ExitCode {
     let code = match cli.command {
         Command::Run(args) => run(args),
         Command::Restore(args) => restore(args),
+        Command::Jail(args) => jail(args),
     };
     let code = match code {
         Ok(code) => code,
