@@ -30,6 +30,19 @@ fn every_thread_of_a_running_vm_is_filtered() {
         .unwrap();
     let mut ctl = Control::connect(&sock);
     assert_eq!(ctl.send_raw(r#"{"op":"status"}"#)["ok"], true);
+    // The main thread installs its filter just after the control socket starts.
+    let main_status = format!("/proc/{}/status", child.id());
+    let start = std::time::Instant::now();
+    while !std::fs::read_to_string(&main_status)
+        .unwrap()
+        .contains("Seccomp:\t2")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "main thread never filtered"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let mut seen = Vec::new();
     for task in std::fs::read_dir(format!("/proc/{}/task", child.id())).unwrap() {
         let task = task.unwrap().path();
