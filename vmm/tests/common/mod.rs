@@ -5,14 +5,25 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// The vmm binary under test.
+/// The vmm binary under test. It is killed when the test thread that started it
+/// ends, so a failing assertion never leaves a VM running.
 pub fn vmm() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_vmm"));
     cmd.stdin(Stdio::null());
+    // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag on the child between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     cmd
 }
 
