@@ -1000,6 +1000,15 @@ impl Manager {
                 tracing::error!(session = %sess.id, error = %e, "re-attaching session");
             }
         }
+        // A create interrupted by a crash may have started a vmm it never recorded.
+        let live: std::collections::HashSet<u32> = self
+            .store
+            .sessions()?
+            .iter()
+            .filter(|r| !is_terminal(r.state))
+            .map(|r| r.vmm_pid)
+            .collect();
+        supervisor::kill_orphans(&self.cfg.state_dir.join("sessions"), &live);
         Ok(())
     }
 

@@ -111,6 +111,46 @@ pub fn log_tail(path: &Path) -> String {
     lines[start..].join("; ")
 }
 
+/// Kills vmm processes whose control socket lies under `sessions_dir` but
+/// that belong to no live session (`live` pids): VMs a host-agent killed in
+/// the middle of a create had started but not yet recorded. Returns how many.
+pub fn kill_orphans(sessions_dir: &Path, live: &std::collections::HashSet<u32>) -> usize {
+    let needle = format!("{}/", sessions_dir.display());
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    let mut killed = 0;
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if live.contains(&pid) || pid == std::process::id() {
+            continue;
+        }
+        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+        let socket = args
+            .windows(2)
+            .find(|w| w[0] == b"--control-socket")
+            .map(|w| String::from_utf8_lossy(w[1]).into_owned());
+        if socket.is_some_and(|s| s.starts_with(&needle)) {
+            tracing::warn!(
+                pid,
+                "killing a vmm that belongs to no session (left by an interrupted create)"
+            );
+            // SAFETY: kill(2) has no memory-safety preconditions; the pid's command line
+            // names a control socket in this host-agent's own sessions directory.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGKILL);
+            }
+            killed += 1;
+        }
+    }
+    killed
+}
+
 /// Spawns `vmm` with `args` in `dir` (created if needed), with its log in
 /// `dir/vmm.log` and its control socket at `dir/control.sock`.
 pub fn spawn(vmm: &Path, dir: &Path, args: &[String]) -> Result<VmmProcess> {
