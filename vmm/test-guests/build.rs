@@ -9,6 +9,7 @@ const GUESTS: &[&str] = &[
     "counter",
     "report",
     "triplefault",
+    "flood",
     "dirtier",
     "virtio_blk",
     "virtio_rng",

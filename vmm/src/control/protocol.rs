@@ -22,6 +22,8 @@ pub trait ControlTarget: Send + Sync {
     fn snapshot(&self, dir: &Path, kind: SnapshotKind) -> Result<Map<String, Value>, String>;
     /// CRC-64 of all guest memory of the paused VM.
     fn memory_checksum(&self) -> Result<u64, String>;
+    /// Delivers console output the guest produced so far (after a pause).
+    fn flush_console(&self) {}
 }
 
 /// Longest request line accepted, in bytes.
@@ -142,7 +144,10 @@ pub fn handle(request: &Request, target: &dyn ControlTarget) -> Value {
     match request {
         Request::Status => ok(state_fields(coordinator.state(), vcpus)),
         Request::Pause => match coordinator.pause() {
-            Ok(()) => ok(state_fields(VmState::Paused, vcpus)),
+            Ok(()) => {
+                target.flush_console();
+                ok(state_fields(VmState::Paused, vcpus))
+            }
             Err(e) => error(format!("cannot pause: {e}")),
         },
         Request::Resume => match coordinator.resume() {

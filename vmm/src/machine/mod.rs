@@ -21,6 +21,7 @@ use crate::config::{SerialConfig, VmConfig};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::irq::IrqLine;
 use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT_BASE, I8042_PORT_LEN};
+use crate::devices::legacy::serial::output::BufferedOutput;
 use crate::devices::legacy::serial::{
     spawn_stdin_forwarder, SerialDevice, SerialOut, COM1_IRQ, COM1_PORT_BASE, COM1_PORT_LEN,
 };
@@ -206,8 +207,15 @@ fn serial_irq() -> Result<IrqLine, StartError> {
 }
 
 fn serial_output(cfg: &SerialConfig) -> Result<SerialOut, StartError> {
+    let buffered = |sink: SerialOut| -> Result<SerialOut, StartError> {
+        let out = BufferedOutput::new(sink).map_err(|source| StartError::Device {
+            what: "the serial output thread".into(),
+            source,
+        })?;
+        Ok(Box::new(out))
+    };
     Ok(match cfg {
-        SerialConfig::Stdout => Box::new(std::io::stdout()),
+        SerialConfig::Stdout => buffered(Box::new(std::io::stdout()))?,
         SerialConfig::None => Box::new(std::io::sink()),
         SerialConfig::File(path) => {
             let file = OpenOptions::new()
@@ -218,7 +226,7 @@ fn serial_output(cfg: &SerialConfig) -> Result<SerialOut, StartError> {
                     path: path.clone(),
                     source,
                 })?;
-            Box::new(LineWriter::new(file))
+            buffered(Box::new(LineWriter::new(file)))?
         }
     })
 }

@@ -157,6 +157,10 @@ impl ControlTarget for MachineShared {
         MachineShared::snapshot(self, dir, kind).map_err(|e| e.to_string())
     }
 
+    fn flush_console(&self) {
+        lock(&self.serial).flush();
+    }
+
     fn memory_checksum(&self) -> Result<u64, String> {
         if self.coordinator.wait_until_parked().is_err() {
             return Err(

@@ -7,6 +7,7 @@
 //! * `report`: prints the zero page, command line, e820 map, CPUID identity
 //!   and MP table it was given, then resets.
 //! * `triplefault`: loads an empty IDT and faults.
+//! * `flood`: writes to the serial port as fast as it can, forever.
 //! * `virtio_blk`: reads, writes, flushes and gets the ID of the first virtio-blk disk.
 //! * `virtio_rng`: reads 64 random bytes twice from virtio-rng.
 //! * `virtio_net`: sends one frame through virtio-net, optionally waits for one.
@@ -21,6 +22,7 @@ pub const ALL: &[&str] = &[
     "counter",
     "report",
     "triplefault",
+    "flood",
     "dirtier",
     "virtio_blk",
     "virtio_rng",

@@ -1,6 +1,7 @@
 //! The 8250 serial console (vm-superio) at COM1: guest output to stdout, a
 //! file or nowhere; host stdin to guest input.
 
+pub mod output;
 pub mod persist;
 
 use std::io::{Read, Write};
