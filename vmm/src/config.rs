@@ -294,26 +294,8 @@ pub struct VmConfig {
     pub serial: SerialConfig,
     /// Control socket path.
     pub control_socket: Option<PathBuf>,
-    /// virtio-blk disks.
-    pub disks: Vec<DiskConfig>,
-    /// virtio-vsock.
-    pub vsock: Option<VsockConfig>,
-    /// virtio-net.
-    pub net: Option<NetConfig>,
-    /// virtio-rng.
-    pub rng: bool,
-}
-
-impl VmConfig {
-    /// The VM's virtio devices.
-    pub fn devices(&self) -> DeviceConfig {
-        DeviceConfig {
-            disks: self.disks.clone(),
-            vsock: self.vsock.clone(),
-            net: self.net.clone(),
-            rng: self.rng,
-        }
-    }
+    /// The virtio devices and their back ends.
+    pub devices: DeviceConfig,
 }
 
 impl TryFrom<ConfigFile> for VmConfig {
@@ -330,14 +312,12 @@ impl TryFrom<ConfigFile> for VmConfig {
             Some(s) => s.parse()?,
             None => SerialConfig::Stdout,
         };
-        let disks = f
-            .disk
-            .unwrap_or_default()
-            .iter()
-            .map(|d| d.parse())
-            .collect::<Result<Vec<DiskConfig>, _>>()?;
-        let vsock = f.vsock.map(|v| v.parse()).transpose()?;
-        let net = f.net.map(|n| n.parse()).transpose()?;
+        let devices = DeviceConfig::parse(
+            &f.disk.unwrap_or_default(),
+            f.vsock.as_deref(),
+            f.net.as_deref(),
+            f.rng.unwrap_or(false),
+        )?;
         Ok(VmConfig {
             kernel,
             initrd: f.initrd,
@@ -346,10 +326,7 @@ impl TryFrom<ConfigFile> for VmConfig {
             vcpus,
             serial,
             control_socket: f.control_socket,
-            disks,
-            vsock,
-            net,
-            rng: f.rng.unwrap_or(false),
+            devices,
         })
     }
 }
@@ -392,10 +369,10 @@ mod tests {
         )
         .unwrap();
         let cfg = VmConfig::try_from(file).unwrap();
-        assert_eq!(cfg.disks.len(), 2);
-        assert!(cfg.disks[1].read_only);
-        assert!(cfg.rng);
-        assert_eq!(cfg.vsock.unwrap().cid, 3);
+        assert_eq!(cfg.devices.disks.len(), 2);
+        assert!(cfg.devices.disks[1].read_only);
+        assert!(cfg.devices.rng);
+        assert_eq!(cfg.devices.vsock.unwrap().cid, 3);
     }
 
     #[test]

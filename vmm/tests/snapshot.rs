@@ -5,7 +5,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -37,15 +37,6 @@ fn wait_for_counts(log: &Path, at_least: usize) -> Vec<u64> {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-}
-
-fn spawn(args: &[&str]) -> Child {
-    vmm()
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn vmm")
 }
 
 fn stop(mut ctl: Control, child: Child) {
@@ -80,22 +71,31 @@ struct Vm {
 }
 
 fn boot_counter(dir: &Path, name: &str) -> Vm {
+    boot_counter_with(dir, name, &[])
+}
+
+/// Boots the counting guest with `extra` vmm flags (devices).
+fn boot_counter_with(dir: &Path, name: &str, extra: &[&str]) -> Vm {
     let log = dir.join(format!("{name}.log"));
     let sock = dir.join(format!("{name}.sock"));
     let g = guest("counter");
-    let child = spawn(&[
+    let serial = format!("file:{}", log.display());
+    let cmdline = format!("interval={INTERVAL}");
+    let mut args = vec![
         "run",
         "--kernel",
         g.to_str().unwrap(),
         "--mem-mib",
         "64",
         "--cmdline",
-        &format!("interval={INTERVAL}"),
+        &cmdline,
         "--serial",
-        &format!("file:{}", log.display()),
+        &serial,
         "--control-socket",
         sock.to_str().unwrap(),
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let child = spawn_vmm(&args);
     let ctl = Control::connect(&sock);
     Vm { child, ctl, log }
 }
@@ -118,7 +118,7 @@ fn restore(dir: &Path, name: &str, snap: &Path, backend: &str, paused: bool) -> 
     if paused {
         args.push("--paused");
     }
-    let child = spawn(&args);
+    let child = spawn_vmm(&args);
     let ctl = Control::connect(&sock);
     Vm { child, ctl, log }
 }
@@ -417,29 +417,13 @@ fn virtio_devices_are_saved_and_come_back_with_new_back_ends() {
     let t = tempfile::tempdir().unwrap();
     let disk = t.path().join("disk.img");
     std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
-    let log = t.path().join("origin.log");
-    let sock = t.path().join("origin.sock");
-    let vsock = t.path().join("origin.vsock");
-    let g = guest("counter");
-    let child = spawn(&[
-        "run",
-        "--kernel",
-        g.to_str().unwrap(),
-        "--mem-mib",
-        "64",
-        "--cmdline",
-        &format!("interval={INTERVAL}"),
-        "--serial",
-        &format!("file:{}", log.display()),
-        "--control-socket",
-        sock.to_str().unwrap(),
-        "--disk",
-        disk.to_str().unwrap(),
-        "--rng",
-        "--vsock",
-        &format!("3:{}", vsock.display()),
-    ]);
-    let mut ctl = Control::connect(&sock);
+    let vsock = format!("3:{}", t.path().join("origin.vsock").display());
+    let vm = boot_counter_with(
+        t.path(),
+        "origin",
+        &["--disk", disk.to_str().unwrap(), "--rng", "--vsock", &vsock],
+    );
+    let (child, mut ctl, log) = (vm.child, vm.ctl, vm.log);
     wait_for_counts(&log, 2);
     assert_eq!(ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);
     let snap = t.path().join("snap");
@@ -468,7 +452,7 @@ fn virtio_devices_are_saved_and_come_back_with_new_back_ends() {
     let new_vsock = t.path().join("session.vsock");
     let log2 = t.path().join("restored.log");
     let sock2 = t.path().join("restored.sock");
-    let child = spawn(&[
+    let child = spawn_vmm(&[
         "restore",
         "--snapshot",
         snap.to_str().unwrap(),

@@ -4,25 +4,16 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 use common::*;
 use serde_json::json;
 
-fn spawn(args: &[&str]) -> Child {
-    vmm()
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn vmm")
-}
-
 fn boot_counter(dir: &Path, mem_mib: &str) -> (Child, PathBuf) {
     let sock = dir.join("vm.sock");
     let g = guest("counter");
-    let child = spawn(&[
+    let child = spawn_vmm(&[
         "run",
         "--kernel",
         g.to_str().unwrap(),
@@ -39,7 +30,7 @@ fn boot_counter(dir: &Path, mem_mib: &str) -> (Child, PathBuf) {
 fn restores(snap: &Path) -> bool {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("r.sock");
-    let child = spawn(&[
+    let child = spawn_vmm(&[
         "restore",
         "--snapshot",
         snap.to_str().unwrap(),

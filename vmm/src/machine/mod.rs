@@ -245,7 +245,7 @@ impl Machine {
         let memory = create_guest_memory(config.mem_mib)?;
 
         let kernel = loader::load_kernel(&memory, &config.kernel)?;
-        let virtio_devices = virtio_setup::create_devices(&config.devices())?;
+        let virtio_devices = virtio_setup::create_devices(&config.devices)?;
         let mut cmdline_text = config.cmdline.clone();
         if !virtio_devices.is_empty() {
             cmdline_text.push(' ');

@@ -52,15 +52,19 @@ pub fn wait_with_deadline(mut child: Child, limit: Duration) -> Output {
     }
 }
 
-/// Runs the vmm with `args` and returns its output (20 s deadline).
-pub fn run_vmm(args: &[&str]) -> Output {
-    let child = vmm()
+/// Starts the vmm with `args`, capturing its stdout and stderr.
+pub fn spawn_vmm(args: &[&str]) -> Child {
+    vmm()
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("spawn vmm");
-    wait_with_deadline(child, Duration::from_secs(20))
+        .expect("spawn vmm")
+}
+
+/// Runs the vmm with `args` and returns its output (20 s deadline).
+pub fn run_vmm(args: &[&str]) -> Output {
+    wait_with_deadline(spawn_vmm(args), Duration::from_secs(20))
 }
 
 /// Stdout as text.

@@ -83,11 +83,16 @@ impl BufferedOutput {
 impl Write for BufferedOutput {
     fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
         let mut st = self.shared.lock();
+        let was_empty = st.buf.is_empty();
         let room = OUTPUT_BUFFER.saturating_sub(st.buf.len());
         let n = data.len().min(room);
         st.buf.extend(&data[..n]);
         st.dropped += (data.len() - n) as u64;
-        self.shared.changed.notify_all();
+        // The writer only sleeps on an empty buffer: wake it once per batch, not per byte
+        // (the UART writes one byte per call, so this is the console's hot path).
+        if was_empty && n > 0 {
+            self.shared.changed.notify_all();
+        }
         // Report everything as written: the guest's UART never waits on the host.
         Ok(data.len())
     }
