@@ -72,9 +72,14 @@ struct JailArgs {
     /// gid the vmm runs as (not 0).
     #[arg(long)]
     gid: u32,
-    /// Give the VM its own network namespace (a tap is then created inside it).
+    /// Give the VM its own network namespace.
     #[arg(long)]
     netns: bool,
+    /// A tap for the VM (repeatable, needs --netns): a host tap of that name is moved
+    /// into the jail's namespace and back when the VM ends; any other is created
+    /// there. Either way it is persistent, owned by --uid and up.
+    #[arg(long = "tap", value_name = "NAME")]
+    taps: Vec<String>,
     /// Bring a host file or directory in: `HOST_PATH:/JAIL_PATH[:ro]` (repeatable).
     #[arg(long = "bind")]
     binds: Vec<String>,
@@ -270,6 +275,7 @@ fn jail(args: JailArgs) -> Result<i32, (i32, String)> {
         uid: args.uid,
         gid: args.gid,
         netns: args.netns,
+        taps: args.taps,
         binds: args
             .binds
             .iter()

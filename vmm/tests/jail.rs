@@ -1,6 +1,8 @@
 //! `vmm jail`, checked from outside through /proc: the jailed vmm has its own
 //! mount, PID, IPC and UTS namespaces, the jail directory as its root, the
-//! unprivileged uid/gid, the resource limit and the cgroup limits asked for.
+//! unprivileged uid/gid, the resource limit and the cgroup limits asked for;
+//! a host tap moved into its network namespace carries the guest's frame and
+//! comes back afterwards; a jailed restore serves memory through userfaultfd.
 
 mod common;
 
@@ -9,6 +11,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use common::counter::*;
 use common::*;
 
 fn ns(pid: &str, kind: &str) -> String {
@@ -34,19 +37,47 @@ fn find_jailed_vmm(jailer: u32) -> String {
     }
 }
 
-#[test]
-fn a_jailed_vmm_is_confined_as_asked() {
+/// Whether `vmm jail` can run here (root, and a cgroup hierarchy); prints why not.
+fn jail_supported() -> bool {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         println!("skipped: vmm jail needs root (namespaces, device nodes, cgroups)");
+        return false;
+    }
+    let cgroup_root = Path::new("/sys/fs/cgroup");
+    if !cgroup_root.join("cgroup.controllers").exists()
+        && !cgroup_root.join("cpu/cgroup.procs").exists()
+    {
+        println!("skipped: no cgroup v2 or v1 cpu/memory hierarchy at /sys/fs/cgroup");
+        return false;
+    }
+    true
+}
+
+/// Waits until `path` holds `text`.
+fn wait_for_text(path: &Path, text: &str) -> String {
+    let start = Instant::now();
+    loop {
+        let got = std::fs::read_to_string(path).unwrap_or_default();
+        if got.contains(text) {
+            return got;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{} never showed {text:?}: {got:?}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_jailed_vmm_is_confined_as_asked() {
+    if !jail_supported() {
         return;
     }
     let cgroup_root = Path::new("/sys/fs/cgroup");
     let v2 = cgroup_root.join("cgroup.controllers").exists();
-    if !v2 && !cgroup_root.join("cpu/cgroup.procs").exists() {
-        println!("skipped: no cgroup v2 or v1 cpu/memory hierarchy at /sys/fs/cgroup");
-        return;
-    }
     let t = tempfile::tempdir().unwrap();
     let root = t.path().join("root");
     let id = format!("test-{}", std::process::id());
@@ -138,6 +169,149 @@ fn a_jailed_vmm_is_confined_as_asked() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
 
+/// A host tap for a test, removed on drop wherever it ended up.
+struct HostTap(String);
+
+impl Drop for HostTap {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.0])
+            .output();
+    }
+}
+
+#[test]
+fn a_host_tap_moves_into_the_jails_network_namespace_and_back() {
+    if !jail_supported() {
+        return;
+    }
+    if !Path::new("/dev/net/tun").exists() {
+        println!("skipped: /dev/net/tun is missing");
+        return;
+    }
+    let tap = HostTap(format!("jt{}", std::process::id() % 100_000));
+    vmm::devices::virtio::net::tap::make_persistent(&tap.0, None, None).unwrap();
+    let on_host = Path::new("/sys/class/net").join(&tap.0);
+    assert!(on_host.exists());
+
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("root");
+    let id = format!("tap-{}", std::process::id());
+    let kernel_bind = format!("{}:/kernel:ro", guest("virtio_net").display());
+    let net = format!("{},mac=02:11:22:33:44:55", tap.0);
+    let child = vmm()
+        .args(["jail", "--id", &id, "--root", root.to_str().unwrap()])
+        .args(["--uid", "65534", "--gid", "65534", "--bind", &kernel_bind])
+        .args(["--netns", "--tap", &tap.0])
+        .args(["--", "run", "--kernel", "/kernel", "--net", &net])
+        .args(["--serial", "file:/run/serial.log"])
+        .args(["--cmdline", "console=ttyS0 rx_spins=4000000000"])
+        .args(["--control-socket", "/run/ctl.sock"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = find_jailed_vmm(child.id());
+    let mut ctl = Control::connect(&root.join("run/ctl.sock"));
+    let log = wait_for_text(&root.join("run/serial.log"), "net: sent");
+    assert!(log.contains("net.tx_used="), "{log}");
+
+    assert_ne!(
+        ns(&pid, "net"),
+        ns("self", "net"),
+        "net namespace is shared"
+    );
+    assert!(
+        !on_host.exists(),
+        "the tap is still in the host's namespace"
+    );
+    // The jailed vmm (uid 65534) attached to the tap by name...
+    let attached = std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_to_string(e.unwrap().path()).ok())
+        .any(|info| info.contains(&format!("iff:\t{}", tap.0)));
+    assert!(attached, "the jailed vmm has no fd on {}", tap.0);
+    // ...and the guest's frame arrived on it, inside the jail's namespace.
+    let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
+    let line = dev
+        .lines()
+        .find(|l| l.trim_start().starts_with(&format!("{}:", tap.0)))
+        .unwrap_or_else(|| panic!("{} is not in the jail's namespace: {dev}", tap.0));
+    let rx_packets: u64 = line
+        .split(':')
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(rx_packets >= 1, "{line}");
+    assert!(dev.contains("lo:"), "{dev}");
+
+    assert_eq!(ctl.send_raw(r#"{"op":"stop"}"#)["ok"], true);
+    let out = wait_with_deadline(child, Duration::from_secs(20));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(on_host.exists(), "the tap did not come back to the host");
+}
+
+#[test]
+fn a_jailed_restore_serves_memory_through_userfaultfd() {
+    if !jail_supported() {
+        return;
+    }
+    if !Path::new("/dev/userfaultfd").exists() {
+        println!("skipped: the host has no /dev/userfaultfd (Linux 6.1+)");
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let (snap, last) = counter_snapshot(t.path());
+    let root = t.path().join("root");
+    let id = format!("uffd-{}", std::process::id());
+    let snap_bind = format!("{}:/snap:ro", snap.display());
+    let child = vmm()
+        .args(["jail", "--id", &id, "--root", root.to_str().unwrap()])
+        .args(["--uid", "65534", "--gid", "65534", "--bind", &snap_bind])
+        .args([
+            "--device",
+            "kvm",
+            "--device",
+            "urandom",
+            "--device",
+            "userfaultfd",
+        ])
+        .args([
+            "--",
+            "restore",
+            "--snapshot",
+            "/snap",
+            "--memory-backend",
+            "uffd",
+        ])
+        .args(["--serial", "file:/run/serial.log"])
+        .args(["--control-socket", "/run/ctl.sock"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = find_jailed_vmm(child.id());
+    let ctl = Control::connect(&root.join("run/ctl.sock"));
+    let after = wait_for_counts(&root.join("run/serial.log"), 2);
+    assert_continues(after[0], last);
+
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    assert!(
+        status.contains("Uid:\t65534\t65534\t65534\t65534"),
+        "{status}"
+    );
+    let uffd = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+        .any(|target| target.to_string_lossy().contains("userfaultfd"));
+    assert!(uffd, "the jailed vmm holds no userfaultfd");
+    stop(ctl, child);
+}
+
 #[test]
 fn jail_options_are_checked_before_anything_is_created() {
     let t = tempfile::tempdir().unwrap();
@@ -178,6 +352,18 @@ fn jail_options_are_checked_before_anything_is_created() {
                 "half",
             ],
             "invalid CPU limit",
+        ),
+        (
+            vec![
+                "--id", "x", "--root", r, "--uid", "1", "--gid", "1", "--tap", "tap0",
+            ],
+            "add --netns",
+        ),
+        (
+            vec![
+                "--id", "x", "--root", r, "--uid", "1", "--gid", "1", "--netns", "--tap", "a/b",
+            ],
+            "invalid tap name",
         ),
     ] {
         let mut full = vec!["jail"];

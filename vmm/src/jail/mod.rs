@@ -9,6 +9,7 @@
 //! with `--bind HOST_PATH:JAIL_PATH[:ro]`.
 
 pub mod cgroup;
+mod network;
 mod setup;
 
 use std::ffi::CString;
@@ -67,6 +68,9 @@ pub struct JailConfig {
     pub gid: u32,
     /// Give the VM its own network namespace.
     pub netns: bool,
+    /// Taps for the jail's network namespace: a host tap of that name is moved
+    /// in (and back out when the VM ends), any other is created inside.
+    pub taps: Vec<String>,
     /// Files brought into the jail.
     pub binds: Vec<BindMount>,
     /// Host devices made available (from /dev/kvm, /dev/net/tun, /dev/urandom, /dev/userfaultfd).
@@ -109,6 +113,35 @@ pub enum JailError {
     /// unshare(2) failed.
     #[error("cannot create namespaces: {0}")]
     Unshare(std::io::Error),
+    /// Opening or switching network namespaces failed.
+    #[error("cannot set up the jail's network: {what}: {source}")]
+    Network {
+        /// What was being done.
+        what: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A link could not be moved or brought up.
+    #[error("cannot {what} {tap}: {source}")]
+    Tap {
+        /// The interface.
+        tap: String,
+        /// What was being done.
+        what: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A tap could not be made persistent and owned by the jail's uid.
+    #[error("cannot prepare tap {tap} for the jailed vmm: {source}")]
+    TapSetup {
+        /// The interface.
+        tap: String,
+        /// The error.
+        #[source]
+        source: crate::devices::virtio::net::tap::TapError,
+    },
     /// The jailed vmm could not be started.
     #[error("cannot start the jailed vmm: {0}")]
     Spawn(std::io::Error),
@@ -135,6 +168,23 @@ impl JailConfig {
         }
         if self.vmm_args.is_empty() {
             return invalid("no vmm arguments after --: e.g. -- run --kernel /kernel".into());
+        }
+        for (i, tap) in self.taps.iter().enumerate() {
+            if !network::valid_tap_name(tap) {
+                return invalid(format!(
+                    "invalid tap name {tap:?}: 1 to {} letters, digits, '-', '_' or '.'",
+                    network::MAX_IFNAME
+                ));
+            }
+            if self.taps[..i].contains(tap) {
+                return invalid(format!("tap {tap:?} given twice"));
+            }
+        }
+        if !self.taps.is_empty() && !self.netns {
+            return invalid(
+                "--tap moves or creates the tap in the jail's own network namespace: add --netns"
+                    .into(),
+            );
         }
         for d in &self.devices {
             if !setup::KNOWN_DEVICES.iter().any(|(name, ..)| name == d) {
@@ -176,6 +226,9 @@ pub fn run(config: &JailConfig) -> Result<i32, JailError> {
             });
         }
     }
+    if !config.taps.is_empty() && !config.devices.iter().any(|d| d == "tun") {
+        config.devices.push("tun".into());
+    }
     let config = &config;
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -189,11 +242,21 @@ pub fn run(config: &JailConfig) -> Result<i32, JailError> {
     if config.netns {
         flags |= libc::CLONE_NEWNET;
     }
+    let host_netns = if config.netns {
+        Some(network::current_netns()?)
+    } else {
+        None
+    };
     // SAFETY: unshare only changes this process's namespaces; the jailer is single-threaded
     // here (no vmm threads exist in `vmm jail`), which CLONE_NEWNS requires.
     if unsafe { libc::unshare(flags) } != 0 {
         return Err(JailError::Unshare(std::io::Error::last_os_error()));
     }
+    // Dropped after the vmm ends (or on an error below): host taps go back to the host.
+    let _network = match host_netns {
+        Some(host) => Some(network::JailNetwork::setup(host, &config.taps, config.uid)?),
+        None => None,
+    };
 
     let child_setup = setup::ChildSetup::new(config, &root, &cgroup)?;
     let mut command = Command::new("/vmm");

@@ -3,19 +3,20 @@
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::{chown, PermissionsExt};
+use std::os::unix::fs::{chown, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Child;
 
 use super::cgroup::Cgroup;
 use super::{path_cstring, JailConfig, JailError};
 
-/// Devices a jail may hold: (name, path, major, minor).
-pub(super) const KNOWN_DEVICES: &[(&str, &str, u32, u32)] = &[
-    ("kvm", "/dev/kvm", 10, 232),
-    ("tun", "/dev/net/tun", 10, 200),
-    ("urandom", "/dev/urandom", 1, 9),
-    ("userfaultfd", "/dev/userfaultfd", 10, 126),
+/// Devices a jail may hold: (name, path). The node in the jail gets the host
+/// node's device number (misc devices such as userfaultfd have dynamic minors).
+pub(super) const KNOWN_DEVICES: &[(&str, &str)] = &[
+    ("kvm", "/dev/kvm"),
+    ("tun", "/dev/net/tun"),
+    ("urandom", "/dev/urandom"),
+    ("userfaultfd", "/dev/userfaultfd"),
 ];
 
 fn prep(path: &Path, what: &'static str) -> impl FnOnce(std::io::Error) -> JailError {
@@ -55,21 +56,22 @@ pub(super) fn prepare_root(config: &JailConfig) -> Result<PathBuf, JailError> {
     std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o755))
         .map_err(prep(&target, "chmod"))?;
     for name in &config.devices {
-        let Some((_, path, major, minor)) = KNOWN_DEVICES.iter().find(|(n, ..)| n == name) else {
+        let Some((_, path)) = KNOWN_DEVICES.iter().find(|(n, ..)| n == name) else {
             continue;
         };
+        let host =
+            std::fs::metadata(path).map_err(prep(Path::new(path), "finding the host device"))?;
+        if !host.file_type().is_char_device() {
+            return Err(prep(Path::new(path), "checking the host device")(
+                std::io::Error::other("not a character device"),
+            ));
+        }
         let node = root.join(path.trim_start_matches('/'));
         let _ = std::fs::remove_file(&node);
         let c = path_cstring(&node)?;
         // SAFETY: `c` is a NUL-terminated path inside the jail root; mknod creates one
         // character device node and touches nothing else.
-        let rc = unsafe {
-            libc::mknod(
-                c.as_ptr(),
-                libc::S_IFCHR | 0o600,
-                libc::makedev(*major, *minor),
-            )
-        };
+        let rc = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o600, host.rdev()) };
         if rc != 0 {
             return Err(prep(&node, "creating a device node")(
                 std::io::Error::last_os_error(),

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod counter;
+
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;

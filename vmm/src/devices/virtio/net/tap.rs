@@ -10,6 +10,12 @@ use std::os::unix::fs::OpenOptionsExt;
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
 /// `_IOW('T', 216, int)`.
 const TUNSETVNETHDRSZ: libc::c_ulong = 0x4004_54d8;
+/// `_IOW('T', 203, int)`.
+const TUNSETPERSIST: libc::c_ulong = 0x4004_54cb;
+/// `_IOW('T', 204, int)`.
+const TUNSETOWNER: libc::c_ulong = 0x4004_54cc;
+/// `_IOW('T', 206, int)`.
+const TUNSETGROUP: libc::c_ulong = 0x4004_54ce;
 const IFF_TAP: libc::c_short = 0x0002;
 const IFF_NO_PI: libc::c_short = 0x1000;
 const IFF_VNET_HDR: libc::c_short = 0x4000;
@@ -28,6 +34,17 @@ pub enum TapError {
     SetIff {
         /// Interface name.
         name: String,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// Making a tap persistent or setting its owner failed.
+    #[error("cannot set {what} of tap {name}: {source}")]
+    Configure {
+        /// Interface name.
+        name: String,
+        /// The setting.
+        what: &'static str,
         /// Why.
         #[source]
         source: io::Error,
@@ -57,31 +74,64 @@ pub struct Tap {
     name: String,
 }
 
-impl Tap {
-    /// Opens (or creates) the tap `name`. `name` must be 1..=15 bytes.
-    pub fn open(name: &str) -> Result<Tap, TapError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
-            .open("/dev/net/tun")
-            .map_err(TapError::OpenTun)?;
-        let mut req = IfReq {
-            name: [0; 16],
-            flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR,
-            _pad: [0; 22],
-        };
-        let n = name.len().min(15);
-        req.name[..n].copy_from_slice(&name.as_bytes()[..n]);
-        // SAFETY: TUNSETIFF reads and writes a `struct ifreq` (40 bytes, name then flags),
-        // which `IfReq` lays out with repr(C); the pointer is valid for the call.
-        let ret = unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF as _, &mut req) };
+/// Opens /dev/net/tun and attaches to (or creates) the tap `name`.
+fn attach(name: &str) -> Result<File, TapError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open("/dev/net/tun")
+        .map_err(TapError::OpenTun)?;
+    let mut req = IfReq {
+        name: [0; 16],
+        flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR,
+        _pad: [0; 22],
+    };
+    let n = name.len().min(15);
+    req.name[..n].copy_from_slice(&name.as_bytes()[..n]);
+    // SAFETY: TUNSETIFF reads and writes a `struct ifreq` (40 bytes, name then flags),
+    // which `IfReq` lays out with repr(C); the pointer is valid for the call.
+    let ret = unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF as _, &mut req) };
+    if ret < 0 {
+        return Err(TapError::SetIff {
+            name: name.into(),
+            source: io::Error::last_os_error(),
+        });
+    }
+    Ok(file)
+}
+
+/// Makes the tap `name` (created if missing) persistent and, where given,
+/// owned by `owner` and `group`, so an unprivileged vmm with that uid or gid
+/// can attach to it. Needs CAP_NET_ADMIN. (The kernel cannot reset an owner to
+/// "none" once set, so `None` leaves the current one.)
+pub fn make_persistent(name: &str, owner: Option<u32>, group: Option<u32>) -> Result<(), TapError> {
+    let file = attach(name)?;
+    let settings = [
+        (TUNSETOWNER, owner, "the owner"),
+        (TUNSETGROUP, group, "the group"),
+        (TUNSETPERSIST, Some(1), "persistence"),
+    ];
+    for (request, value, what) in settings {
+        let Some(value) = value else { continue };
+        // SAFETY: these tun ioctls take their argument by value (no pointer is read).
+        let ret =
+            unsafe { libc::ioctl(file.as_raw_fd(), request as _, libc::c_ulong::from(value)) };
         if ret < 0 {
-            return Err(TapError::SetIff {
+            return Err(TapError::Configure {
                 name: name.into(),
+                what,
                 source: io::Error::last_os_error(),
             });
         }
+    }
+    Ok(())
+}
+
+impl Tap {
+    /// Opens (or creates) the tap `name`. `name` must be 1..=15 bytes.
+    pub fn open(name: &str) -> Result<Tap, TapError> {
+        let file = attach(name)?;
         let hdr_len = VNET_HDR_LEN as libc::c_int;
         // SAFETY: TUNSETVNETHDRSZ reads one int through the pointer, valid for the call.
         let ret = unsafe { libc::ioctl(file.as_raw_fd(), TUNSETVNETHDRSZ as _, &hdr_len) };
