@@ -7,15 +7,15 @@ cd "$(dirname "$0")"
 secs=${1:-60}
 command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
 work=${FUZZ_WORK:-target/fuzz-corpus}
-for target in snapshot_state snapshot_manifest control_request guest_frames virtio_block; do
+for target in snapshot_state snapshot_manifest control_request guest_frames virtio_block virtio_vsock; do
     # New inputs go to the work corpus; the checked-in seeds are read only.
     mkdir -p "$work/$target"
     echo "== fuzz $target for ${secs}s"
     cargo fuzz run "$target" -O --sanitizer none "$work/$target" "corpus/$target" -- \
         -max_total_time="$secs" -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 2>&1 |
         grep -E 'stat::number_of_executed_units|stat::new_units_added|ERROR|panicked|SUMMARY' || true
-    if ls "artifacts/$target"/crash-* >/dev/null 2>&1; then
-        echo "fuzz $target: crash found, see fuzz/artifacts/$target" >&2
+    if ls "artifacts/$target"/{crash,oom,timeout,leak}-* >/dev/null 2>&1; then
+        echo "fuzz $target: finding (crash, oom or timeout), see fuzz/artifacts/$target" >&2
         exit 1
     fi
 done
