@@ -5,9 +5,10 @@
 //! StartSession and the repository bundle; then Exec, StdinData, Signal,
 //! EndTurn, Answer, FetchBranch and finally Shutdown. Frames that do not
 //! decode, are too large, or arrive out of order are answered with an Error
-//! and the connection goes on. A connection that closes ends its session
-//! (every turn is killed and the end is audited); the agent then waits for
-//! the next connection. Shutdown ends the session and makes [`serve`] return.
+//! and the connection goes on. When a connection closes, its session's turns
+//! are killed (and audited) but the session is kept; the next connection may
+//! take it over with ResumeSession, or replace it with StartSession.
+//! Shutdown ends the session and makes [`serve`] return.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
@@ -93,10 +94,18 @@ pub async fn serve_until(
     std::fs::create_dir_all(&cfg.workspace)?;
     let cfg = Arc::new(cfg);
     tracing::info!(listen = %transport.describe(), workspace = %cfg.workspace.display(), turns = cfg.turn_backend.name(), "session agent listening");
+    // A session whose connection closed, kept for a ResumeSession.
+    let mut detached: Option<Arc<Session>> = None;
     loop {
         let accepted = tokio::select! {
-            a = transport.accept() => a,
-            _ = stop.wait_for(|s| *s) => return Ok(Stop::Signalled),
+            a = transport.accept() => Some(a),
+            _ = stop.wait_for(|s| *s) => None,
+        };
+        let Some(accepted) = accepted else {
+            if let Some(s) = detached.take() {
+                s.end("guest-init stopping (SIGTERM)").await;
+            }
+            return Ok(Stop::Signalled);
         };
         let conn = match accepted {
             Ok(c) => c,
@@ -106,9 +115,11 @@ pub async fn serve_until(
                 continue;
             }
         };
-        if let Some(why) = handle_connection(conn, cfg.clone(), stop.clone()).await {
+        let (why, kept) = handle_connection(conn, cfg.clone(), stop.clone(), detached.take()).await;
+        if let Some(why) = why {
             return Ok(why);
         }
+        detached = kept;
     }
 }
 
@@ -152,11 +163,15 @@ struct PendingStart {
     received: u64,
 }
 
+/// Serves one connection. `detached` is a session an earlier connection left;
+/// it can be resumed here. Returns why guest-init should stop (if it should),
+/// and the session to keep for the next connection if this one just closed.
 async fn handle_connection(
     conn: Connection,
     cfg: Arc<Config>,
     mut stop: tokio::sync::watch::Receiver<bool>,
-) -> Option<Stop> {
+    detached: Option<Arc<Session>>,
+) -> (Option<Stop>, Option<Arc<Session>>) {
     let (rd, wr) = tokio::io::split(conn);
     let (tx, mut rx) = mpsc::channel::<GuestMessage>(1024);
     let max = cfg.max_frame;
@@ -176,21 +191,27 @@ async fn handle_connection(
         hello: false,
         pending: None,
         session: None,
+        detached,
     };
     let stop = tokio::select! {
         s = conn.run(&mut reader) => s,
         _ = stop.wait_for(|s| *s) => Some(Stop::Signalled),
     };
-    conn.end_session(match stop {
-        Some(Stop::Shutdown) => "shutdown",
-        Some(Stop::Signalled) => "guest-init stopping (SIGTERM)",
-        None => "connection closed",
-    })
-    .await;
+    let kept = match stop {
+        Some(Stop::Shutdown) => {
+            conn.end_session("shutdown").await;
+            None
+        }
+        Some(Stop::Signalled) => {
+            conn.end_session("guest-init stopping (SIGTERM)").await;
+            None
+        }
+        None => conn.detach_session().await,
+    };
     drop(conn);
     // Let queued messages go out, then drop the connection.
     let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
-    stop
+    (stop, kept)
 }
 
 struct Conn {
@@ -199,6 +220,8 @@ struct Conn {
     hello: bool,
     pending: Option<PendingStart>,
     session: Option<Arc<Session>>,
+    /// A session an earlier connection left, until resumed or replaced.
+    detached: Option<Arc<Session>>,
 }
 
 impl Conn {
@@ -348,6 +371,11 @@ impl Conn {
                 }
                 Err(m) => self.send(m).await,
             },
+            In::ResumeSession(r) => {
+                if let Err(e) = self.resume(&r.session_id).await {
+                    self.send(e).await;
+                }
+            }
             In::Shutdown(_) => {
                 self.end_session("shutdown").await;
                 self.send(msg(Out::ShutdownStarted(ShutdownStarted {})))
@@ -365,6 +393,12 @@ impl Conn {
                 "a session is already active or starting on this connection",
                 "",
             ));
+        }
+        if let Some(old) = self.detached.take() {
+            // The host starts over instead of resuming: the kept session's work goes.
+            old.end("replaced by a new session; workspace cleared")
+                .await;
+            session::clear_dir(&self.cfg.workspace);
         }
         let bad = |m: String| error(Code::InvalidArgument, m, "");
         session::branch_for(&req.session_id).map_err(|e| bad(e.to_string()))?;
@@ -459,12 +493,61 @@ impl Conn {
         Ok(())
     }
 
+    /// Re-attaches the session an earlier connection left to this one.
+    async fn resume(&mut self, session_id: &str) -> Result<(), Failure> {
+        if self.session.is_some() || self.pending.is_some() {
+            return Err(error(
+                Code::Protocol,
+                "a session is already active or starting on this connection",
+                "",
+            ));
+        }
+        match self.detached.take() {
+            Some(s) if s.id == session_id => {
+                s.reattach(self.out.clone()).await;
+                self.session = Some(s);
+                Ok(())
+            }
+            kept => {
+                let what = match &kept {
+                    Some(s) => format!("the kept session is {:?}", s.id),
+                    None => "no session is kept".to_string(),
+                };
+                self.detached = kept;
+                Err(error(
+                    Code::Protocol,
+                    format!("cannot resume session {session_id:?}: {what}"),
+                    "",
+                ))
+            }
+        }
+    }
+
     async fn end_session(&mut self, why: &str) {
         if let Some(p) = self.pending.take() {
             let _ = std::fs::remove_file(&p.path);
         }
         if let Some(s) = self.session.take() {
             s.end(why).await;
+        }
+        if let Some(s) = self.detached.take() {
+            s.end(why).await;
+        }
+    }
+
+    /// The connection closed: a started session is kept for a resume (its
+    /// turns killed); a half-received start is dropped.
+    async fn detach_session(&mut self) -> Option<Arc<Session>> {
+        if let Some(p) = self.pending.take() {
+            let _ = std::fs::remove_file(&p.path);
+        }
+        match self.session.take() {
+            Some(s) => {
+                s.detach().await;
+                Some(s)
+            }
+            // Nobody resumed the earlier session on this connection; keep it.
+            None => self.detached.take(),
         }
     }
 }
@@ -483,8 +566,10 @@ pub struct Session {
     secrets: Secrets,
     env: BTreeMap<String, String>,
     ask_timeout: Duration,
+    base_commit: String,
     cfg: Arc<Config>,
-    out: Outbox,
+    /// The current connection's outbox; replaced when the session is resumed.
+    out: Mutex<Outbox>,
     audit: tokio::sync::Mutex<AuditLog>,
     always: Mutex<HashSet<String>>,
     /// Pending asks: ask id -> (turn id, where the answer goes).
@@ -586,8 +671,9 @@ impl Session {
             env: req.env.into_iter().collect(),
             ask_timeout,
             turns: Mutex::new(Turns::new(cfg.turn_backend.clone())),
+            base_commit: commit.clone(),
             cfg: cfg.clone(),
-            out,
+            out: Mutex::new(out),
             audit: tokio::sync::Mutex::new(audit),
             always: Mutex::new(HashSet::new()),
             asks: Mutex::new(HashMap::new()),
@@ -616,15 +702,37 @@ impl Session {
             session::clear_dir(&ws);
             return Err(error(Code::Policy, format!("session not started: {m}"), ""));
         }
-        let backend = lock(&s.turns).backend().name().to_string();
-        s.send(msg(Out::Ready(Ready {
-            session_id: req.session_id,
-            branch,
-            base_commit: commit,
+        s.send_ready().await;
+        Ok(s)
+    }
+
+    fn outbox(&self) -> Outbox {
+        lock(&self.out).clone()
+    }
+
+    async fn send_ready(&self) {
+        let backend = lock(&self.turns).backend().name().to_string();
+        self.send(msg(Out::Ready(Ready {
+            session_id: self.id.clone(),
+            branch: self.branch.clone(),
+            base_commit: self.base_commit.clone(),
             turn_backend: backend,
         })))
         .await;
-        Ok(s)
+    }
+
+    /// Sends to a resumed session's new connection from now on, and answers Ready.
+    async fn reattach(&self, out: Outbox) {
+        *lock(&self.out) = out;
+        self.audit(Entry {
+            actor: "host",
+            action: "session.resumed",
+            resource: &self.branch,
+            ..Default::default()
+        })
+        .await;
+        tracing::info!(session = %self.id, "session resumed on a new connection");
+        self.send_ready().await;
     }
 
     /// Sends `m`; error messages are redacted, since they may quote input.
@@ -633,7 +741,7 @@ impl Session {
         if let Some(Out::Error(e)) = &mut m.kind {
             e.message = self.secrets.redactor().redact(&e.message);
         }
-        let _ = self.out.send(m).await;
+        let _ = self.outbox().send(m).await;
     }
 
     /// Appends to the audit log and streams the line to the host, in order.
@@ -642,14 +750,14 @@ impl Session {
         match log.append(e) {
             Ok((seq, json)) => {
                 let _ = self
-                    .out
+                    .outbox()
                     .send(msg(Out::AuditEvent(AuditEvent { seq, json })))
                     .await;
             }
             Err(err) => {
                 tracing::error!(error = %err, "audit write failed");
                 let _ = self
-                    .out
+                    .outbox()
                     .send(
                         error(Code::Internal, format!("audit log write failed: {err}"), "").into(),
                     )
@@ -973,7 +1081,7 @@ impl Session {
                     output::Stream::Stdout,
                     e.exec_id.clone(),
                     self.secrets.redactor().clone(),
-                    self.out.clone(),
+                    self.outbox(),
                 ))
             }),
             child.stderr.take().map(|r| {
@@ -982,7 +1090,7 @@ impl Session {
                     output::Stream::Stderr,
                     e.exec_id.clone(),
                     self.secrets.redactor().clone(),
-                    self.out.clone(),
+                    self.outbox(),
                 ))
             }),
         ];
@@ -1236,6 +1344,35 @@ impl Session {
 
     /// Kills every turn and records the end of the session.
     async fn end(&self, why: &str) {
+        self.stop_turns().await;
+        self.audit(Entry {
+            actor: "guest-init",
+            action: "session.end",
+            resource: &self.branch,
+            result: why,
+            ..Default::default()
+        })
+        .await;
+        tracing::info!(session = %self.id, why, "session ended");
+    }
+
+    /// The connection closed: kills every turn (nobody is left to read its
+    /// output or answer its asks) and keeps the rest for a resume.
+    async fn detach(&self) {
+        self.stop_turns().await;
+        self.audit(Entry {
+            actor: "guest-init",
+            action: "session.detached",
+            resource: &self.branch,
+            result: "connection closed; turns killed, session kept for ResumeSession",
+            ..Default::default()
+        })
+        .await;
+        tracing::info!(session = %self.id, "connection closed; session kept for a resume");
+    }
+
+    /// Ends every turn (killing its processes), sweeps orphans and drops pending asks.
+    async fn stop_turns(&self) {
         let ids = lock(&self.turns).ids();
         for id in ids {
             self.end_turn(&id).await;
@@ -1262,15 +1399,6 @@ impl Session {
             }
         }
         lock(&self.asks).clear();
-        self.audit(Entry {
-            actor: "guest-init",
-            action: "session.end",
-            resource: &self.branch,
-            result: why,
-            ..Default::default()
-        })
-        .await;
-        tracing::info!(session = %self.id, why, "session ended");
     }
 }
 

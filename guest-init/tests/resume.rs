@@ -1,0 +1,130 @@
+//! A session outlives its connection: when the channel closes (host-agent
+//! restarted), guest-init kills the session's turns but keeps its workspace,
+//! policy and audit chain, and a new connection resumes it with
+//! ResumeSession. A StartSession on a new connection replaces a kept session.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use proto::guest::{guest_message::Kind as Out, host_message::Kind as In, ResumeSession};
+
+fn resume(id: &str) -> In {
+    In::ResumeSession(ResumeSession {
+        session_id: id.into(),
+    })
+}
+
+/// (seq, action, result) of every line of an audit log.
+fn audit_actions(h: &Harness, session: &str) -> Vec<(u64, String, String)> {
+    std::fs::read_to_string(h.audit_log(session))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                v["seq"].as_u64().unwrap(),
+                v["action"].as_str().unwrap().to_string(),
+                v["result"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+async fn wait_until_gone(cmd: &str) {
+    for _ in 0..250 {
+        if processes_matching(cmd).is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{cmd} still runs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_survives_its_connection_and_is_resumed() {
+    let repo = Repo::new();
+    let h = Harness::start().await;
+    let mut c = h.session(&repo, "free", "main").await;
+    let wrote = c.run("w", &["sh", "-c", "echo kept > note.txt"]).await;
+    assert_eq!(wrote.code(), Some(0), "{wrote:?}");
+    let long = format!("sleep 37{}", std::process::id() % 1000);
+    c.exec(exec_msg("long", "turn-1", &["sh", "-c", &long]))
+        .await;
+    c.expect(|m| matches!(m, Out::ExecStarted(s) if s.exec_id == "long").then_some(()))
+        .await;
+    for _ in 0..100 {
+        if !processes_matching(&long).is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        processes_matching(&long).len(),
+        1,
+        "the turn's command runs"
+    );
+
+    // The channel breaks: nobody can read the turn's output any more, so it is killed.
+    drop(c);
+    wait_until_gone(&long).await;
+
+    // A resume of another session is refused and does not discard the kept one.
+    let mut c2 = h.connect().await;
+    c2.hello().await;
+    c2.send(resume("other")).await;
+    let (code, msg) = c2.expect_error().await;
+    assert_eq!(code, proto::guest::error::Code::Protocol as i32);
+    assert!(msg.contains("\"s1\""), "{msg}");
+
+    c2.send(resume("s1")).await;
+    let ready = c2
+        .expect(|m| match m {
+            Out::Ready(r) => Some(r.clone()),
+            _ => None,
+        })
+        .await;
+    assert_eq!(ready.session_id, "s1");
+    assert_eq!(ready.branch, "session/s1");
+    assert_eq!(ready.base_commit, repo.head());
+    // The workspace and the session's policy are still there.
+    assert_eq!(c2.run("r", &["cat", "note.txt"]).await.stdout(), "kept\n");
+
+    let log = audit_actions(&h, "s1");
+    let seqs: Vec<u64> = log.iter().map(|(s, ..)| *s).collect();
+    let expected: Vec<u64> = (seqs[0]..seqs[0] + seqs.len() as u64).collect();
+    assert_eq!(seqs, expected, "one audit chain across both connections");
+    let actions: Vec<&str> = log.iter().map(|(_, a, _)| a.as_str()).collect();
+    let detached = actions.iter().position(|a| *a == "session.detached");
+    let resumed = actions.iter().position(|a| *a == "session.resumed");
+    assert!(
+        detached.is_some() && resumed > detached,
+        "detach then resume audited: {actions:?}"
+    );
+    assert!(!actions.contains(&"session.end"), "{actions:?}");
+
+    // A resumed session cannot be resumed again on the same connection.
+    c2.send(resume("s1")).await;
+    assert_eq!(
+        c2.expect_error().await.0,
+        proto::guest::error::Code::Protocol as i32
+    );
+
+    // A new session on the next connection replaces the kept one.
+    drop(c2);
+    let mut c3 = h.connect().await;
+    c3.hello().await;
+    let started = c3
+        .start_session(&SessionSpec::new("s2", "free", "main"), &repo.bundle())
+        .await;
+    assert!(matches!(started, Out::Ready(_)), "{started:?}");
+    let (_, last, why) = audit_actions(&h, "s1").pop().unwrap();
+    assert_eq!(
+        (last.as_str(), why.as_str()),
+        (
+            "session.end",
+            "replaced by a new session; workspace cleared"
+        )
+    );
+}
