@@ -372,7 +372,7 @@ impl Conn {
                 Err(m) => self.send(m).await,
             },
             In::ResumeSession(r) => {
-                if let Err(e) = self.resume(&r.session_id).await {
+                if let Err(e) = self.resume(&r.session_id, r.audit_seq_seen).await {
                     self.send(e).await;
                 }
             }
@@ -494,7 +494,7 @@ impl Conn {
     }
 
     /// Re-attaches the session an earlier connection left to this one.
-    async fn resume(&mut self, session_id: &str) -> Result<(), Failure> {
+    async fn resume(&mut self, session_id: &str, audit_seen: u64) -> Result<(), Failure> {
         if self.session.is_some() || self.pending.is_some() {
             return Err(error(
                 Code::Protocol,
@@ -504,7 +504,7 @@ impl Conn {
         }
         match self.detached.take() {
             Some(s) if s.id == session_id => {
-                s.reattach(self.out.clone()).await;
+                s.reattach(self.out.clone(), audit_seen).await;
                 self.session = Some(s);
                 Ok(())
             }
@@ -721,9 +721,32 @@ impl Session {
         .await;
     }
 
-    /// Sends to a resumed session's new connection from now on, and answers Ready.
-    async fn reattach(&self, out: Outbox) {
+    /// Sends to a resumed session's new connection from now on: first the
+    /// audit events after `audit_seen` (the host missed them), then Ready.
+    async fn reattach(&self, out: Outbox, audit_seen: u64) {
         *lock(&self.out) = out;
+        {
+            let log = self.audit.lock().await;
+            match log.lines_after(audit_seen) {
+                Ok(lines) => {
+                    for (seq, json) in lines {
+                        let _ = self
+                            .outbox()
+                            .send(msg(Out::AuditEvent(AuditEvent { seq, json })))
+                            .await;
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot read the audit log back for the host");
+                    self.send(error(
+                        Code::Internal,
+                        format!("audit events after seq {audit_seen} cannot be sent again: {e}"),
+                        "",
+                    ))
+                    .await;
+                }
+            }
+        }
         self.audit(Entry {
             actor: "host",
             action: "session.resumed",

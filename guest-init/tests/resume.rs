@@ -10,9 +10,10 @@ use std::time::Duration;
 use common::*;
 use proto::guest::{guest_message::Kind as Out, host_message::Kind as In, ResumeSession};
 
-fn resume(id: &str) -> In {
+fn resume(id: &str, audit_seq_seen: u64) -> In {
     In::ResumeSession(ResumeSession {
         session_id: id.into(),
+        audit_seq_seen,
     })
 }
 
@@ -73,12 +74,13 @@ async fn a_session_survives_its_connection_and_is_resumed() {
     // A resume of another session is refused and does not discard the kept one.
     let mut c2 = h.connect().await;
     c2.hello().await;
-    c2.send(resume("other")).await;
+    c2.send(resume("other", 0)).await;
     let (code, msg) = c2.expect_error().await;
     assert_eq!(code, proto::guest::error::Code::Protocol as i32);
     assert!(msg.contains("\"s1\""), "{msg}");
 
-    c2.send(resume("s1")).await;
+    // The host says it holds the audit events up to seq 2: the rest come again first.
+    c2.send(resume("s1", 2)).await;
     let ready = c2
         .expect(|m| match m {
             Out::Ready(r) => Some(r.clone()),
@@ -88,6 +90,17 @@ async fn a_session_survives_its_connection_and_is_resumed() {
     assert_eq!(ready.session_id, "s1");
     assert_eq!(ready.branch, "session/s1");
     assert_eq!(ready.base_commit, repo.head());
+    let replayed: Vec<serde_json::Value> = c2
+        .audit
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(replayed[0]["seq"], 3, "{replayed:?}");
+    assert!(
+        replayed.iter().any(|e| e["action"] == "session.detached"),
+        "the event audited while no channel was open is sent: {replayed:?}"
+    );
+    assert_eq!(replayed.last().unwrap()["action"], "session.resumed");
     // The workspace and the session's policy are still there.
     assert_eq!(c2.run("r", &["cat", "note.txt"]).await.stdout(), "kept\n");
 
@@ -105,7 +118,7 @@ async fn a_session_survives_its_connection_and_is_resumed() {
     assert!(!actions.contains(&"session.end"), "{actions:?}");
 
     // A resumed session cannot be resumed again on the same connection.
-    c2.send(resume("s1")).await;
+    c2.send(resume("s1", 0)).await;
     assert_eq!(
         c2.expect_error().await.0,
         proto::guest::error::Code::Protocol as i32

@@ -7,6 +7,11 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 
+/// The guest's vsock context id. Every VM has its own host socket, so all
+/// can use the same one; it is fixed because a restored VM keeps the CID of
+/// its golden snapshot.
+pub const GUEST_CID: u32 = 3;
+
 /// Mutual TLS material (PEM files).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -62,6 +67,10 @@ pub struct Config {
     pub guest_vsock_uds: String,
     /// The vsock port guest-init listens on.
     pub guest_port: u32,
+    /// Give guest-init VMs a virtio-vsock device (guest CID
+    /// [`GUEST_CID`]) whose host socket is `guest_vsock_uds`. Off only where
+    /// something else serves that socket (the tests' stand-in for a guest).
+    pub vsock_device: bool,
     /// How long READY may take for guest-init images (seconds).
     pub guest_ready_timeout_seconds: u64,
 }
@@ -86,6 +95,7 @@ impl Default for Config {
             log_json: false,
             guest_vsock_uds: "{dir}/vsock.sock".to_string(),
             guest_port: proto::guest::DEFAULT_VSOCK_PORT,
+            vsock_device: true,
             guest_ready_timeout_seconds: 120,
         }
     }
@@ -147,6 +157,13 @@ impl Config {
             self.guest_vsock_uds
                 .replace("{dir}", &dir.display().to_string()),
         )
+    }
+
+    /// The vmm's `--vsock CID:UDS` value for a VM in `dir`, for images that
+    /// run guest-init (None: no vsock device).
+    pub fn vsock_device_arg(&self, guest_init: bool, dir: &Path) -> Option<String> {
+        (guest_init && self.vsock_device)
+            .then(|| format!("{GUEST_CID}:{}", self.vsock_path(dir).display()))
     }
 
     /// The vmm binary to run: the configured one, else `vmm` next to the

@@ -131,11 +131,11 @@ impl GuestConn {
         let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
         let rt = routes.clone();
         let sid = session_id.to_string();
-        let mut prev_hash = store
+        let last = store
             .as_ref()
             .and_then(|s| s.audit_since(&sid, 0).ok())
-            .and_then(|v| v.last().map(|a| a.host_hash.clone()))
-            .unwrap_or_default();
+            .and_then(|v| v.last().map(|a| (a.host_hash.clone(), a.guest_seq)));
+        let (mut prev_hash, mut last_seq) = last.unwrap_or_default();
         tokio::spawn(async move {
             let mut dec = FrameDecoder::new(DEFAULT_MAX_FRAME);
             let mut buf = vec![0u8; 64 * 1024];
@@ -146,7 +146,15 @@ impl GuestConn {
                             let Ok(m) = decode_payload::<GuestMessage>(&payload) else {
                                 continue;
                             };
-                            route(&rt, &ctl_tx, m, &sid, store.as_deref(), &mut prev_hash);
+                            route(
+                                &rt,
+                                &ctl_tx,
+                                m,
+                                &sid,
+                                store.as_deref(),
+                                &mut prev_hash,
+                                &mut last_seq,
+                            );
                         }
                         Ok(None) => break,
                         Err(_) => continue,
@@ -203,6 +211,11 @@ impl GuestConn {
         }
     }
 
+    /// Whether the guest (or the vsock under it) closed the channel.
+    pub fn is_closed(&self) -> bool {
+        self.routes().closed
+    }
+
     /// Registers an exec's route; messages about `exec_id` arrive on the
     /// returned receiver.
     pub fn route_exec(&self, exec_id: &str) -> Result<mpsc::UnboundedReceiver<GuestMessage>> {
@@ -249,6 +262,7 @@ fn route(
     session_id: &str,
     store: Option<&Store>,
     prev_hash: &mut String,
+    last_seq: &mut u64,
 ) {
     let mut g = routes.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(id) = exec_id_of(&m).map(str::to_string) {
@@ -275,7 +289,11 @@ fn route(
                 },
             );
         }
+        // Events the host already holds (sent again after a resume) are skipped,
+        // so each guest seq is chained and stored once.
+        Some(Out::AuditEvent(a)) if a.seq <= *last_seq => {}
         Some(Out::AuditEvent(a)) => {
+            *last_seq = a.seq;
             let mut h = Sha256::new();
             h.update(prev_hash.as_bytes());
             h.update(a.json.as_bytes());

@@ -123,6 +123,10 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
         args.push("--cmdline".to_string());
         args.push(image.cmdline.clone());
     }
+    if let Some(v) = mgr.cfg.vsock_device_arg(image.guest_init, &build) {
+        args.push("--vsock".to_string());
+        args.push(v);
+    }
     let vmm = supervisor::spawn(&mgr.vmm_path, &build, &args)?;
     let golden = dir.join(format!("golden-{}", now_ms()));
     let result = async {

@@ -136,6 +136,10 @@ struct ServeArgs {
     /// `{dir}` is the VM's directory. Default `{dir}/vsock.sock`.
     #[arg(long)]
     guest_vsock_uds: Option<String>,
+    /// Give guest-init VMs no virtio-vsock device: something else serves
+    /// --guest-vsock-uds (a stand-in for the guest, as in the tests).
+    #[arg(long)]
+    no_vsock_device: bool,
     /// vsock port of guest-init.
     #[arg(long)]
     guest_port: Option<u32>,
@@ -262,6 +266,9 @@ async fn run_serve(a: ServeArgs) -> Result<(), String> {
     }
     if let Some(v) = a.limits_interval_ms {
         cfg.limits_interval_ms = v;
+    }
+    if a.no_vsock_device {
+        cfg.vsock_device = false;
     }
     if let Some(v) = a.guest_vsock_uds {
         cfg.guest_vsock_uds = v;

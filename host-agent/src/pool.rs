@@ -94,7 +94,16 @@ impl Pool {
 
     async fn spawn_one(mgr: &Manager, image: &ImageRow) -> Result<VmmProcess> {
         let dir = mgr.pool_dir().join(uuid::Uuid::new_v4().to_string());
-        let vm = supervisor::spawn(&mgr.vmm_path, &dir, &restore_args(image, &dir, true))?;
+        let vm = supervisor::spawn(
+            &mgr.vmm_path,
+            &dir,
+            &restore_args(
+                image,
+                &dir,
+                true,
+                mgr.cfg.vsock_device_arg(image.guest_init, &dir),
+            ),
+        )?;
         std::fs::write(dir.join("pid"), format!("{} {}", vm.pid, vm.start_ticks))
             .map_err(|e| Error::io(format!("writing {}/pid", dir.display()), e))?;
         if let Err(e) = supervisor::wait_for_state(&vm, "paused", Duration::from_secs(30)).await {
@@ -169,7 +178,15 @@ impl Pool {
 }
 
 /// Arguments of `vmm restore` for `image` with its files in `dir`.
-pub fn restore_args(image: &ImageRow, dir: &Path, paused: bool) -> Vec<String> {
+/// `vmm restore` arguments for a VM of `image` in `dir`; `vsock` is the
+/// vsock device's `CID:UDS` (the golden snapshot has one exactly when
+/// `vsock` is given: both come from [`crate::config::Config::vsock_device_arg`]).
+pub fn restore_args(
+    image: &ImageRow,
+    dir: &Path,
+    paused: bool,
+    vsock: Option<String>,
+) -> Vec<String> {
     let mut args = vec![
         "restore".to_string(),
         "--snapshot".to_string(),
@@ -180,5 +197,51 @@ pub fn restore_args(image: &ImageRow, dir: &Path, paused: bool) -> Vec<String> {
     if paused {
         args.push("--paused".to_string());
     }
+    if let Some(v) = vsock {
+        args.push("--vsock".to_string());
+        args.push(v);
+    }
     args
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn image(guest_init: bool) -> ImageRow {
+        ImageRow {
+            id: "i".into(),
+            kernel: "/k".into(),
+            rootfs: String::new(),
+            cmdline: String::new(),
+            mem_mib: 64,
+            vcpus: 1,
+            guest_init,
+            golden_dir: "/golden".into(),
+            created_at: 0,
+            golden_built_at: 0,
+        }
+    }
+
+    #[test]
+    fn guest_init_vms_get_a_vsock_device_at_their_own_socket() {
+        let cfg = Config::default();
+        let dir = Path::new("/state/sessions/s1");
+        let gi = image(true);
+        let args = restore_args(&gi, dir, true, cfg.vsock_device_arg(gi.guest_init, dir));
+        let at = args.iter().position(|a| a == "--vsock").expect("--vsock");
+        assert_eq!(args[at + 1], "3:/state/sessions/s1/vsock.sock");
+        assert!(args.contains(&"--paused".to_string()));
+
+        let plain = image(false);
+        let args = restore_args(&plain, dir, false, cfg.vsock_device_arg(false, dir));
+        assert!(!args.contains(&"--vsock".to_string()), "{args:?}");
+
+        let off = Config {
+            vsock_device: false,
+            ..Config::default()
+        };
+        assert_eq!(off.vsock_device_arg(true, dir), None);
+    }
 }

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use proto::guest::{
-    guest_message::Kind as Out, host_message::Kind as In, FetchBranch, RepoChunk, Shutdown,
-    StartSession,
+    guest_message::Kind as Out, host_message::Kind as In, FetchBranch, RepoChunk, ResumeSession,
+    Shutdown, StartSession,
 };
 use proto::hostagent::SessionState as S;
 use serde_json::json;
@@ -159,6 +159,8 @@ pub struct Session {
     /// Session id.
     pub id: String,
     op: tokio::sync::Mutex<()>,
+    /// Held while the guest channel is being re-opened, so it is opened once.
+    guest_open: tokio::sync::Mutex<()>,
     inner: Mutex<Inner>,
     state: watch::Sender<i32>,
 }
@@ -422,6 +424,7 @@ impl Manager {
         let sess = Arc::new(Session {
             id: row.id.clone(),
             op: tokio::sync::Mutex::new(()),
+            guest_open: tokio::sync::Mutex::new(()),
             inner: Mutex::new(Inner {
                 row,
                 image,
@@ -569,7 +572,16 @@ impl Manager {
             let (vmm, from_pool) = match self.pool.take(&image.id, &dir) {
                 Some(vm) => (vm, true),
                 None => (
-                    supervisor::spawn(&self.vmm_path, &dir, &restore_args(image, &dir, false))?,
+                    supervisor::spawn(
+                        &self.vmm_path,
+                        &dir,
+                        &restore_args(
+                            image,
+                            &dir,
+                            false,
+                            self.cfg.vsock_device_arg(image.guest_init, &dir),
+                        ),
+                    )?,
                     false,
                 ),
             };
@@ -651,6 +663,64 @@ impl Manager {
                 _ => continue,
             }
         }
+    }
+
+    /// The session's guest channel. One this process did not open (host-agent
+    /// restarted) or one that closed is opened again: guest-init keeps the
+    /// session across connections and takes it back on ResumeSession.
+    pub async fn guest_channel(&self, sess: &Session) -> Result<Arc<GuestConn>> {
+        if let Some(c) = sess.guest().filter(|c| !c.is_closed()) {
+            return Ok(c);
+        }
+        if !sess.guest_init() {
+            return Err(Error::FailedPrecondition(format!(
+                "session {} runs no guest-init, so it has no guest channel",
+                sess.id
+            )));
+        }
+        let _open = sess.guest_open.lock().await;
+        if let Some(c) = sess.guest().filter(|c| !c.is_closed()) {
+            return Ok(c);
+        }
+        let state = sess.row().state;
+        if state != S::Running as i32 && state != S::Ready as i32 {
+            return Err(Error::FailedPrecondition(format!(
+                "session {} is {}; its guest channel is opened again only while RUNNING",
+                sess.id,
+                state_name(state)
+            )));
+        }
+        let dir = PathBuf::from(sess.row().dir);
+        let timeout = Duration::from_secs(10);
+        let stream =
+            guest::connect_retry(&self.cfg.vsock_path(&dir), self.cfg.guest_port, timeout).await?;
+        let conn = GuestConn::open(stream, &sess.id, Some(self.store.clone())).await?;
+        let audit_seq_seen = self
+            .store
+            .audit_since(&sess.id, 0)?
+            .last()
+            .map_or(0, |a| a.guest_seq);
+        conn.send(In::ResumeSession(ResumeSession {
+            session_id: sess.id.clone(),
+            audit_seq_seen,
+        }))
+        .await?;
+        loop {
+            match conn.next_control(timeout).await?.kind {
+                Some(Out::Ready(_)) => break,
+                Some(Out::Error(e)) => {
+                    return Err(Error::Guest(format!(
+                        "guest-init could not resume session {}: {}",
+                        sess.id, e.message
+                    )))
+                }
+                _ => continue,
+            }
+        }
+        let conn = Arc::new(conn);
+        sess.lock().guest = Some(conn.clone());
+        tracing::info!(session = %sess.id, "guest channel opened again (ResumeSession)");
+        Ok(conn)
     }
 
     /// Fetches the session branch back into the host repository under
@@ -851,9 +921,19 @@ impl Manager {
         if is_terminal(state) {
             return Ok(sess.row());
         }
+        // A channel lost to a host-agent restart is opened again, so the branch comes back.
+        let conn = match self.guest_channel(&sess).await {
+            Ok(c) => Some(c),
+            Err(e) => {
+                if sess.guest_init() {
+                    tracing::warn!(session = %id, error = %e, "no guest channel to fetch the branch through");
+                }
+                None
+            }
+        };
         sess.lock().pending_stop = Some(why.to_string());
         self.transition(&sess, S::Stopping, why, "")?;
-        if let Some(conn) = sess.guest() {
+        if let Some(conn) = conn {
             match self.finish_guest(&sess, &conn).await {
                 Ok((branch, head)) => {
                     let mut i = sess.lock();
@@ -1052,6 +1132,17 @@ impl Manager {
             S::try_from(state).unwrap_or(S::Unspecified),
             vm_state.as_deref(),
         ) {
+            (S::Running, Some("running")) if image.guest_init => {
+                // The old channel died with the old process; take the guest's session back
+                // now rather than on the first exec (a failure is retried then).
+                let mgr = self.clone();
+                let sess = sess.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = mgr.guest_channel(&sess).await {
+                        tracing::warn!(session = %sess.id, error = %e, "re-opening the guest channel after a restart");
+                    }
+                });
+            }
             (S::Running, Some("running")) | (S::Paused, Some("paused")) => {}
             (S::Ready, Some("running")) => {
                 self.transition(&sess, S::Running, "reconciled", "")?;

@@ -6,7 +6,10 @@
 //! Covers: golden snapshot waiting for guest-init, Create → READY on
 //! guest-init's Ready, exec with streaming stdin/stdout and exit codes,
 //! approvals (once / reject), a stale execution id, the audit stream
-//! chained on the host, and the session branch fetched back at Stop.
+//! chained on the host, and the session branch fetched back at Stop; after
+//! host-agent is SIGKILLed and restarted, the guest's session is resumed over
+//! a new channel: exec works again, the audit chain goes on, and the branch
+//! still comes back at Stop.
 
 mod common;
 
@@ -196,7 +199,7 @@ fn exit_code(out: &[Resp]) -> Option<i32> {
 async fn guest_init_session_exec_approvals_audit_branch() {
     let guest = start_guest().await;
     let vsock = guest.vsock().display().to_string();
-    let agent = Agent::start(&["--guest-vsock-uds", &vsock]);
+    let agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
     let mut im = agent.images().await;
     im.register_image(pb::RegisterImageRequest {
         image_id: "gi".into(),
@@ -467,5 +470,135 @@ async fn guest_init_session_exec_approvals_audit_branch() {
     assert!(
         audit.iter().any(|a| a.json.contains("git push")),
         "denied command audited"
+    );
+}
+
+/// Registers a guest-init image with its golden snapshot and creates a session.
+async fn guest_init_session(agent: &Agent, guest: &Guest) -> pb::Session {
+    let mut im = agent.images().await;
+    im.register_image(pb::RegisterImageRequest {
+        image_id: "gi".into(),
+        kernel_path: counter_kernel(),
+        cmdline: "interval=100000000".into(),
+        mem_mib: 32,
+        guest_init: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+        image_id: "gi".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("golden snapshot after guest-init's Hello");
+    agent
+        .sessions()
+        .await
+        .create_session(pb::CreateSessionRequest {
+            image_id: "gi".into(),
+            repository_path: guest.repo().display().to_string(),
+            agent: "coder".into(),
+            base_ref: "main".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("create on guest-init Ready")
+        .into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_guest_session_is_resumed_after_host_agent_restarts() {
+    let guest = start_guest().await;
+    let vsock = guest.vsock().display().to_string();
+    let mut agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
+    let s = guest_init_session(&agent, &guest).await;
+    let (_, stdout) = exec(&agent, &s, &["echo", "before"], vec![]).await.unwrap();
+    assert_eq!(stdout, "before\n");
+    let (out, _) = exec(
+        &agent,
+        &s,
+        &[
+            "git",
+            "-c",
+            "user.name=A",
+            "-c",
+            "user.email=a@example.com",
+            "commit",
+            "--allow-empty",
+            "-q",
+            "-m",
+            "before the restart",
+        ],
+        vec![],
+    )
+    .await
+    .unwrap();
+    assert_eq!(exit_code(&out), Some(0), "{out:?}");
+
+    agent.kill9();
+    agent.spawn();
+    assert_eq!(agent.get(&s.session_id).await.state, S::Running as i32);
+    // The new host-agent takes the guest's session back: commands run again.
+    let (out, stdout) = exec(&agent, &s, &["echo", "after"], vec![])
+        .await
+        .expect("exec after the restart");
+    assert_eq!(stdout, "after\n", "{out:?}");
+    assert_eq!(exit_code(&out), Some(0));
+
+    // One audit chain on the host across both processes, with the detach and resume in it.
+    let mut ap = pb::approvals_client::ApprovalsClient::new(agent.channel().await);
+    let audit = ap
+        .list_audit(pb::ListAuditRequest {
+            session_id: s.session_id.clone(),
+            since_guest_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .records;
+    let mut prev = String::new();
+    for a in &audit {
+        let mut h = Sha256::new();
+        h.update(prev.as_bytes());
+        h.update(a.json.as_bytes());
+        assert_eq!(
+            a.host_hash,
+            hex::encode(h.finalize()),
+            "chain broken at {a:?}"
+        );
+        prev = a.host_hash.clone();
+    }
+    let actions: Vec<String> = audit
+        .iter()
+        .map(|a| {
+            serde_json::from_str::<serde_json::Value>(&a.json).unwrap()["action"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        })
+        .collect();
+    let detached = actions.iter().position(|a| a == "session.detached");
+    let resumed = actions.iter().position(|a| a == "session.resumed");
+    assert!(detached.is_some() && resumed > detached, "{actions:?}");
+
+    // Stop still brings the branch back, with the commit made before the restart.
+    let st = agent
+        .sessions()
+        .await
+        .stop_session(pb::SessionCall {
+            session_id: s.session_id.clone(),
+            idempotency_key: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.state, S::Stopped as i32);
+    assert_eq!(
+        git(
+            &guest.repo(),
+            &["log", "-1", "--format=%s", &st.head_commit]
+        ),
+        "before the restart"
     );
 }

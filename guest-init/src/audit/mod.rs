@@ -189,6 +189,29 @@ impl AuditLog {
     }
 }
 
+impl AuditLog {
+    /// The lines after `seq`, from the log file, oldest first: what a host
+    /// that has seen up to `seq` is missing. A log kept only in memory has
+    /// no lines to give back.
+    pub fn lines_after(&self, seq: u64) -> Result<Vec<(u64, String)>, AuditError> {
+        let Some((_, path)) = &self.file else {
+            return Ok(Vec::new());
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| AuditError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let mut out = Vec::new();
+        for l in text.lines() {
+            let line: Line = serde_json::from_str(l)?;
+            if line.event.seq > seq {
+                out.push((line.event.seq, l.to_string()));
+            }
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -221,5 +244,26 @@ mod tests {
         assert_eq!(b.prev_hash, a.hash);
         assert_eq!(chain_hash(&a.prev_hash, &a.event).unwrap(), a.hash);
         assert!(l1.starts_with("{\"v\":1,\"seq\":1,\"at\":"));
+    }
+
+    #[test]
+    fn lines_after_a_seq_come_back_from_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let mut log = AuditLog::open(Some(&path), "s1", Redactor::default()).unwrap();
+        let mut sent = Vec::new();
+        for action in ["a", "b", "c"] {
+            sent.push(
+                log.append(Entry {
+                    action,
+                    ..Default::default()
+                })
+                .unwrap(),
+            );
+        }
+        assert_eq!(log.lines_after(1).unwrap(), sent[1..].to_vec());
+        assert!(log.lines_after(3).unwrap().is_empty());
+        let memory = AuditLog::open(None, "s1", Redactor::default()).unwrap();
+        assert!(memory.lines_after(0).unwrap().is_empty());
     }
 }

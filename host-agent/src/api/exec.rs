@@ -86,13 +86,8 @@ impl Exec for ExecApi {
             ))
             .into());
         }
-        let conn = sess.guest().ok_or_else(|| {
-            Error::FailedPrecondition(format!(
-                "session {} has no open guest channel (it was re-attached after a host-agent \
-                 restart, or is stopping)",
-                start.session_id
-            ))
-        })?;
+        // Opens the channel again if a host-agent restart (or a broken vsock) lost it.
+        let conn = self.0.guest_channel(&sess).await?;
         let exec_id = uuid::Uuid::new_v4().to_string();
         let rx = conn.route_exec(&exec_id)?;
         let turn_id = if start.turn_id.is_empty() {
