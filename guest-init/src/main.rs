@@ -198,7 +198,10 @@ fn serve(a: ServeArgs) -> std::io::Result<ExitCode> {
         let cfg = Config {
             workspace: a.workspace,
             state_dir,
-            identity: privilege::agent_identity(Some(a.agent_uid)),
+            identity: privilege::agent_identity(Some(privilege::Identity {
+                uid: a.agent_uid,
+                gid: a.agent_uid,
+            })),
             turn_backend: match a.turns {
                 Turns::Auto => turn::detect(),
                 Turns::ProcessTree => turn::Backend::ProcessTree,

@@ -1,7 +1,8 @@
 //! The unprivileged identity agent commands run as.
 //!
-//! As root (always in a guest), commands run as uid/gid 65534 (`nobody`) by
-//! default, with no supplementary groups, no capabilities (dropped by the
+//! As root (always in a guest), commands run as the image's `agent` user
+//! (from /etc/passwd; uid/gid 65534, `nobody`, when the image has none), with
+//! no supplementary groups, no capabilities (dropped by the
 //! kernel on the setuid from root) and `no_new_privs` set, so setuid programs
 //! such as `sudo` cannot regain them. Such a command cannot change the egress
 //! rules, signal guest-init, read the state directory (secrets, audit log,
@@ -28,17 +29,57 @@ pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// The identity to run agent commands as: `requested` (or the default) when
+/// The account agent commands run as in a guest image.
+pub const AGENT_USER: &str = "agent";
+
+/// The identity to run agent commands as: `requested` (or uid/gid 65534) when
 /// root, None (no drop possible) otherwise.
-pub fn agent_identity(requested: Option<u32>) -> Option<Identity> {
+pub fn agent_identity(requested: Option<Identity>) -> Option<Identity> {
     if !is_root() {
         tracing::warn!(
             "not running as root: agent commands run as the current user (privilege drop skipped)"
         );
         return None;
     }
-    let id = requested.unwrap_or(DEFAULT_AGENT_ID);
-    Some(Identity { uid: id, gid: id })
+    Some(requested.unwrap_or(Identity {
+        uid: DEFAULT_AGENT_ID,
+        gid: DEFAULT_AGENT_ID,
+    }))
+}
+
+/// The uid and gid of `user` in a passwd file's text (`name:x:uid:gid:...`).
+/// uid 0 is never returned: agent commands must not run as root.
+pub fn lookup_user(passwd: &str, user: &str) -> Option<Identity> {
+    passwd.lines().find_map(|line| {
+        let mut f = line.split(':');
+        if f.next()? != user {
+            return None;
+        }
+        let _password = f.next()?;
+        let uid = f.next()?.parse().ok()?;
+        let gid = f.next()?.parse().ok()?;
+        (uid != 0 && gid != 0).then_some(Identity { uid, gid })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn users_are_found_in_passwd_text() {
+        let passwd = "root:x:0:0:root:/root:/bin/bash\nagent:x:1000:1001::/home/agent:/bin/bash\n";
+        assert_eq!(
+            lookup_user(passwd, "agent"),
+            Some(Identity {
+                uid: 1000,
+                gid: 1001
+            })
+        );
+        assert_eq!(lookup_user(passwd, "nobody"), None);
+        assert_eq!(lookup_user(passwd, "root"), None, "never root");
+        assert_eq!(lookup_user("agent:x:bad:1:", "agent"), None);
+    }
 }
 
 /// Gives `path` and everything below it to `id` (symlinks themselves, not

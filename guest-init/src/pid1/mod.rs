@@ -87,7 +87,11 @@ pub fn run(opts: Options) -> std::io::Result<()> {
         let cfg = Config {
             workspace: opts.workspace.clone(),
             state_dir: opts.state_dir.clone(),
-            identity: crate::privilege::agent_identity(None),
+            identity: crate::privilege::agent_identity(
+                std::fs::read_to_string("/etc/passwd")
+                    .ok()
+                    .and_then(|p| crate::privilege::lookup_user(&p, crate::privilege::AGENT_USER)),
+            ),
             turn_backend: crate::turn::detect(),
             apply_egress: opts.apply_egress,
             hosts_file: opts.hosts_file.clone(),
