@@ -62,6 +62,20 @@ pub fn lookup_user(passwd: &str, user: &str) -> Option<Identity> {
     })
 }
 
+
+/// Gives `path` and everything below it to `id` (symlinks themselves, not
+/// their targets).
+pub fn chown_tree(path: &std::path::Path, id: Identity) -> std::io::Result<()> {
+    std::os::unix::fs::lchown(path, Some(id.uid), Some(id.gid))?;
+    let meta = std::fs::symlink_metadata(path)?;
+    if meta.is_dir() {
+        for entry in std::fs::read_dir(path)? {
+            chown_tree(&entry?.path(), id)?;
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,17 +94,4 @@ mod tests {
         assert_eq!(lookup_user(passwd, "root"), None, "never root");
         assert_eq!(lookup_user("agent:x:bad:1:", "agent"), None);
     }
-}
-
-/// Gives `path` and everything below it to `id` (symlinks themselves, not
-/// their targets).
-pub fn chown_tree(path: &std::path::Path, id: Identity) -> std::io::Result<()> {
-    std::os::unix::fs::lchown(path, Some(id.uid), Some(id.gid))?;
-    let meta = std::fs::symlink_metadata(path)?;
-    if meta.is_dir() {
-        for entry in std::fs::read_dir(path)? {
-            chown_tree(&entry?.path(), id)?;
-        }
-    }
-    Ok(())
 }
