@@ -62,7 +62,6 @@ pub fn lookup_user(passwd: &str, user: &str) -> Option<Identity> {
     })
 }
 
-
 /// Gives `path` and everything below it to `id` (symlinks themselves, not
 /// their targets).
 pub fn chown_tree(path: &std::path::Path, id: Identity) -> std::io::Result<()> {

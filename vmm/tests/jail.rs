@@ -169,6 +169,44 @@ fn a_jailed_vmm_is_confined_as_asked() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
 
+#[test]
+fn a_jailed_vmm_dies_with_its_jailer() {
+    if !jail_supported() {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("root");
+    let id = format!("die-{}", std::process::id());
+    let kernel_bind = format!("{}:/kernel:ro", guest("counter").display());
+    let mut child = vmm()
+        .args(["jail", "--id", &id, "--root", root.to_str().unwrap()])
+        .args(["--uid", "65534", "--gid", "65534", "--bind", &kernel_bind])
+        .args(["--", "run", "--kernel", "/kernel", "--serial", "none"])
+        .args(["--control-socket", "/run/ctl.sock"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = find_jailed_vmm(child.id());
+    let mut ctl = Control::connect(&root.join("run/ctl.sock"));
+    assert_eq!(ctl.send_raw(r#"{"op":"status"}"#)["state"], "running");
+    // SIGKILL cannot be forwarded; the vmm's parent-death signal takes it down.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let start = Instant::now();
+    while Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the jailed vmm outlived its SIGKILLed jailer"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// A host tap for a test, removed on drop wherever it ended up.
 struct HostTap(String);
 
