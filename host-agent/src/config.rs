@@ -24,6 +24,26 @@ pub struct TlsConfig {
     pub key: PathBuf,
 }
 
+/// Sessions' vmm processes run through `vmm jail`: own mount, PID, IPC and
+/// UTS namespaces, the session's `jail/` directory as root, a cgroup
+/// `agentvm/<vm>` with a memory limit, and this unprivileged uid/gid.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JailSettings {
+    /// uid the vmm runs as (not 0).
+    pub uid: u32,
+    /// gid the vmm runs as (not 0).
+    pub gid: u32,
+    /// Memory limit of a VM's cgroup beyond the image's guest memory, MiB
+    /// (0: no memory limit).
+    #[serde(default = "default_jail_overhead_mib")]
+    pub memory_overhead_mib: u64,
+}
+
+fn default_jail_overhead_mib() -> u64 {
+    256
+}
+
 /// Everything `host-agent serve` needs. Every field has a default, so an
 /// empty directory is enough to start.
 #[derive(Debug, Clone, Deserialize)]
@@ -71,6 +91,9 @@ pub struct Config {
     /// [`GUEST_CID`]) whose host socket is `guest_vsock_uds`. Off only where
     /// something else serves that socket (the tests' stand-in for a guest).
     pub vsock_device: bool,
+    /// Run sessions' (and warm VMs') vmm processes jailed. Golden snapshot
+    /// builds run unjailed: they boot the operator's own image once.
+    pub jail: Option<JailSettings>,
     /// How long READY may take for guest-init images (seconds).
     pub guest_ready_timeout_seconds: u64,
 }
@@ -96,6 +119,7 @@ impl Default for Config {
             guest_vsock_uds: "{dir}/vsock.sock".to_string(),
             guest_port: proto::guest::DEFAULT_VSOCK_PORT,
             vsock_device: true,
+            jail: None,
             guest_ready_timeout_seconds: 120,
         }
     }
@@ -144,6 +168,20 @@ impl Config {
             return Err(Error::invalid(
                 "usage_interval_ms and limits_interval_ms must be at least 1",
             ));
+        }
+        if let Some(j) = &self.jail {
+            if j.uid == 0 || j.gid == 0 {
+                return Err(Error::invalid(
+                    "jail.uid and jail.gid must not be 0: jailed vmm processes run unprivileged",
+                ));
+            }
+            if !self.guest_vsock_uds.starts_with("{dir}/") {
+                return Err(Error::invalid(format!(
+                    "guest_vsock_uds {:?} must lie in the VM's directory (\"{{dir}}/...\") when \
+                     vmm processes are jailed: a jailed vmm sees only its own directory",
+                    self.guest_vsock_uds
+                )));
+            }
         }
         if self.max_sessions == 0 {
             return Err(Error::invalid("max_sessions must be at least 1"));

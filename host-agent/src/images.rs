@@ -127,7 +127,7 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
         args.push("--vsock".to_string());
         args.push(v);
     }
-    let vmm = supervisor::spawn(&mgr.vmm_path, &build, &args)?;
+    let vmm = supervisor::spawn(&mgr.vmm_path, &build, &args, None)?;
     let golden = dir.join(format!("golden-{}", now_ms()));
     let result = async {
         supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await?;

@@ -140,6 +140,15 @@ struct ServeArgs {
     /// --guest-vsock-uds (a stand-in for the guest, as in the tests).
     #[arg(long)]
     no_vsock_device: bool,
+    /// Run sessions' vmm processes jailed (`vmm jail`) as this uid (with --jail-gid).
+    #[arg(long, requires = "jail_gid")]
+    jail_uid: Option<u32>,
+    /// gid of jailed vmm processes.
+    #[arg(long, requires = "jail_uid")]
+    jail_gid: Option<u32>,
+    /// Memory limit of a jailed VM's cgroup beyond its guest memory, MiB (0: none).
+    #[arg(long, requires = "jail_uid")]
+    jail_memory_overhead_mib: Option<u64>,
     /// vsock port of guest-init.
     #[arg(long)]
     guest_port: Option<u32>,
@@ -269,6 +278,16 @@ async fn run_serve(a: ServeArgs) -> Result<(), String> {
     }
     if a.no_vsock_device {
         cfg.vsock_device = false;
+    }
+    if let (Some(uid), Some(gid)) = (a.jail_uid, a.jail_gid) {
+        cfg.jail = Some(host_agent::config::JailSettings {
+            uid,
+            gid,
+            memory_overhead_mib: a
+                .jail_memory_overhead_mib
+                .or(cfg.jail.as_ref().map(|j| j.memory_overhead_mib))
+                .unwrap_or(256),
+        });
     }
     if let Some(v) = a.guest_vsock_uds {
         cfg.guest_vsock_uds = v;

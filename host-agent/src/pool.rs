@@ -11,10 +11,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::accounting::process_start_ticks;
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::sessions::Manager;
 use crate::store::ImageRow;
-use crate::supervisor::{self, VmmProcess};
+use crate::supervisor::{self, jail_id, run_dirs, JailLaunch, VmmProcess};
 
 /// The warm VMs of every image.
 #[derive(Default)]
@@ -31,7 +32,7 @@ impl Pool {
     /// renamed; the vmm's open files and bound sockets follow the inode).
     pub fn take(&self, image: &str, dest: &Path) -> Option<VmmProcess> {
         loop {
-            let mut vm = self.lock().get_mut(image)?.pop_front()?;
+            let vm = self.lock().get_mut(image)?.pop_front()?;
             if vm.exit_status().is_some() {
                 let _ = std::fs::remove_dir_all(&vm.dir);
                 continue;
@@ -44,9 +45,7 @@ impl Pool {
                 continue;
             }
             let _ = std::fs::remove_file(dest.join("pid"));
-            vm.dir = dest.to_path_buf();
-            vm.control = dest.join("control.sock");
-            return Some(vm);
+            return Some(vm.moved_to(dest));
         }
     }
 
@@ -94,16 +93,8 @@ impl Pool {
 
     async fn spawn_one(mgr: &Manager, image: &ImageRow) -> Result<VmmProcess> {
         let dir = mgr.pool_dir().join(uuid::Uuid::new_v4().to_string());
-        let vm = supervisor::spawn(
-            &mgr.vmm_path,
-            &dir,
-            &restore_args(
-                image,
-                &dir,
-                true,
-                mgr.cfg.vsock_device_arg(image.guest_init, &dir),
-            ),
-        )?;
+        let (args, jail) = restore_launch(&mgr.cfg, image, &dir, true);
+        let vm = supervisor::spawn(&mgr.vmm_path, &dir, &args, jail.as_ref())?;
         std::fs::write(dir.join("pid"), format!("{} {}", vm.pid, vm.start_ticks))
             .map_err(|e| Error::io(format!("writing {}/pid", dir.display()), e))?;
         if let Err(e) = supervisor::wait_for_state(&vm, "paused", Duration::from_secs(30)).await {
@@ -178,31 +169,50 @@ impl Pool {
 }
 
 /// Arguments of `vmm restore` for `image` with its files in `dir`.
-/// `vmm restore` arguments for a VM of `image` in `dir`; `vsock` is the
-/// vsock device's `CID:UDS` (the golden snapshot has one exactly when
-/// `vsock` is given: both come from [`crate::config::Config::vsock_device_arg`]).
-pub fn restore_args(
+/// How to start a restore of `image` for a VM in `dir`: the vmm arguments
+/// (paths as the vmm sees them) and, when sessions are jailed, the jail. The
+/// golden snapshot has a vsock device exactly when the VM gets one: both
+/// follow [`Config::vsock_device_arg`].
+pub fn restore_launch(
+    cfg: &Config,
     image: &ImageRow,
     dir: &Path,
     paused: bool,
-    vsock: Option<String>,
-) -> Vec<String> {
+) -> (Vec<String>, Option<JailLaunch>) {
+    let (_, inside) = run_dirs(dir, cfg.jail.is_some());
+    let (snapshot, jail) = match &cfg.jail {
+        None => (image.golden_dir.clone(), None),
+        Some(j) => (
+            GOLDEN_IN_JAIL.to_string(),
+            Some(JailLaunch {
+                id: jail_id(dir),
+                uid: j.uid,
+                gid: j.gid,
+                binds: vec![(PathBuf::from(&image.golden_dir), GOLDEN_IN_JAIL.into())],
+                memory_max_mib: (j.memory_overhead_mib > 0)
+                    .then(|| u64::from(image.mem_mib) + j.memory_overhead_mib),
+            }),
+        ),
+    };
     let mut args = vec![
         "restore".to_string(),
         "--snapshot".to_string(),
-        image.golden_dir.clone(),
+        snapshot,
         "--serial".to_string(),
-        format!("file:{}", PathBuf::from(dir).join("serial.log").display()),
+        format!("file:{}", inside.join("serial.log").display()),
     ];
     if paused {
         args.push("--paused".to_string());
     }
-    if let Some(v) = vsock {
+    if let Some(v) = cfg.vsock_device_arg(image.guest_init, &inside) {
         args.push("--vsock".to_string());
         args.push(v);
     }
-    args
+    (args, jail)
 }
+
+/// Where a jailed VM sees its image's golden snapshot.
+const GOLDEN_IN_JAIL: &str = "/golden";
 
 #[cfg(test)]
 mod tests {
@@ -218,7 +228,7 @@ mod tests {
             mem_mib: 64,
             vcpus: 1,
             guest_init,
-            golden_dir: "/golden".into(),
+            golden_dir: "/images/i/golden-1".into(),
             created_at: 0,
             golden_built_at: 0,
         }
@@ -228,14 +238,14 @@ mod tests {
     fn guest_init_vms_get_a_vsock_device_at_their_own_socket() {
         let cfg = Config::default();
         let dir = Path::new("/state/sessions/s1");
-        let gi = image(true);
-        let args = restore_args(&gi, dir, true, cfg.vsock_device_arg(gi.guest_init, dir));
+        let (args, jail) = restore_launch(&cfg, &image(true), dir, true);
+        assert_eq!(jail, None);
         let at = args.iter().position(|a| a == "--vsock").expect("--vsock");
         assert_eq!(args[at + 1], "3:/state/sessions/s1/vsock.sock");
         assert!(args.contains(&"--paused".to_string()));
+        assert!(args.contains(&"/images/i/golden-1".to_string()), "{args:?}");
 
-        let plain = image(false);
-        let args = restore_args(&plain, dir, false, cfg.vsock_device_arg(false, dir));
+        let (args, _) = restore_launch(&cfg, &image(false), dir, false);
         assert!(!args.contains(&"--vsock".to_string()), "{args:?}");
 
         let off = Config {
@@ -243,5 +253,38 @@ mod tests {
             ..Config::default()
         };
         assert_eq!(off.vsock_device_arg(true, dir), None);
+    }
+
+    #[test]
+    fn jailed_vms_see_their_golden_snapshot_and_run_directory_inside_the_jail() {
+        let cfg = Config {
+            jail: Some(crate::config::JailSettings {
+                uid: 1000,
+                gid: 1001,
+                memory_overhead_mib: 128,
+            }),
+            ..Config::default()
+        };
+        let dir = Path::new("/state/sessions/0b5e-s1");
+        let (args, jail) = restore_launch(&cfg, &image(true), dir, false);
+        let jail = jail.expect("a jail");
+        assert_eq!(jail.id, "0b5e-s1");
+        assert_eq!((jail.uid, jail.gid), (1000, 1001));
+        assert_eq!(
+            jail.binds,
+            vec![(PathBuf::from("/images/i/golden-1"), "/golden".to_string())]
+        );
+        assert_eq!(jail.memory_max_mib, Some(64 + 128));
+        let at = args.iter().position(|a| a == "--snapshot").unwrap();
+        assert_eq!(args[at + 1], "/golden");
+        assert!(
+            args.contains(&"file:/run/serial.log".to_string()),
+            "{args:?}"
+        );
+        assert!(args.contains(&"3:/run/vsock.sock".to_string()), "{args:?}");
+        assert_eq!(
+            run_dirs(dir, true).0,
+            PathBuf::from("/state/sessions/0b5e-s1/jail/run")
+        );
     }
 }

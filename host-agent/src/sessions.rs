@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::events::EventBus;
 use crate::guest::{self, GuestConn};
 use crate::metrics;
-use crate::pool::{restore_args, Pool};
+use crate::pool::{restore_launch, Pool};
 use crate::store::{EventRow, ImageRow, SessionRow, Store};
 use crate::supervisor::{self, ExitStatus, VmmProcess};
 
@@ -363,7 +363,7 @@ impl Manager {
             inner.row.reason = reason.to_string();
             inner.row.detail = detail.to_string();
         }
-        let pid = inner.vmm.as_ref().map(|v| v.pid);
+        let pid = inner.vmm.as_ref().and_then(|v| v.sample_pid());
         if to == S::Ready as i32 && inner.meter.is_none() {
             let mut m = Meter::start(&sess.id, &inner.row.execution_id, inner.image.mem_mib, now);
             if let Some(s) = pid.and_then(read_sample) {
@@ -572,16 +572,10 @@ impl Manager {
             let (vmm, from_pool) = match self.pool.take(&image.id, &dir) {
                 Some(vm) => (vm, true),
                 None => (
-                    supervisor::spawn(
-                        &self.vmm_path,
-                        &dir,
-                        &restore_args(
-                            image,
-                            &dir,
-                            false,
-                            self.cfg.vsock_device_arg(image.guest_init, &dir),
-                        ),
-                    )?,
+                    {
+                        let (args, jail) = restore_launch(&self.cfg, image, &dir, false);
+                        supervisor::spawn(&self.vmm_path, &dir, &args, jail.as_ref())?
+                    },
                     false,
                 ),
             };
@@ -599,7 +593,7 @@ impl Manager {
             }
             supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await?;
             if image.guest_init {
-                let conn = self.start_guest(sess, &dir).await?;
+                let conn = self.start_guest(sess).await?;
                 sess.lock().guest = Some(Arc::new(conn));
             }
             Ok::<(), Error>(())
@@ -620,11 +614,15 @@ impl Manager {
 
     /// Opens the guest channel and starts the session in guest-init:
     /// StartSession, the repository as a git bundle, then waits for Ready.
-    async fn start_guest(&self, sess: &Session, dir: &std::path::Path) -> Result<GuestConn> {
+    async fn start_guest(&self, sess: &Session) -> Result<GuestConn> {
         let row = sess.row();
         let timeout = Duration::from_secs(self.cfg.guest_ready_timeout_seconds);
-        let stream =
-            guest::connect_retry(&self.cfg.vsock_path(dir), self.cfg.guest_port, timeout).await?;
+        let stream = guest::connect_retry(
+            &self.cfg.vsock_path(&self.run_dir(sess)),
+            self.cfg.guest_port,
+            timeout,
+        )
+        .await?;
         let conn = GuestConn::open(stream, &sess.id, Some(self.store.clone())).await?;
         let bundle = git(&row.repository, &["bundle", "create", "-", "--all"]).await?;
         conn.send(In::StartSession(StartSession {
@@ -690,10 +688,13 @@ impl Manager {
                 state_name(state)
             )));
         }
-        let dir = PathBuf::from(sess.row().dir);
         let timeout = Duration::from_secs(10);
-        let stream =
-            guest::connect_retry(&self.cfg.vsock_path(&dir), self.cfg.guest_port, timeout).await?;
+        let stream = guest::connect_retry(
+            &self.cfg.vsock_path(&self.run_dir(sess)),
+            self.cfg.guest_port,
+            timeout,
+        )
+        .await?;
         let conn = GuestConn::open(stream, &sess.id, Some(self.store.clone())).await?;
         let audit_seq_seen = self
             .store
@@ -826,9 +827,16 @@ impl Manager {
 
     /// Releases a finished session's sockets.
     fn release(&self, sess: &Session) {
-        let dir = PathBuf::from(sess.row().dir);
-        let _ = std::fs::remove_file(dir.join("control.sock"));
-        let _ = std::fs::remove_file(dir.join("vsock.sock"));
+        let run = self.run_dir(sess);
+        let _ = std::fs::remove_file(run.join("control.sock"));
+        let _ = std::fs::remove_file(self.cfg.vsock_path(&run));
+    }
+
+    /// Where the session's VM keeps its sockets, as the host sees it (inside
+    /// the jail for a jailed vmm, whatever the configuration says now).
+    fn run_dir(&self, sess: &Session) -> PathBuf {
+        let jailed = sess.vmm().map_or(self.cfg.jail.is_some(), |v| v.jailed);
+        supervisor::run_dirs(&PathBuf::from(sess.row().dir), jailed).0
     }
 
     /// Pauses a RUNNING session (`reason`: requested or idle).
@@ -896,12 +904,21 @@ impl Manager {
             vmm.control(json!({"op":"pause"})).await?;
             self.transition(&sess, S::Paused, "snapshot", "")?;
         }
-        let snaps = PathBuf::from(sess.row().dir).join("snapshots");
+        // A jailed vmm writes into its own run directory; both names of the place follow.
+        let (run_host, run_inside) =
+            supervisor::run_dirs(&PathBuf::from(sess.row().dir), vmm.jailed);
+        let snaps = run_host.join("snapshots");
         std::fs::create_dir_all(&snaps)
             .map_err(|e| Error::io(format!("creating {}", snaps.display()), e))?;
-        let dir = snaps.join(format!("{}-{}", now_ms(), uuid::Uuid::new_v4().simple()));
+        if let (true, Some(j)) = (vmm.jailed, &self.cfg.jail) {
+            std::os::unix::fs::chown(&snaps, Some(j.uid), Some(j.gid)).map_err(|e| {
+                Error::io(format!("giving {} to the jail's uid", snaps.display()), e)
+            })?;
+        }
+        let name = format!("{}-{}", now_ms(), uuid::Uuid::new_v4().simple());
+        let dir = snaps.join(&name);
         let result = vmm
-            .control(json!({"op":"snapshot","dir":dir,"kind":"full"}))
+            .control(json!({"op":"snapshot","dir":run_inside.join("snapshots").join(&name),"kind":"full"}))
             .await;
         if was_running {
             vmm.control(json!({"op":"resume"})).await?;
@@ -992,7 +1009,7 @@ impl Manager {
         let now = now_ms();
         for sess in self.all() {
             let mut i = sess.lock();
-            let pid = i.vmm.as_ref().map(|v| v.pid);
+            let pid = i.vmm.as_ref().and_then(|v| v.sample_pid());
             let Some(m) = i.meter.as_mut() else { continue };
             if m.is_finished() {
                 continue;

@@ -57,7 +57,54 @@ pub struct VmmProcess {
     pub control: PathBuf,
     /// The process's directory (serial log, vmm log, sockets).
     pub dir: PathBuf,
+    /// Started through `vmm jail`: `pid` is the jailer, the vmm is its child,
+    /// and the sockets lie in `dir/jail/run`.
+    pub jailed: bool,
     exited: watch::Receiver<Option<ExitStatus>>,
+}
+
+/// How to confine one vmm with `vmm jail` (see [`crate::config::JailSettings`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JailLaunch {
+    /// The jail's name: its cgroup `agentvm/<id>` and hostname.
+    pub id: String,
+    /// uid the vmm runs as.
+    pub uid: u32,
+    /// gid the vmm runs as.
+    pub gid: u32,
+    /// Host paths made visible read-only at the given jail paths.
+    pub binds: Vec<(PathBuf, String)>,
+    /// Memory limit of the VM's cgroup, MiB.
+    pub memory_max_mib: Option<u64>,
+}
+
+/// Where a VM keeps its control socket, vsock socket and serial log: the
+/// directory as the host sees it and as the vmm sees it.
+pub fn run_dirs(dir: &Path, jailed: bool) -> (PathBuf, PathBuf) {
+    if jailed {
+        (dir.join("jail/run"), PathBuf::from("/run"))
+    } else {
+        (dir.to_path_buf(), dir.to_path_buf())
+    }
+}
+
+/// A jail name for the VM in `dir`: its directory name, limited to what
+/// `vmm jail --id` accepts.
+pub fn jail_id(dir: &Path) -> String {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let id: String = name
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+        .take(64)
+        .collect();
+    if id.is_empty() {
+        "vm".to_string()
+    } else {
+        id
+    }
 }
 
 impl VmmProcess {
@@ -92,6 +139,27 @@ impl VmmProcess {
         }
     }
 
+    /// The process whose threads and memory are the VM's: the vmm itself,
+    /// which for a jailed VM is the jailer's only child.
+    pub fn sample_pid(&self) -> Option<u32> {
+        if !self.jailed {
+            return Some(self.pid);
+        }
+        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", self.pid))
+            .ok()?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    }
+
+    /// The same VM after its directory was renamed to `dest`.
+    pub fn moved_to(mut self, dest: &Path) -> VmmProcess {
+        self.control = run_dirs(dest, self.jailed).0.join("control.sock");
+        self.dir = dest.to_path_buf();
+        self
+    }
+
     /// Sends one control request, returning the response object.
     pub async fn control(&self, request: Value) -> Result<Value> {
         control(&self.control, request, Duration::from_secs(30)).await
@@ -111,9 +179,10 @@ pub fn log_tail(path: &Path) -> String {
     lines[start..].join("; ")
 }
 
-/// Kills vmm processes whose control socket lies under `sessions_dir` but
-/// that belong to no live session (`live` pids): VMs a host-agent killed in
-/// the middle of a create had started but not yet recorded. Returns how many.
+/// Kills vmm processes whose control socket (or, for a jailer, whose jail
+/// root) lies under `sessions_dir` but that belong to no live session (`live`
+/// pids): VMs a host-agent killed in the middle of a create had started but
+/// not yet recorded. Returns how many.
 pub fn kill_orphans(sessions_dir: &Path, live: &std::collections::HashSet<u32>) -> usize {
     let needle = format!("{}/", sessions_dir.display());
     let Ok(entries) = std::fs::read_dir("/proc") else {
@@ -131,11 +200,11 @@ pub fn kill_orphans(sessions_dir: &Path, live: &std::collections::HashSet<u32>) 
             continue;
         };
         let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
-        let socket = args
+        let ours = args
             .windows(2)
-            .find(|w| w[0] == b"--control-socket")
-            .map(|w| String::from_utf8_lossy(w[1]).into_owned());
-        if socket.is_some_and(|s| s.starts_with(&needle)) {
+            .filter(|w| w[0] == b"--control-socket" || w[0] == b"--root")
+            .any(|w| String::from_utf8_lossy(w[1]).starts_with(&needle));
+        if ours {
             tracing::warn!(
                 pid,
                 "killing a vmm that belongs to no session (left by an interrupted create)"
@@ -152,11 +221,19 @@ pub fn kill_orphans(sessions_dir: &Path, live: &std::collections::HashSet<u32>) 
 }
 
 /// Spawns `vmm` with `args` in `dir` (created if needed), with its log in
-/// `dir/vmm.log` and its control socket at `dir/control.sock`.
-pub fn spawn(vmm: &Path, dir: &Path, args: &[String]) -> Result<VmmProcess> {
+/// `dir/vmm.log` and its control socket in its run directory ([`run_dirs`]).
+/// With `jail`, through `vmm jail` rooted at `dir/jail`; paths in `args` are
+/// then paths inside the jail.
+pub fn spawn(
+    vmm: &Path,
+    dir: &Path,
+    args: &[String],
+    jail: Option<&JailLaunch>,
+) -> Result<VmmProcess> {
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-    let control = dir.join("control.sock");
+    let (run_host, run_inside) = run_dirs(dir, jail.is_some());
+    let control = run_host.join("control.sock");
     let _ = std::fs::remove_file(&control);
     let log_path = dir.join("vmm.log");
     let log = std::fs::File::create(&log_path)
@@ -165,9 +242,28 @@ pub fn spawn(vmm: &Path, dir: &Path, args: &[String]) -> Result<VmmProcess> {
         .try_clone()
         .map_err(|e| Error::io(format!("duplicating {}", log_path.display()), e))?;
     let mut cmd = tokio::process::Command::new(vmm);
+    if let Some(j) = jail {
+        cmd.arg("jail")
+            .arg("--id")
+            .arg(&j.id)
+            .arg("--root")
+            .arg(dir.join("jail"))
+            .arg("--uid")
+            .arg(j.uid.to_string())
+            .arg("--gid")
+            .arg(j.gid.to_string());
+        for (source, target) in &j.binds {
+            cmd.arg("--bind")
+                .arg(format!("{}:{target}:ro", source.display()));
+        }
+        if let Some(m) = j.memory_max_mib {
+            cmd.arg("--memory-max").arg(format!("{m}M"));
+        }
+        cmd.arg("--");
+    }
     cmd.args(args)
         .arg("--control-socket")
-        .arg(&control)
+        .arg(run_inside.join("control.sock"))
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log2))
@@ -203,6 +299,7 @@ pub fn spawn(vmm: &Path, dir: &Path, args: &[String]) -> Result<VmmProcess> {
         start_ticks,
         control,
         dir: dir.to_path_buf(),
+        jailed: jail.is_some(),
         exited: rx,
     })
 }
@@ -238,11 +335,14 @@ pub fn attach(pid: u32, start_ticks: u64, dir: &Path) -> Option<VmmProcess> {
         let _ = afd.readable().await;
         let _ = tx.send(Some(ExitStatus::Unknown));
     });
+    let jailed = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .is_ok_and(|c| c.split(|b| *b == 0).nth(1) == Some(b"jail"));
     Some(VmmProcess {
         pid,
         start_ticks,
-        control: dir.join("control.sock"),
+        control: run_dirs(dir, jailed).0.join("control.sock"),
         dir: dir.to_path_buf(),
+        jailed,
         exited: rx,
     })
 }

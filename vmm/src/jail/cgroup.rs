@@ -70,13 +70,40 @@ fn v2_has_controllers(root: &Path) -> bool {
         .unwrap_or(false)
 }
 
+/// Groups of VMs that ended without removing theirs (a SIGKILLed jailer)
+/// are removed once older than this; younger ones may belong to a jailer that
+/// has created its group but not yet moved its vmm in.
+const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Removes the old, empty groups under `parent` other than `keep`. A group
+/// that still has processes cannot be removed (EBUSY), so live VMs keep theirs.
+fn sweep_stale(parent: &Path, keep: &str) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let old = e
+            .metadata()
+            .ok()
+            .filter(|m| m.is_dir())
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > STALE_AFTER);
+        if old && e.file_name() != keep && std::fs::remove_dir(e.path()).is_ok() {
+            tracing::info!(group = %e.path().display(), "removed a stale VM cgroup");
+        }
+    }
+}
+
 impl Cgroup {
     /// Creates the group `agentvm/<id>` under `root` (normally /sys/fs/cgroup) and
-    /// applies `limits`.
+    /// applies `limits`. Old empty groups of VMs that ended uncleanly are
+    /// removed on the way.
     pub fn create(root: &Path, id: &str, limits: &CgroupLimits) -> Result<Cgroup, CgroupError> {
         if v2_has_controllers(root) {
             let parent = root.join("agentvm");
             create(&parent)?;
+            sweep_stale(&parent, id);
             // Let the parent group hand cpu and memory down to the VM groups.
             write(&parent.join("cgroup.subtree_control"), "+cpu +memory")?;
             let dir = parent.join(id);
@@ -95,6 +122,9 @@ impl Cgroup {
         }
         let cpu = cpu_root.join("agentvm").join(id);
         let memory = mem_root.join("agentvm").join(id);
+        for parent in [cpu_root.join("agentvm"), mem_root.join("agentvm")] {
+            sweep_stale(&parent, id);
+        }
         create(&cpu)?;
         create(&memory)?;
         if let Some((quota, period)) = limits.cpu_max {
@@ -201,6 +231,21 @@ mod tests {
             std::fs::read_to_string(memory.join("memory.limit_in_bytes")).unwrap(),
             (1u64 << 30).to_string()
         );
+        // An old empty group (a SIGKILLed jailer's) goes; a young one and the
+        // group being created stay.
+        let parent = t.path().join("cpu/agentvm");
+        let stale = parent.join("gone");
+        let young = parent.join("young");
+        std::fs::create_dir(&stale).unwrap();
+        std::fs::create_dir(&young).unwrap();
+        let long_ago = std::time::SystemTime::now() - 2 * STALE_AFTER;
+        std::fs::File::open(&stale)
+            .unwrap()
+            .set_modified(long_ago)
+            .unwrap();
+        Cgroup::create(t.path(), "vm1", &limits).unwrap();
+        assert!(!stale.exists());
+        assert!(young.exists() && cpu.exists());
         let empty = tempfile::tempdir().unwrap();
         assert!(matches!(
             Cgroup::create(empty.path(), "vm1", &limits),
