@@ -612,18 +612,23 @@ impl Manager {
         Ok(())
     }
 
-    /// Opens the guest channel and starts the session in guest-init:
-    /// StartSession, the repository as a git bundle, then waits for Ready.
-    async fn start_guest(&self, sess: &Session) -> Result<GuestConn> {
-        let row = sess.row();
-        let timeout = Duration::from_secs(self.cfg.guest_ready_timeout_seconds);
+    /// Connects to the session's guest-init over vsock and exchanges Hello.
+    async fn connect_guest(&self, sess: &Session, timeout: Duration) -> Result<GuestConn> {
         let stream = guest::connect_retry(
             &self.cfg.vsock_path(&self.run_dir(sess)),
             self.cfg.guest_port,
             timeout,
         )
         .await?;
-        let conn = GuestConn::open(stream, &sess.id, Some(self.store.clone())).await?;
+        GuestConn::open(stream, &sess.id, Some(self.store.clone())).await
+    }
+
+    /// Opens the guest channel and starts the session in guest-init:
+    /// StartSession, the repository as a git bundle, then waits for Ready.
+    async fn start_guest(&self, sess: &Session) -> Result<GuestConn> {
+        let row = sess.row();
+        let timeout = Duration::from_secs(self.cfg.guest_ready_timeout_seconds);
+        let conn = self.connect_guest(sess, timeout).await?;
         let bundle = git(&row.repository, &["bundle", "create", "-", "--all"]).await?;
         conn.send(In::StartSession(StartSession {
             session_id: sess.id.clone(),
@@ -689,13 +694,7 @@ impl Manager {
             )));
         }
         let timeout = Duration::from_secs(10);
-        let stream = guest::connect_retry(
-            &self.cfg.vsock_path(&self.run_dir(sess)),
-            self.cfg.guest_port,
-            timeout,
-        )
-        .await?;
-        let conn = GuestConn::open(stream, &sess.id, Some(self.store.clone())).await?;
+        let conn = self.connect_guest(sess, timeout).await?;
         let audit_seq_seen = self
             .store
             .audit_since(&sess.id, 0)?

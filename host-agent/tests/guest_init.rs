@@ -200,23 +200,7 @@ async fn guest_init_session_exec_approvals_audit_branch() {
     let guest = start_guest().await;
     let vsock = guest.vsock().display().to_string();
     let agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
-    let mut im = agent.images().await;
-    im.register_image(pb::RegisterImageRequest {
-        image_id: "gi".into(),
-        kernel_path: counter_kernel(),
-        cmdline: "interval=100000000".into(),
-        mem_mib: 32,
-        guest_init: true,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
-        image_id: "gi".into(),
-        ..Default::default()
-    })
-    .await
-    .expect("golden snapshot after guest-init's Hello");
+    guest_init_image(&agent).await;
 
     let mut se = agent.sessions().await;
     // guest-init images need a repository, agent and base ref.
@@ -473,8 +457,8 @@ async fn guest_init_session_exec_approvals_audit_branch() {
     );
 }
 
-/// Registers a guest-init image with its golden snapshot and creates a session.
-async fn guest_init_session(agent: &Agent, guest: &Guest) -> pb::Session {
+/// Registers the guest-init image "gi" and builds its golden snapshot.
+async fn guest_init_image(agent: &Agent) {
     let mut im = agent.images().await;
     im.register_image(pb::RegisterImageRequest {
         image_id: "gi".into(),
@@ -492,6 +476,11 @@ async fn guest_init_session(agent: &Agent, guest: &Guest) -> pb::Session {
     })
     .await
     .expect("golden snapshot after guest-init's Hello");
+}
+
+/// Registers a guest-init image with its golden snapshot and creates a session.
+async fn guest_init_session(agent: &Agent, guest: &Guest) -> pb::Session {
+    guest_init_image(agent).await;
     agent
         .sessions()
         .await

@@ -46,6 +46,19 @@ fn jailed_vmm(jailer: u32) -> u32 {
     }
 }
 
+/// Waits until `pid` has exited (gone, or a zombie nobody reaped yet).
+fn wait_gone(pid: u32, why: &str) {
+    let start = Instant::now();
+    while Path::new(&format!("/proc/{pid}/status")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
+    {
+        assert!(start.elapsed() < Duration::from_secs(10), "{why}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn session_dir(agent: &Agent, id: &str) -> PathBuf {
     agent.state_dir().join("sessions").join(id)
 }
@@ -146,18 +159,7 @@ async fn sessions_run_jailed_through_their_whole_life() {
 
     let st = c.stop_session(call()).await.unwrap().into_inner();
     assert_eq!(st.state, S::Stopped as i32);
-    let start = Instant::now();
-    while Path::new(&format!("/proc/{vmm}/status")).exists()
-        && !std::fs::read_to_string(format!("/proc/{vmm}/stat"))
-            .unwrap_or_default()
-            .contains(") Z ")
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "the jailed vmm outlived Stop"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_gone(vmm, "the jailed vmm outlived Stop");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -212,16 +214,5 @@ async fn warm_vms_are_jailed_and_a_killed_jailer_fails_its_session() {
     sigkill(s.vmm_pid);
     let f = agent.wait_state(&s.session_id, S::Failed).await;
     assert_eq!(f.reason, "vmm_crash", "{f:?}");
-    let start = Instant::now();
-    while Path::new(&format!("/proc/{vmm}/status")).exists()
-        && !std::fs::read_to_string(format!("/proc/{vmm}/stat"))
-            .unwrap_or_default()
-            .contains(") Z ")
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "the jailed vmm outlived its jailer"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_gone(vmm, "the jailed vmm outlived its jailer");
 }

@@ -37,6 +37,29 @@ fn find_jailed_vmm(jailer: u32) -> String {
     }
 }
 
+/// A jailed vmm as uid/gid 65534 rooted at `root`, with `bind`
+/// (`HOST:/JAIL[:ro]`), the jail options `opts`, and `vmm_args` for the vmm
+/// inside (its control socket is /run/ctl.sock in the jail).
+fn jailed(
+    id: &str,
+    root: &Path,
+    bind: &str,
+    opts: &[&str],
+    vmm_args: &[&str],
+) -> std::process::Child {
+    vmm()
+        .args(["jail", "--id", id, "--root", root.to_str().unwrap()])
+        .args(["--uid", "65534", "--gid", "65534", "--bind", bind])
+        .args(opts)
+        .arg("--")
+        .args(vmm_args)
+        .args(["--control-socket", "/run/ctl.sock"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 /// Whether `vmm jail` can run here (root, and a cgroup hierarchy); prints why not.
 fn jail_supported() -> bool {
     // SAFETY: geteuid has no preconditions.
@@ -83,23 +106,20 @@ fn a_jailed_vmm_is_confined_as_asked() {
     let id = format!("test-{}", std::process::id());
     let g = guest("counter");
     let kernel_bind = format!("{}:/kernel:ro", g.display());
-    let child = vmm()
-        .args(["jail", "--id", &id, "--root", root.to_str().unwrap()])
-        .args(["--uid", "65534", "--gid", "65534", "--bind", &kernel_bind])
-        .args([
+    let child = jailed(
+        &id,
+        &root,
+        &kernel_bind,
+        &[
             "--cpu-max",
             "50000/100000",
             "--memory-max",
             "512M",
             "--nofile",
             "256",
-        ])
-        .args(["--", "run", "--kernel", "/kernel", "--serial", "none"])
-        .args(["--control-socket", "/run/ctl.sock"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        ],
+        &["run", "--kernel", "/kernel", "--serial", "none"],
+    );
     let pid = find_jailed_vmm(child.id());
     let mut ctl = Control::connect(&root.join("run/ctl.sock"));
     assert_eq!(ctl.send_raw(r#"{"op":"status"}"#)["state"], "running");
@@ -178,15 +198,13 @@ fn a_jailed_vmm_dies_with_its_jailer() {
     let root = t.path().join("root");
     let id = format!("die-{}", std::process::id());
     let kernel_bind = format!("{}:/kernel:ro", guest("counter").display());
-    let mut child = vmm()
-        .args(["jail", "--id", &id, "--root", root.to_str().unwrap()])
-        .args(["--uid", "65534", "--gid", "65534", "--bind", &kernel_bind])
-        .args(["--", "run", "--kernel", "/kernel", "--serial", "none"])
-        .args(["--control-socket", "/run/ctl.sock"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = jailed(
+        &id,
+        &root,
+        &kernel_bind,
+        &[],
+        &["run", "--kernel", "/kernel", "--serial", "none"],
+    );
     let pid = find_jailed_vmm(child.id());
     let mut ctl = Control::connect(&root.join("run/ctl.sock"));
     assert_eq!(ctl.send_raw(r#"{"op":"status"}"#)["state"], "running");
@@ -237,18 +255,23 @@ fn a_host_tap_moves_into_the_jails_network_namespace_and_back() {
     let id = format!("tap-{}", std::process::id());
     let kernel_bind = format!("{}:/kernel:ro", guest("virtio_net").display());
     let net = format!("{},mac=02:11:22:33:44:55", tap.0);
-    let child = vmm()
-        .args(["jail", "--id", &id, "--root", root.to_str().unwrap()])
-        .args(["--uid", "65534", "--gid", "65534", "--bind", &kernel_bind])
-        .args(["--netns", "--tap", &tap.0])
-        .args(["--", "run", "--kernel", "/kernel", "--net", &net])
-        .args(["--serial", "file:/run/serial.log"])
-        .args(["--cmdline", "console=ttyS0 rx_spins=4000000000"])
-        .args(["--control-socket", "/run/ctl.sock"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = jailed(
+        &id,
+        &root,
+        &kernel_bind,
+        &["--netns", "--tap", &tap.0],
+        &[
+            "run",
+            "--kernel",
+            "/kernel",
+            "--net",
+            &net,
+            "--serial",
+            "file:/run/serial.log",
+            "--cmdline",
+            "console=ttyS0 rx_spins=4000000000",
+        ],
+    );
     let pid = find_jailed_vmm(child.id());
     let mut ctl = Control::connect(&root.join("run/ctl.sock"));
     let log = wait_for_text(&root.join("run/serial.log"), "net: sent");
@@ -307,31 +330,28 @@ fn a_jailed_restore_serves_memory_through_userfaultfd() {
     let root = t.path().join("root");
     let id = format!("uffd-{}", std::process::id());
     let snap_bind = format!("{}:/snap:ro", snap.display());
-    let child = vmm()
-        .args(["jail", "--id", &id, "--root", root.to_str().unwrap()])
-        .args(["--uid", "65534", "--gid", "65534", "--bind", &snap_bind])
-        .args([
+    let child = jailed(
+        &id,
+        &root,
+        &snap_bind,
+        &[
             "--device",
             "kvm",
             "--device",
             "urandom",
             "--device",
             "userfaultfd",
-        ])
-        .args([
-            "--",
+        ],
+        &[
             "restore",
             "--snapshot",
             "/snap",
             "--memory-backend",
             "uffd",
-        ])
-        .args(["--serial", "file:/run/serial.log"])
-        .args(["--control-socket", "/run/ctl.sock"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+            "--serial",
+            "file:/run/serial.log",
+        ],
+    );
     let pid = find_jailed_vmm(child.id());
     let ctl = Control::connect(&root.join("run/ctl.sock"));
     let after = wait_for_counts(&root.join("run/serial.log"), 2);
