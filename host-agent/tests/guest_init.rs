@@ -212,17 +212,7 @@ async fn guest_init_session_exec_approvals_audit_branch() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
-    let s = se
-        .create_session(pb::CreateSessionRequest {
-            image_id: "gi".into(),
-            repository_path: guest.repo().display().to_string(),
-            agent: "coder".into(),
-            base_ref: "main".into(),
-            ..Default::default()
-        })
-        .await
-        .expect("create on guest-init Ready")
-        .into_inner();
+    let s = guest_init_session(&agent, &guest).await;
     assert_eq!(s.state, S::Running as i32);
 
     // Allowed command, streamed output and exit code.
@@ -478,9 +468,8 @@ async fn guest_init_image(agent: &Agent) {
     .expect("golden snapshot after guest-init's Hello");
 }
 
-/// Registers a guest-init image with its golden snapshot and creates a session.
+/// Creates a session of the guest-init image on the guest's repository.
 async fn guest_init_session(agent: &Agent, guest: &Guest) -> pb::Session {
-    guest_init_image(agent).await;
     agent
         .sessions()
         .await
@@ -501,6 +490,7 @@ async fn the_guest_session_is_resumed_after_host_agent_restarts() {
     let guest = start_guest().await;
     let vsock = guest.vsock().display().to_string();
     let mut agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
+    guest_init_image(&agent).await;
     let s = guest_init_session(&agent, &guest).await;
     let (_, stdout) = exec(&agent, &s, &["echo", "before"], vec![]).await.unwrap();
     assert_eq!(stdout, "before\n");
