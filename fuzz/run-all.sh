@@ -7,7 +7,7 @@ cd "$(dirname "$0")"
 secs=${1:-60}
 command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
 work=${FUZZ_WORK:-target/fuzz-corpus}
-for target in snapshot_state snapshot_manifest control_request guest_frames virtio_block virtio_vsock; do
+for target in snapshot_state snapshot_manifest control_request guest_frames virtio_block virtio_vsock virtio_net; do
     # New inputs go to the work corpus; the checked-in seeds are read only.
     mkdir -p "$work/$target"
     echo "== fuzz $target for ${secs}s"

@@ -42,7 +42,9 @@ fn host() -> &'static Host {
         let port_path = dir.join(format!("v.sock_{HOST_PORT}"));
         let _ = std::fs::remove_file(&port_path);
         let listener = UnixListener::bind(&port_path).expect("bind the host port listener");
-        listener.set_nonblocking(true).expect("non-blocking listener");
+        listener
+            .set_nonblocking(true)
+            .expect("non-blocking listener");
         Host { uds, listener }
     })
 }

@@ -68,7 +68,11 @@ pub struct NetStats {
 impl Net {
     /// Opens (or creates) tap `tap_name`; `mac` is offered to the guest when given.
     pub fn new(tap_name: &str, mac: Option<[u8; 6]>) -> Result<Net, NetError> {
-        let tap = Tap::open(tap_name)?;
+        Net::with_tap(Tap::open(tap_name)?, mac)
+    }
+
+    /// A device on an already open tap (or tap-like endpoint, see [`Tap::from_file`]).
+    pub fn with_tap(tap: Tap, mac: Option<[u8; 6]>) -> Result<Net, NetError> {
         let features = if mac.is_some() {
             1u64 << VIRTIO_NET_F_MAC
         } else {

@@ -147,6 +147,17 @@ impl Tap {
         })
     }
 
+    /// A tap-like endpoint over `file`, which must keep frame boundaries and
+    /// carry the 12-byte virtio-net header on every frame, such as one end of a
+    /// non-blocking `SOCK_SEQPACKET` socket pair: for tests and fuzzing without
+    /// CAP_NET_ADMIN.
+    pub fn from_file(file: File, name: &str) -> Tap {
+        Tap {
+            file,
+            name: name.into(),
+        }
+    }
+
     /// The interface name.
     pub fn name(&self) -> &str {
         &self.name

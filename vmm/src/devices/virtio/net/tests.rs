@@ -1,4 +1,4 @@
-use vm_memory::GuestAddress;
+use vm_memory::{Bytes, GuestAddress};
 
 use super::persist::{NetConstructorArgs, NetState};
 use super::*;
@@ -58,6 +58,79 @@ fn malformed_tx_frames_are_dropped_and_rx_without_frames_is_idle() {
     add_chain(&rx, 0, &[(0x20_0000, 2048, true)]);
     assert_eq!(n.process_rx(), 0);
     assert_eq!(used_idx(&rx), 0);
+}
+
+/// A device on one end of a SOCK_SEQPACKET pair (a tap stand-in that needs no
+/// privilege); the other end is the host's side of the "tap".
+fn net_on_socketpair() -> (Net, std::os::unix::net::UnixDatagram) {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let mut fds = [0i32; 2];
+    // SAFETY: socketpair writes two new descriptors into `fds`, owned below.
+    let rc = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    assert_eq!(rc, 0);
+    // SAFETY: both descriptors were just created and are owned by nothing else.
+    let (dev, host) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let tap = Tap::from_file(std::fs::File::from(dev), "pair");
+    // A UnixDatagram reads and writes whole messages, as the seqpacket peer needs.
+    let host = std::os::unix::net::UnixDatagram::from(host);
+    (Net::with_tap(tap, Some([2, 0, 0, 0, 0, 1])).unwrap(), host)
+}
+
+#[test]
+fn frames_cross_between_guest_buffers_and_the_tap_side() {
+    let (mut n, host) = net_on_socketpair();
+    let mem = memory(4);
+    let rx = mock_queue(&mem, GuestAddress(0));
+    let tx = mock_queue(&mem, GuestAddress(0x1_0000));
+    activate(&mut n, &mem, &[&rx, &tx]);
+
+    // Guest -> host: header and frame split over two descriptors arrive as one frame.
+    let frame: Vec<u8> = (0..60u8).collect();
+    mem.write_slice(&[0u8; VNET_HDR_LEN], GuestAddress(0x10_0000))
+        .unwrap();
+    mem.write_slice(&frame, GuestAddress(0x11_0000)).unwrap();
+    add_chain(
+        &tx,
+        0,
+        &[
+            (0x10_0000, VNET_HDR_LEN as u32, false),
+            (0x11_0000, frame.len() as u32, false),
+        ],
+    );
+    assert_eq!(n.process_tx(), 1);
+    let mut got = [0u8; 2048];
+    let len = host.recv(&mut got).unwrap();
+    assert_eq!(&got[VNET_HDR_LEN..len], &frame[..]);
+    assert_eq!(n.stats().tx_frames, 1);
+
+    // Host -> guest: a frame fills one guest buffer, the used length counts the header.
+    let mut incoming = vec![0u8; VNET_HDR_LEN];
+    incoming.extend_from_slice(b"a frame from the host side");
+    host.send(&incoming).unwrap();
+    add_chain(&rx, 0, &[(0x20_0000, 2048, true)]);
+    assert_eq!(n.process_rx(), 1);
+    assert_eq!(used(&rx, 0), (0, incoming.len() as u32));
+    let mut delivered = vec![0u8; incoming.len()];
+    mem.read_slice(&mut delivered, GuestAddress(0x20_0000))
+        .unwrap();
+    // The device fills in num_buffers (one buffer per frame without MRG_RXBUF).
+    assert_eq!(&delivered[10..12], &1u16.to_le_bytes());
+    assert_eq!(delivered[12..], incoming[12..]);
+
+    // A frame larger than the guest's buffer is dropped, not truncated.
+    let mut big = vec![0u8; VNET_HDR_LEN];
+    big.extend_from_slice(&[7u8; 1000]);
+    host.send(&big).unwrap();
+    add_chain(&rx, 1, &[(0x20_0000, 64, true)]);
+    n.process_rx();
+    assert_eq!(n.stats().rx_dropped, 1, "{:?}", n.stats());
 }
 
 #[test]
