@@ -135,10 +135,12 @@ fn main() -> ExitCode {
                 eprintln!("guest-init: without arguments guest-init runs as PID 1 (it mounts file systems and powers off); use `guest-init serve --listen unix:PATH` elsewhere");
                 return ExitCode::from(2);
             }
+            pid1::set_default_path();
             let cmd = pid1::cmdline::Cmdline::read();
             pid1::run(pid1::Options::guest(&cmd)).map(|_| ExitCode::SUCCESS)
         }
         Some(Command::Init(a)) => {
+            pid1::set_default_path();
             let cmd = pid1::cmdline::Cmdline::read();
             let mut o = pid1::Options::guest(&cmd);
             o.hostname = a.hostname.or(o.hostname);

@@ -110,6 +110,8 @@ async fn pid1_mounts_reaps_and_stops_on_sigterm() {
         .arg(dir.path().join("state"))
         .args(["--no-poweroff", "--hostname", "guest-under-test"])
         .args(&egress_args)
+        // As the kernel starts init: no PATH, yet nft (in /usr/sbin) must be found.
+        .env_remove("PATH")
         .stdin(Stdio::null())
         .spawn()
         .unwrap();

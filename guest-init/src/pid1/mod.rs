@@ -18,6 +18,17 @@ use crate::agent::{self, Config};
 use crate::channel::ListenAddr;
 use crate::reaper;
 
+/// Gives PID 1 the standard PATH when it has none: the kernel starts init
+/// with almost no environment, and the tools guest-init runs itself (`nft`
+/// in /usr/sbin) must be found. Call before any thread is started.
+pub fn set_default_path() {
+    if std::env::var_os("PATH").is_none() {
+        // set_var is sound while no other thread reads the environment: this
+        // runs first thing in main, before the runtime or any thread exists.
+        std::env::set_var("PATH", crate::exec::BASE_PATH);
+    }
+}
+
 /// How PID 1 runs; the defaults are a guest's, tests override them.
 #[derive(Debug, Clone)]
 pub struct Options {
