@@ -13,6 +13,7 @@ use serde_json::json;
 
 use crate::error::{Error, Result};
 use crate::guest::{self, GuestConn};
+use crate::pool::{copy_disk, GOLDEN_DISK};
 use crate::sessions::{now_ms, Manager};
 use crate::store::ImageRow;
 use crate::supervisor;
@@ -127,6 +128,16 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
         args.push("--vsock".to_string());
         args.push(v);
     }
+    // The image boots on a copy of its rootfs; the copy, as the snapshot
+    // leaves it, goes with the golden snapshot (the registered file stays as it is).
+    let build_disk = build.join(GOLDEN_DISK);
+    if !image.rootfs.is_empty() {
+        std::fs::create_dir_all(&build)
+            .map_err(|e| Error::io(format!("creating {}", build.display()), e))?;
+        copy_disk(Path::new(&image.rootfs), &build_disk).await?;
+        args.push("--disk".to_string());
+        args.push(build_disk.display().to_string());
+    }
     let vmm = supervisor::spawn(&mgr.vmm_path, &build, &args, None)?;
     let golden = dir.join(format!("golden-{}", now_ms()));
     let result = async {
@@ -144,6 +155,14 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
         vmm.control(json!({"op":"pause"})).await?;
         vmm.control(json!({"op":"snapshot","dir":golden,"kind":"full"}))
             .await?;
+        if !image.rootfs.is_empty() {
+            std::fs::rename(&build_disk, golden.join(GOLDEN_DISK)).map_err(|e| {
+                Error::io(
+                    format!("keeping the golden disk in {}", golden.display()),
+                    e,
+                )
+            })?;
+        }
         Ok::<_, Error>(())
     }
     .await;

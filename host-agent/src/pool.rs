@@ -93,6 +93,7 @@ impl Pool {
 
     async fn spawn_one(mgr: &Manager, image: &ImageRow) -> Result<VmmProcess> {
         let dir = mgr.pool_dir().join(uuid::Uuid::new_v4().to_string());
+        prepare_disk(&mgr.cfg, image, &dir).await?;
         let (args, jail) = restore_launch(&mgr.cfg, image, &dir, true);
         let vm = supervisor::spawn(&mgr.vmm_path, &dir, &args, jail.as_ref())?;
         std::fs::write(dir.join("pid"), format!("{} {}", vm.pid, vm.start_ticks))
@@ -204,11 +205,60 @@ pub fn restore_launch(
     if paused {
         args.push("--paused".to_string());
     }
+    if !image.rootfs.is_empty() {
+        args.push("--disk".to_string());
+        args.push(inside.join(VM_DISK).display().to_string());
+    }
     if let Some(v) = cfg.vsock_device_arg(image.guest_init, &inside) {
         args.push("--vsock".to_string());
         args.push(v);
     }
     (args, jail)
+}
+
+/// A VM's own copy of its image's root disk, in its run directory.
+pub const VM_DISK: &str = "disk.ext4";
+
+/// The root disk kept with a golden snapshot: the disk the image booted
+/// with, in the state the snapshot's memory (page cache) expects.
+pub const GOLDEN_DISK: &str = "rootfs.ext4";
+
+/// Copies a disk image keeping holes, sharing blocks where the file system
+/// can (reflink); a plain file system copies the allocated blocks.
+pub async fn copy_disk(from: &Path, to: &Path) -> Result<()> {
+    let out = tokio::process::Command::new("cp")
+        .args(["--sparse=always", "--reflink=auto"])
+        .arg(from)
+        .arg(to)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|e| Error::io("running cp for a disk copy", e))?;
+    if !out.status.success() {
+        return Err(Error::io(
+            format!("copying disk {} to {}", from.display(), to.display()),
+            std::io::Error::other(String::from_utf8_lossy(&out.stderr).trim().to_string()),
+        ));
+    }
+    Ok(())
+}
+
+/// Gives a VM in `dir` its own writable copy of the golden snapshot's root
+/// disk (images with a rootfs only), owned by the jail's uid when jailed.
+pub async fn prepare_disk(cfg: &Config, image: &ImageRow, dir: &Path) -> Result<()> {
+    if image.rootfs.is_empty() {
+        return Ok(());
+    }
+    let (run, _) = run_dirs(dir, cfg.jail.is_some());
+    std::fs::create_dir_all(&run)
+        .map_err(|e| Error::io(format!("creating {}", run.display()), e))?;
+    let disk = run.join(VM_DISK);
+    copy_disk(&Path::new(&image.golden_dir).join(GOLDEN_DISK), &disk).await?;
+    if let Some(j) = &cfg.jail {
+        std::os::unix::fs::chown(&disk, Some(j.uid), Some(j.gid))
+            .map_err(|e| Error::io(format!("giving {} to the jail's uid", disk.display()), e))?;
+    }
+    Ok(())
 }
 
 /// Where a jailed VM sees its image's golden snapshot.

@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::events::EventBus;
 use crate::guest::{self, GuestConn};
 use crate::metrics;
-use crate::pool::{restore_launch, Pool};
+use crate::pool::{prepare_disk, restore_launch, Pool};
 use crate::store::{EventRow, ImageRow, SessionRow, Store};
 use crate::supervisor::{self, ExitStatus, VmmProcess};
 
@@ -573,6 +573,7 @@ impl Manager {
                 Some(vm) => (vm, true),
                 None => (
                     {
+                        prepare_disk(&self.cfg, image, &dir).await?;
                         let (args, jail) = restore_launch(&self.cfg, image, &dir, false);
                         supervisor::spawn(&self.vmm_path, &dir, &args, jail.as_ref())?
                     },

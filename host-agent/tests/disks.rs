@@ -1,0 +1,134 @@
+//! Images with a root disk: the golden snapshot keeps the disk the image
+//! booted with (the registered file is never written), and every VM gets
+//! its own copy of it as its virtio-blk device, so one session's writes reach
+//! neither the image nor another session. With jailed vmm processes the copy
+//! lies in the jail and belongs to the jail's uid.
+
+mod common;
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use common::*;
+use proto::hostagent as pb;
+
+/// A 4 MiB "root disk" with data at both ends and a hole between.
+fn rootfs(dir: &Path) -> PathBuf {
+    let path = dir.join("rootfs.img");
+    let mut data = vec![0u8; 4 << 20];
+    data[..12].copy_from_slice(b"image rootfs");
+    let end = data.len();
+    data[end - 4..].copy_from_slice(b"tail");
+    std::fs::write(&path, &data).unwrap();
+    path
+}
+
+async fn disk_image(agent: &Agent, rootfs: &Path) -> pb::Image {
+    let mut im = agent.images().await;
+    im.register_image(pb::RegisterImageRequest {
+        image_id: "disk".into(),
+        kernel_path: counter_kernel(),
+        rootfs_path: rootfs.display().to_string(),
+        cmdline: "interval=100000000".into(),
+        mem_mib: 32,
+        vcpus: 1,
+        ..Default::default()
+    })
+    .await
+    .expect("register an image with a rootfs");
+    im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+        image_id: "disk".into(),
+        settle_ms: 50,
+        ..Default::default()
+    })
+    .await
+    .expect("golden snapshot with the disk attached")
+    .into_inner()
+}
+
+/// The files the process `pid` holds open, as it names them.
+fn open_files(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+        .map(|p| p.display().to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_vm_gets_its_own_copy_of_the_golden_disk() {
+    let t = tempfile::tempdir().unwrap();
+    let source = rootfs(t.path());
+    let original = std::fs::read(&source).unwrap();
+    let agent = Agent::start(&[]);
+    let image = disk_image(&agent, &source).await;
+    let golden_disk = Path::new(&image.golden_snapshot_dir).join("rootfs.ext4");
+    assert_eq!(std::fs::read(&golden_disk).unwrap(), original);
+
+    let a = agent.create("disk", "a").await;
+    let b = agent.create("disk", "b").await;
+    let mut disks = Vec::new();
+    for s in [&a, &b] {
+        assert_eq!(s.state, S::Running as i32);
+        let disk = agent
+            .state_dir()
+            .join("sessions")
+            .join(&s.session_id)
+            .join("disk.ext4");
+        assert_eq!(std::fs::read(&disk).unwrap(), original, "{s:?}");
+        assert!(
+            open_files(s.vmm_pid).contains(&disk.display().to_string()),
+            "the vmm of {} does not hold its own disk open",
+            s.session_id
+        );
+        disks.push(disk);
+    }
+    let inode = |p: &Path| std::fs::metadata(p).unwrap().ino();
+    assert_ne!(inode(&disks[0]), inode(&disks[1]));
+    assert_ne!(inode(&disks[0]), inode(&golden_disk));
+    // A write to one session's disk reaches nothing else.
+    std::fs::write(&disks[0], b"changed").unwrap();
+    assert_eq!(std::fs::read(&disks[1]).unwrap(), original);
+    assert_eq!(std::fs::read(&golden_disk).unwrap(), original);
+    assert_eq!(std::fs::read(&source).unwrap(), original);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jailed_vm_gets_its_disk_inside_the_jail() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipped: jailed vmm processes need root");
+        return;
+    }
+    let cg = Path::new("/sys/fs/cgroup");
+    if !cg.join("cgroup.controllers").exists() && !cg.join("memory/cgroup.procs").exists() {
+        println!("skipped: no cgroup v2 or v1 memory hierarchy at /sys/fs/cgroup");
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let source = rootfs(t.path());
+    let agent = Agent::start(&["--jail-uid", "65534", "--jail-gid", "65534"]);
+    disk_image(&agent, &source).await;
+    let s = agent.create("disk", "jailed").await;
+    assert_eq!(s.state, S::Running as i32);
+    let disk = agent
+        .state_dir()
+        .join("sessions")
+        .join(&s.session_id)
+        .join("jail/run/disk.ext4");
+    let meta = std::fs::metadata(&disk).unwrap();
+    assert_eq!((meta.uid(), meta.gid()), (65534, 65534));
+    let vmm = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", s.vmm_pid))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse::<u32>()
+        .unwrap();
+    // Inside its mount namespace the jailed vmm sees the disk at /run.
+    assert!(
+        open_files(vmm).contains(&"/run/disk.ext4".to_string()),
+        "{:?}",
+        open_files(vmm)
+    );
+}
