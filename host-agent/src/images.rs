@@ -128,6 +128,10 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
         args.push("--vsock".to_string());
         args.push(v);
     }
+    if image.guest_init {
+        // A Linux guest gets entropy from the host (virtio-rng) from its first boot.
+        args.push("--rng".to_string());
+    }
     // The image boots on a copy of its rootfs; the copy, as the snapshot
     // leaves it, goes with the golden snapshot (the registered file stays as it is).
     let build_disk = build.join(GOLDEN_DISK);

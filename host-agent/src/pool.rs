@@ -209,6 +209,10 @@ pub fn restore_launch(
         args.push("--disk".to_string());
         args.push(inside.join(VM_DISK).display().to_string());
     }
+    if image.guest_init {
+        // As the golden boot had it (see images::build_golden).
+        args.push("--rng".to_string());
+    }
     if let Some(v) = cfg.vsock_device_arg(image.guest_init, &inside) {
         args.push("--vsock".to_string());
         args.push(v);
@@ -294,9 +298,11 @@ mod tests {
         assert_eq!(args[at + 1], "3:/state/sessions/s1/vsock.sock");
         assert!(args.contains(&"--paused".to_string()));
         assert!(args.contains(&"/images/i/golden-1".to_string()), "{args:?}");
+        assert!(args.contains(&"--rng".to_string()), "guest-init images get entropy");
 
         let (args, _) = restore_launch(&cfg, &image(false), dir, false);
         assert!(!args.contains(&"--vsock".to_string()), "{args:?}");
+        assert!(!args.contains(&"--rng".to_string()), "{args:?}");
 
         let off = Config {
             vsock_device: false,
