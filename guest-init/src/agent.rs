@@ -62,6 +62,9 @@ pub struct Config {
     pub hosts_file: PathBuf,
     /// Maximum frame size in both directions.
     pub max_frame: usize,
+    /// Move the system clock to the host's time sent with StartSession and
+    /// ResumeSession (PID 1 in a guest only: elsewhere it is the host's clock).
+    pub set_clock: bool,
 }
 
 /// Why [`serve`] returned.
@@ -372,7 +375,10 @@ impl Conn {
                 Err(m) => self.send(m).await,
             },
             In::ResumeSession(r) => {
-                if let Err(e) = self.resume(&r.session_id, r.audit_seq_seen).await {
+                if let Err(e) = self
+                    .resume(&r.session_id, r.audit_seq_seen, r.host_time_unix_ns)
+                    .await
+                {
                     self.send(e).await;
                 }
             }
@@ -494,7 +500,12 @@ impl Conn {
     }
 
     /// Re-attaches the session an earlier connection left to this one.
-    async fn resume(&mut self, session_id: &str, audit_seen: u64) -> Result<(), Failure> {
+    async fn resume(
+        &mut self,
+        session_id: &str,
+        audit_seen: u64,
+        host_time_ns: i64,
+    ) -> Result<(), Failure> {
         if self.session.is_some() || self.pending.is_some() {
             return Err(error(
                 Code::Protocol,
@@ -504,7 +515,7 @@ impl Conn {
         }
         match self.detached.take() {
             Some(s) if s.id == session_id => {
-                s.reattach(self.out.clone(), audit_seen).await;
+                s.reattach(self.out.clone(), audit_seen, host_time_ns).await;
                 self.session = Some(s);
                 Ok(())
             }
@@ -592,6 +603,10 @@ impl Session {
         cfg: Arc<Config>,
         out: Outbox,
     ) -> Result<Arc<Self>, Failure> {
+        // First, so the clone, the branch and the audit log carry the right time.
+        let clock = cfg
+            .set_clock
+            .then(|| crate::clock::sync_to(req.host_time_unix_ns));
         let redactor = Redactor::new(
             &req.secrets
                 .iter()
@@ -690,6 +705,7 @@ impl Session {
             turn_id: "",
         })
         .await;
+        s.audit_clock(clock).await;
         if let Err(m) = s.apply_egress(&plan).await {
             s.audit(Entry {
                 actor: "guest-init",
@@ -723,8 +739,12 @@ impl Session {
 
     /// Sends to a resumed session's new connection from now on: first the
     /// audit events after `audit_seen` (the host missed them), then Ready.
-    async fn reattach(&self, out: Outbox, audit_seen: u64) {
+    async fn reattach(&self, out: Outbox, audit_seen: u64, host_time_ns: i64) {
         *lock(&self.out) = out;
+        let clock = self
+            .cfg
+            .set_clock
+            .then(|| crate::clock::sync_to(host_time_ns));
         {
             let log = self.audit.lock().await;
             match log.lines_after(audit_seen) {
@@ -754,8 +774,31 @@ impl Session {
             ..Default::default()
         })
         .await;
+        self.audit_clock(clock).await;
         tracing::info!(session = %self.id, "session resumed on a new connection");
         self.send_ready().await;
+    }
+
+    /// Records a clock step (or a failed one) from [`crate::clock::sync_to`].
+    async fn audit_clock(&self, clock: Option<Result<Option<i128>, crate::clock::ClockError>>) {
+        let result = match clock {
+            Some(Ok(Some(delta))) => {
+                format!("moved {} to the host's time", crate::clock::describe(delta))
+            }
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "guest clock not set");
+                e.to_string()
+            }
+            Some(Ok(None)) | None => return,
+        };
+        self.audit(Entry {
+            actor: "guest-init",
+            action: "clock.set",
+            resource: "CLOCK_REALTIME",
+            result: &result,
+            ..Default::default()
+        })
+        .await;
     }
 
     /// Sends `m`; error messages are redacted, since they may quote input.

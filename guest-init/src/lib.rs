@@ -18,6 +18,7 @@
 pub mod agent;
 pub mod audit;
 pub mod channel;
+pub mod clock;
 pub mod exec;
 pub mod pid1;
 pub mod policy;

@@ -102,6 +102,10 @@ struct InitArgs {
     /// Exit instead of powering off.
     #[arg(long)]
     no_poweroff: bool,
+    /// Set the clock from the host's time (off by default in this test mode,
+    /// where the "guest" shares the host's clock).
+    #[arg(long)]
+    set_clock: bool,
     /// Hostname to set instead of the kernel command line's.
     #[arg(long)]
     hostname: Option<String>,
@@ -158,6 +162,7 @@ fn main() -> ExitCode {
             }
             o.network = !a.no_network;
             o.poweroff = !a.no_poweroff;
+            o.set_clock = a.set_clock;
             o.apply_egress = a.apply_egress;
             if let Some(h) = a.hosts_file {
                 o.hosts_file = h;
@@ -211,6 +216,8 @@ fn serve(a: ServeArgs) -> std::io::Result<ExitCode> {
             apply_egress: a.apply_egress,
             hosts_file: PathBuf::from("/etc/hosts"),
             max_frame: a.max_frame,
+            // `serve` runs on some machine's own clock, never a guest's.
+            set_clock: false,
         };
         let mut transport = a.listen.bind()?;
         agent::serve(transport.as_mut(), cfg).await?;

@@ -14,6 +14,7 @@ fn resume(id: &str, audit_seq_seen: u64) -> In {
     In::ResumeSession(ResumeSession {
         session_id: id.into(),
         audit_seq_seen,
+        host_time_unix_ns: 0,
     })
 }
 

@@ -298,7 +298,10 @@ mod tests {
         assert_eq!(args[at + 1], "3:/state/sessions/s1/vsock.sock");
         assert!(args.contains(&"--paused".to_string()));
         assert!(args.contains(&"/images/i/golden-1".to_string()), "{args:?}");
-        assert!(args.contains(&"--rng".to_string()), "guest-init images get entropy");
+        assert!(
+            args.contains(&"--rng".to_string()),
+            "guest-init images get entropy"
+        );
 
         let (args, _) = restore_launch(&cfg, &image(false), dir, false);
         assert!(!args.contains(&"--vsock".to_string()), "{args:?}");

@@ -632,6 +632,7 @@ impl Manager {
         let conn = self.connect_guest(sess, timeout).await?;
         let bundle = git(&row.repository, &["bundle", "create", "-", "--all"]).await?;
         conn.send(In::StartSession(StartSession {
+            host_time_unix_ns: unix_now_ns(),
             session_id: sess.id.clone(),
             agent: row.agent.clone(),
             base_ref: row.base_ref.clone(),
@@ -704,6 +705,7 @@ impl Manager {
         conn.send(In::ResumeSession(ResumeSession {
             session_id: sess.id.clone(),
             audit_seq_seen,
+            host_time_unix_ns: unix_now_ns(),
         }))
         .await?;
         loop {
@@ -1208,6 +1210,13 @@ impl Manager {
 }
 
 /// Runs git in `repo` and returns its stdout.
+/// This host's wall clock, Unix nanoseconds, for the guest to set its own.
+fn unix_now_ns() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+}
+
 async fn git(repo: &str, args: &[&str]) -> Result<Vec<u8>> {
     let out = tokio::process::Command::new("git")
         .arg("-C")

@@ -52,6 +52,9 @@ pub struct Options {
     pub hosts_file: PathBuf,
     /// Hostname to set, if any.
     pub hostname: Option<String>,
+    /// Set the clock from the host's time (a guest; off where the "guest"
+    /// shares the host's clock, as in tests).
+    pub set_clock: bool,
 }
 
 impl Options {
@@ -68,6 +71,7 @@ impl Options {
             apply_egress: true,
             hosts_file: PathBuf::from("/etc/hosts"),
             hostname: cmd.hostname.clone(),
+            set_clock: true,
         }
     }
 }
@@ -107,6 +111,7 @@ pub fn run(opts: Options) -> std::io::Result<()> {
             apply_egress: opts.apply_egress,
             hosts_file: opts.hosts_file.clone(),
             max_frame: proto::framing::DEFAULT_MAX_FRAME,
+            set_clock: opts.set_clock,
         };
         let mut transport = opts.listen.bind()?;
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

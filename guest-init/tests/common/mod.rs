@@ -191,6 +191,7 @@ impl Harness {
             apply_egress: false,
             hosts_file: dir.path().join("hosts"),
             max_frame: opts.max_frame,
+            set_clock: false,
         };
         let mut transport = UnixTransport::bind(&socket).unwrap();
         let task = tokio::spawn(async move { agent::serve(&mut transport, cfg).await });
@@ -382,6 +383,8 @@ impl Client {
     /// Sends StartSession and the bundle; returns Ready or Error.
     pub async fn start_session(&mut self, spec: &SessionSpec, bundle: &[u8]) -> Out {
         self.send(In::StartSession(StartSession {
+            // No host time: these guests share this machine's clock, which must not move.
+            host_time_unix_ns: 0,
             session_id: spec.id.clone(),
             agent: spec.agent.clone(),
             base_ref: spec.base_ref.clone(),
