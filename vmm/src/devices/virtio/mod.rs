@@ -16,7 +16,7 @@ pub mod vsock;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{DescriptorChain, Queue, QueueT};
 use vm_superio::Trigger;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -26,6 +26,12 @@ use crate::memory::GuestMemoryMmap;
 /// `VIRTIO_F_VERSION_1`: the modern (virtio 1.x) interface. Every device offers it
 /// and the transport refuses a driver that does not accept it.
 pub const VIRTIO_F_VERSION_1: u64 = 1 << virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+
+/// `VIRTIO_F_RING_EVENT_IDX`: the driver and the device tell each other, through
+/// `used_event` and `avail_event`, up to where they need no notification, so a
+/// busy queue runs with few interrupts and few QueueNotify exits.
+pub const VIRTIO_RING_F_EVENT_IDX: u64 =
+    1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 
 /// Interrupt status bit: a used ring was updated.
 pub const VIRTIO_MMIO_INT_VRING: u32 = virtio_bindings::virtio_mmio::VIRTIO_MMIO_INT_VRING;
@@ -127,7 +133,7 @@ impl DeviceCommon {
             queue_evts.push(EventFd::new(libc::EFD_NONBLOCK)?);
         }
         Ok(DeviceCommon {
-            avail_features: avail_features | VIRTIO_F_VERSION_1,
+            avail_features: avail_features | VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX,
             acked_features: 0,
             queues,
             queue_evts,
@@ -147,8 +153,9 @@ impl DeviceCommon {
                 return Err(ActivateError::QueueNotReady(i));
             }
         }
+        let event_idx = self.acked_features & VIRTIO_RING_F_EVENT_IDX != 0;
         for q in &mut self.queues {
-            q.set_event_idx(false);
+            q.set_event_idx(event_idx);
         }
         self.mem = Some(mem);
         self.interrupt = Some(interrupt);
@@ -172,6 +179,37 @@ impl DeviceCommon {
     pub fn signal_used(&self) {
         if let Some(irq) = &self.interrupt {
             irq.signal_used_queue();
+        }
+    }
+
+    /// After returning buffers on queue `q`: raises the used-ring interrupt
+    /// unless the driver (EVENT_IDX `used_event`) said it does not need one yet.
+    pub fn signal_used_queue(&mut self, q: usize) {
+        let needed = match (&self.mem, self.queues.get_mut(q)) {
+            // A used_event that cannot be read counts as "interrupt".
+            (Some(mem), Some(queue)) => queue.needs_notification(mem).unwrap_or(true),
+            _ => true,
+        };
+        if needed {
+            self.signal_used();
+        }
+    }
+
+    /// Takes the next available chain of queue `q`. When the queue is empty it
+    /// asks the driver to notify on the next buffer (EVENT_IDX: `avail_event`)
+    /// and looks once more, so a buffer added in between is not missed.
+    pub fn pop_chain<'m>(
+        &mut self,
+        q: usize,
+        mem: &'m GuestMemoryMmap,
+    ) -> Option<DescriptorChain<&'m GuestMemoryMmap>> {
+        let queue = self.queues.get_mut(q)?;
+        if let Some(chain) = queue.pop_descriptor_chain(mem) {
+            return Some(chain);
+        }
+        match queue.enable_notification(mem) {
+            Ok(true) => queue.pop_descriptor_chain(mem),
+            _ => None,
         }
     }
 }

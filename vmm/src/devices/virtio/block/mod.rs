@@ -233,7 +233,7 @@ impl Block {
             return 0;
         };
         let mut done = 0;
-        while let Some(chain) = self.common.queues[0].pop_descriptor_chain(&mem) {
+        while let Some(chain) = self.common.pop_chain(0, &mem) {
             let head = chain.head_index();
             let used = handle_request(&self.disk, &mem, chain);
             if let Err(e) = self.common.queues[0].add_used(&mem, head, used) {
@@ -243,7 +243,7 @@ impl Block {
             done += 1;
         }
         if done > 0 {
-            self.common.signal_used();
+            self.common.signal_used_queue(0);
         }
         done
     }

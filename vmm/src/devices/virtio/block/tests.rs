@@ -1,7 +1,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use virtio_queue::desc::split::Descriptor as SplitDescriptor;
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Address, Bytes, GuestAddress};
 
 use super::persist::BlockConstructorArgs;
 use super::*;
@@ -396,5 +396,63 @@ fn bench_block_request_cost() {
             "bench: virtio-blk {name}: {} ns/request over {n} requests",
             total.as_nanos() as u64 / n
         );
+    }
+}
+
+/// A read of sector 0 as chain `first` (three descriptors).
+fn queue_read(q: &virtio_queue::mock::MockSplitQueue<GuestMemoryMmap>, first: u16) {
+    add_chain(
+        q,
+        first,
+        &[(HDR, 16, false), (DATA, 512, true), (STATUS, 1, true)],
+    );
+}
+
+#[test]
+fn event_idx_suppresses_unwanted_interrupts_and_rearms_notification() {
+    use crate::devices::virtio::test_utils::TEST_QUEUE_SIZE;
+    use crate::devices::virtio::{VIRTIO_MMIO_INT_VRING, VIRTIO_RING_F_EVENT_IDX};
+    let (_disk, mut block, mem) = setup(false);
+    assert_ne!(block.common().avail_features & VIRTIO_RING_F_EVENT_IDX, 0);
+    let q = mock_queue(&mem, GuestAddress(0));
+    activate(&mut block, &mem, &[&q]);
+    assert_ne!(block.common().acked_features & VIRTIO_RING_F_EVENT_IDX, 0);
+    let irq = block.common().interrupt.clone().unwrap();
+    let size = u64::from(TEST_QUEUE_SIZE);
+    // used_event trails the available ring, avail_event the used ring.
+    let used_event = q.avail_addr().unchecked_add(4 + 2 * size);
+    let avail_event = q.used_addr().unchecked_add(4 + 8 * size);
+    header(&mem, VIRTIO_BLK_T_IN, 0);
+
+    // The driver wants an interrupt once the used index passes 2.
+    mem.write_obj(2u16, used_event).unwrap();
+    queue_read(&q, 0);
+    assert_eq!(block.process_queue(), 1);
+    assert_eq!(irq.status() & VIRTIO_MMIO_INT_VRING, 0, "interrupt not wanted yet");
+    // Having drained the queue, the device asks to hear of the next buffer.
+    assert_eq!(mem.read_obj::<u16>(avail_event).unwrap(), 1);
+
+    queue_read(&q, 3);
+    queue_read(&q, 6);
+    assert_eq!(block.process_queue(), 2);
+    assert_eq!(used_idx(&q), 3);
+    assert_ne!(irq.status() & VIRTIO_MMIO_INT_VRING, 0, "used index passed used_event");
+    assert_eq!(mem.read_obj::<u16>(avail_event).unwrap(), 3);
+}
+
+#[test]
+fn without_event_idx_every_batch_interrupts() {
+    use crate::devices::virtio::{VIRTIO_MMIO_INT_VRING, VIRTIO_RING_F_EVENT_IDX};
+    let (_disk, mut block, mem) = setup(false);
+    let q = mock_queue(&mem, GuestAddress(0));
+    block.common_mut().avail_features &= !VIRTIO_RING_F_EVENT_IDX;
+    activate(&mut block, &mem, &[&q]);
+    let irq = block.common().interrupt.clone().unwrap();
+    header(&mem, VIRTIO_BLK_T_IN, 0);
+    for (i, first) in [0u16, 3, 6].into_iter().enumerate() {
+        queue_read(&q, first);
+        assert_eq!(block.process_queue(), 1);
+        assert_ne!(irq.status() & VIRTIO_MMIO_INT_VRING, 0, "batch {i}");
+        irq.ack(VIRTIO_MMIO_INT_VRING);
     }
 }

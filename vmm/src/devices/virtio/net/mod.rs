@@ -101,7 +101,7 @@ impl Net {
             return 0;
         };
         let mut done = 0;
-        while let Some(chain) = self.common.queues[TX_QUEUE].pop_descriptor_chain(&mem) {
+        while let Some(chain) = self.common.pop_chain(TX_QUEUE, &mem) {
             let head = chain.head_index();
             self.send_frame(&mem, chain);
             if let Err(e) = self.common.queues[TX_QUEUE].add_used(&mem, head, 0) {
@@ -111,7 +111,7 @@ impl Net {
             done += 1;
         }
         if done > 0 {
-            self.common.signal_used();
+            self.common.signal_used_queue(TX_QUEUE);
         }
         done
     }
@@ -168,7 +168,7 @@ impl Net {
                 },
             };
             self.rx_pending = Some(len);
-            let Some(chain) = self.common.queues[RX_QUEUE].pop_descriptor_chain(&mem) else {
+            let Some(chain) = self.common.pop_chain(RX_QUEUE, &mem) else {
                 // No guest buffer: keep this one frame, the tap keeps the rest.
                 break;
             };
@@ -200,7 +200,7 @@ impl Net {
             done += 1;
         }
         if done > 0 {
-            self.common.signal_used();
+            self.common.signal_used_queue(RX_QUEUE);
         }
         done
     }

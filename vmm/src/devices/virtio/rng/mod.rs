@@ -46,7 +46,7 @@ impl Rng {
             return 0;
         };
         let mut done = 0;
-        while let Some(chain) = self.common.queues[0].pop_descriptor_chain(&mem) {
+        while let Some(chain) = self.common.pop_chain(0, &mem) {
             let head = chain.head_index();
             let len = fill(&mem, chain);
             if let Err(e) = self.common.queues[0].add_used(&mem, head, len) {
@@ -56,7 +56,7 @@ impl Rng {
             done += 1;
         }
         if done > 0 {
-            self.common.signal_used();
+            self.common.signal_used_queue(0);
         }
         done
     }

@@ -294,7 +294,7 @@ impl Vsock {
             return 0;
         };
         let mut done = 0;
-        while let Some(chain) = self.common.queues[TX_QUEUE].pop_descriptor_chain(&mem) {
+        while let Some(chain) = self.common.pop_chain(TX_QUEUE, &mem) {
             let head = chain.head_index();
             self.handle_tx_packet(&mem, chain);
             self.stats.tx_packets += 1;
@@ -305,7 +305,7 @@ impl Vsock {
             done += 1;
         }
         if done > 0 {
-            self.common.signal_used();
+            self.common.signal_used_queue(TX_QUEUE);
         }
         done
     }
@@ -471,7 +471,7 @@ impl Vsock {
         let mut done = 0;
         loop {
             if let Some(mut hdr) = self.rx_control.front().copied() {
-                let Some(chain) = self.common.queues[RX_QUEUE].pop_descriptor_chain(&mem) else {
+                let Some(chain) = self.common.pop_chain(RX_QUEUE, &mem) else {
                     break;
                 };
                 let head = chain.head_index();
@@ -496,7 +496,7 @@ impl Vsock {
             let Some(key) = self.next_readable() else {
                 break;
             };
-            let Some(chain) = self.common.queues[RX_QUEUE].pop_descriptor_chain(&mem) else {
+            let Some(chain) = self.common.pop_chain(RX_QUEUE, &mem) else {
                 break;
             };
             let head = chain.head_index();
@@ -509,7 +509,7 @@ impl Vsock {
             }
         }
         if done > 0 {
-            self.common.signal_used();
+            self.common.signal_used_queue(RX_QUEUE);
         }
         done
     }
@@ -591,7 +591,7 @@ impl Vsock {
         let Some(mem) = self.common.mem.clone() else {
             return;
         };
-        let Some(chain) = self.common.queues[EVENT_QUEUE].pop_descriptor_chain(&mem) else {
+        let Some(chain) = self.common.pop_chain(EVENT_QUEUE, &mem) else {
             return;
         };
         let head = chain.head_index();
@@ -607,7 +607,7 @@ impl Vsock {
             .is_ok()
         {
             self.reset_event_pending = false;
-            self.common.signal_used();
+            self.common.signal_used_queue(EVENT_QUEUE);
         }
     }
 
