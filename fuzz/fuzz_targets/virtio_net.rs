@@ -1,12 +1,10 @@
 //! A hostile virtio driver and a hostile network against virtio-net: the
 //! first 16 KiB of input become guest memory (descriptor tables, rings,
 //! frames), the rest a sequence of register accesses, event-loop turns, and
-//! frames the "tap" side sends (or reads back). The tap is one end of a
-//! SOCK_SEQPACKET socket pair, so no privilege is needed.
+//! frames the "tap" side sends (or reads back). The tap is a socket-pair
+//! stand-in (`Tap::pair`), so no privilege is needed.
 #![no_main]
 
-use std::os::fd::{FromRawFd, OwnedFd};
-use std::os::unix::net::UnixDatagram;
 use std::sync::{Arc, Mutex};
 
 use event_manager::{EventManager, SubscriberOps};
@@ -23,36 +21,13 @@ use vmm::memory::GuestMemoryMmap;
 const MEM_BYTES: usize = 1 << 20;
 const SEED_BYTES: usize = 16 << 10;
 
-/// The device's end wrapped as a tap, and the network's end.
-fn tap_pair() -> Option<(Tap, UnixDatagram)> {
-    let mut fds = [0i32; 2];
-    // SAFETY: socketpair writes two new descriptors into `fds`, owned below.
-    let rc = unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-            fds.as_mut_ptr(),
-        )
-    };
-    if rc != 0 {
-        return None;
-    }
-    // SAFETY: both descriptors were just created and nothing else owns them.
-    let (dev, net) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    Some((
-        Tap::from_file(std::fs::File::from(dev), "fuzz"),
-        UnixDatagram::from(net),
-    ))
-}
-
 fuzz_target!(|data: &[u8]| {
     let (seed, ops) = data.split_at(data.len().min(SEED_BYTES));
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_BYTES)]).expect("memory");
     mem.write_slice(seed, GuestAddress(0)).expect("seed fits");
     let Ok(irq) = IrqLine::new(5) else { return };
     let interrupt = Arc::new(Interrupt::new(irq));
-    let Some((tap, network)) = tap_pair() else {
+    let Ok((tap, network)) = Tap::pair("fuzz") else {
         return;
     };
     let Ok(net) = Net::with_tap(tap, Some([2, 0, 0, 0, 0, 1])) else {

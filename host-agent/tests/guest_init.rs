@@ -422,7 +422,21 @@ async fn guest_init_session_exec_approvals_audit_branch() {
     );
 
     // The audit stream is stored, chained on the host.
-    let audit = ap
+    let audit = host_audit(&agent, &s).await;
+    assert!(audit.len() >= 5, "{audit:?}");
+    for a in &audit {
+        assert!(serde_json::from_str::<serde_json::Value>(&a.json).is_ok());
+    }
+    assert!(
+        audit.iter().any(|a| a.json.contains("git push")),
+        "denied command audited"
+    );
+}
+
+/// The session's audit records as host-agent stored them, after checking
+/// that each is chained to the one before (`sha256(prev || json)`).
+async fn host_audit(agent: &Agent, s: &pb::Session) -> Vec<pb::AuditRecord> {
+    let audit = pb::approvals_client::ApprovalsClient::new(agent.channel().await)
         .list_audit(pb::ListAuditRequest {
             session_id: s.session_id.clone(),
             since_guest_seq: 0,
@@ -431,20 +445,19 @@ async fn guest_init_session_exec_approvals_audit_branch() {
         .unwrap()
         .into_inner()
         .records;
-    assert!(audit.len() >= 5, "{audit:?}");
     let mut prev = String::new();
     for a in &audit {
         let mut h = Sha256::new();
         h.update(prev.as_bytes());
         h.update(a.json.as_bytes());
-        assert_eq!(a.host_hash, hex::encode(h.finalize()));
+        assert_eq!(
+            a.host_hash,
+            hex::encode(h.finalize()),
+            "chain broken at {a:?}"
+        );
         prev = a.host_hash.clone();
-        assert!(serde_json::from_str::<serde_json::Value>(&a.json).is_ok());
     }
-    assert!(
-        audit.iter().any(|a| a.json.contains("git push")),
-        "denied command audited"
-    );
+    audit
 }
 
 /// Registers the guest-init image "gi" and builds its golden snapshot.
@@ -526,28 +539,7 @@ async fn the_guest_session_is_resumed_after_host_agent_restarts() {
     assert_eq!(exit_code(&out), Some(0));
 
     // One audit chain on the host across both processes, with the detach and resume in it.
-    let mut ap = pb::approvals_client::ApprovalsClient::new(agent.channel().await);
-    let audit = ap
-        .list_audit(pb::ListAuditRequest {
-            session_id: s.session_id.clone(),
-            since_guest_seq: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .records;
-    let mut prev = String::new();
-    for a in &audit {
-        let mut h = Sha256::new();
-        h.update(prev.as_bytes());
-        h.update(a.json.as_bytes());
-        assert_eq!(
-            a.host_hash,
-            hex::encode(h.finalize()),
-            "chain broken at {a:?}"
-        );
-        prev = a.host_hash.clone();
-    }
+    let audit = host_audit(&agent, &s).await;
     let actions: Vec<String> = audit
         .iter()
         .map(|a| {

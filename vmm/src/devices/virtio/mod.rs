@@ -30,8 +30,7 @@ pub const VIRTIO_F_VERSION_1: u64 = 1 << virtio_bindings::virtio_config::VIRTIO_
 /// `VIRTIO_F_RING_EVENT_IDX`: the driver and the device tell each other, through
 /// `used_event` and `avail_event`, up to where they need no notification, so a
 /// busy queue runs with few interrupts and few QueueNotify exits.
-pub const VIRTIO_RING_F_EVENT_IDX: u64 =
-    1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+pub const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 
 /// Interrupt status bit: a used ring was updated.
 pub const VIRTIO_MMIO_INT_VRING: u32 = virtio_bindings::virtio_mmio::VIRTIO_MMIO_INT_VRING;

@@ -428,7 +428,11 @@ fn event_idx_suppresses_unwanted_interrupts_and_rearms_notification() {
     mem.write_obj(2u16, used_event).unwrap();
     queue_read(&q, 0);
     assert_eq!(block.process_queue(), 1);
-    assert_eq!(irq.status() & VIRTIO_MMIO_INT_VRING, 0, "interrupt not wanted yet");
+    assert_eq!(
+        irq.status() & VIRTIO_MMIO_INT_VRING,
+        0,
+        "interrupt not wanted yet"
+    );
     // Having drained the queue, the device asks to hear of the next buffer.
     assert_eq!(mem.read_obj::<u16>(avail_event).unwrap(), 1);
 
@@ -436,7 +440,11 @@ fn event_idx_suppresses_unwanted_interrupts_and_rearms_notification() {
     queue_read(&q, 6);
     assert_eq!(block.process_queue(), 2);
     assert_eq!(used_idx(&q), 3);
-    assert_ne!(irq.status() & VIRTIO_MMIO_INT_VRING, 0, "used index passed used_event");
+    assert_ne!(
+        irq.status() & VIRTIO_MMIO_INT_VRING,
+        0,
+        "used index passed used_event"
+    );
     assert_eq!(mem.read_obj::<u16>(avail_event).unwrap(), 3);
 }
 

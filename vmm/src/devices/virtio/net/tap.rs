@@ -158,6 +158,34 @@ impl Tap {
         }
     }
 
+    /// A tap stand-in that needs no privilege: one end of a non-blocking
+    /// `SOCK_SEQPACKET` pair as the tap, the other as the network side (each
+    /// message one frame, virtio-net header first). For tests and fuzzing.
+    pub fn pair(name: &str) -> io::Result<(Tap, std::os::unix::net::UnixDatagram)> {
+        use std::os::fd::{FromRawFd, OwnedFd};
+        let mut fds = [0i32; 2];
+        // SAFETY: socketpair writes two new descriptors into `fds`, owned below.
+        let rc = unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_SEQPACKET | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                0,
+                fds.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: both descriptors were just created and nothing else owns them.
+        let (tap, network) =
+            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        // A UnixDatagram sends and receives whole messages, as a seqpacket peer needs.
+        Ok((
+            Tap::from_file(File::from(tap), name),
+            std::os::unix::net::UnixDatagram::from(network),
+        ))
+    }
+
     /// The interface name.
     pub fn name(&self) -> &str {
         &self.name

@@ -60,27 +60,13 @@ fn malformed_tx_frames_are_dropped_and_rx_without_frames_is_idle() {
     assert_eq!(used_idx(&rx), 0);
 }
 
-/// A device on one end of a SOCK_SEQPACKET pair (a tap stand-in that needs no
-/// privilege); the other end is the host's side of the "tap".
+/// A device on a tap stand-in that needs no privilege, and the network side.
 fn net_on_socketpair() -> (Net, std::os::unix::net::UnixDatagram) {
-    use std::os::fd::{FromRawFd, OwnedFd};
-    let mut fds = [0i32; 2];
-    // SAFETY: socketpair writes two new descriptors into `fds`, owned below.
-    let rc = unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-            fds.as_mut_ptr(),
-        )
-    };
-    assert_eq!(rc, 0);
-    // SAFETY: both descriptors were just created and are owned by nothing else.
-    let (dev, host) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    let tap = Tap::from_file(std::fs::File::from(dev), "pair");
-    // A UnixDatagram reads and writes whole messages, as the seqpacket peer needs.
-    let host = std::os::unix::net::UnixDatagram::from(host);
-    (Net::with_tap(tap, Some([2, 0, 0, 0, 0, 1])).unwrap(), host)
+    let (tap, network) = Tap::pair("pair").unwrap();
+    (
+        Net::with_tap(tap, Some([2, 0, 0, 0, 0, 1])).unwrap(),
+        network,
+    )
 }
 
 #[test]
