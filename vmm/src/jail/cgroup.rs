@@ -81,11 +81,14 @@ fn sweep_stale(parent: &Path, keep: &str) {
     let Ok(entries) = std::fs::read_dir(parent) else {
         return;
     };
-    for e in entries.flatten() {
+    // The directory type comes with the entry; only groups are stat'ed.
+    for e in entries
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+    {
         let old = e
             .metadata()
             .ok()
-            .filter(|m| m.is_dir())
             .and_then(|m| m.modified().ok())
             .and_then(|t| t.elapsed().ok())
             .is_some_and(|age| age > STALE_AFTER);
