@@ -745,8 +745,14 @@ impl Session {
             .cfg
             .set_clock
             .then(|| crate::clock::sync_to(host_time_ns));
+        let mut rolled_back = None;
         {
-            let log = self.audit.lock().await;
+            let mut log = self.audit.lock().await;
+            if audit_seen > log.seq() {
+                // Restored from a snapshot older than what the host has seen.
+                rolled_back = Some(log.seq());
+                log.skip_to(audit_seen);
+            }
             match log.lines_after(audit_seen) {
                 Ok(lines) => {
                     for (seq, json) in lines {
@@ -766,6 +772,19 @@ impl Session {
                     .await;
                 }
             }
+        }
+        if let Some(own) = rolled_back {
+            self.audit(Entry {
+                actor: "guest-init",
+                action: "session.rolled_back",
+                resource: &self.branch,
+                result: &format!(
+                    "resumed from a snapshot: this guest's log ended at seq {own}, the host holds \
+                     events up to {audit_seen}; numbering goes on after the host's"
+                ),
+                ..Default::default()
+            })
+            .await;
         }
         self.audit(Entry {
             actor: "host",
@@ -1434,6 +1453,9 @@ impl Session {
             ..Default::default()
         })
         .await;
+        // Let go of the closed connection's outbox, so its writer ends now; what is
+        // audited until a resume stays in the log and is sent again then.
+        *lock(&self.out) = mpsc::channel(1).0;
         tracing::info!(session = %self.id, "connection closed; session kept for a resume");
     }
 

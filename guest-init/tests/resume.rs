@@ -142,3 +142,32 @@ async fn a_session_survives_its_connection_and_is_resumed() {
         )
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_behind_the_host_numbers_its_audit_after_the_hosts() {
+    // As after a restore from an older snapshot: the host holds events up to
+    // seq 1000, the guest's own log is far shorter.
+    let repo = Repo::new();
+    let h = Harness::start().await;
+    let c = h.session(&repo, "free", "main").await;
+    drop(c);
+    let mut c2 = h.connect().await;
+    c2.hello().await;
+    c2.send(resume("s1", 1000)).await;
+    c2.expect(|m| matches!(m, Out::Ready(_)).then_some(()))
+        .await;
+    let sent: Vec<serde_json::Value> = c2
+        .audit
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(sent[0]["action"], "session.rolled_back", "{sent:?}");
+    assert_eq!(
+        sent[0]["seq"], 1001,
+        "nothing the host holds is numbered again"
+    );
+    assert_eq!(sent[1]["action"], "session.resumed");
+    assert_eq!(c2.run("e", &["echo", "on"]).await.stdout(), "on\n");
+    let (last_seq, ..) = audit_actions(&h, "s1").pop().unwrap();
+    assert!(last_seq > 1002, "{last_seq}");
+}

@@ -103,6 +103,13 @@ impl Meter {
         self.execution_id = execution_id.to_string();
     }
 
+    /// The VM moves to a new process (a restore): its counters start from
+    /// zero, so the next reading is a baseline, not a delta.
+    pub fn new_process(&mut self) {
+        self.raw_cpu_ns = None;
+        self.raw_disk = None;
+    }
+
     fn accrue(&mut self, now: i64) {
         let now = now.max(self.accrued_to);
         let dt = now - self.accrued_to;

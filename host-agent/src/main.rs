@@ -170,6 +170,9 @@ enum ImagesCmd {
         id: String,
         #[arg(long)]
         kernel: String,
+        /// Root disk image (each VM gets its own copy).
+        #[arg(long, default_value = "")]
+        rootfs: String,
         #[arg(long, default_value = "")]
         cmdline: String,
         #[arg(long, default_value_t = 0)]
@@ -211,6 +214,10 @@ enum SessionsCmd {
     Stop { id: String },
     /// Delete a stopped session.
     Delete { id: String },
+    /// Write a snapshot of a session; prints its directory.
+    Snapshot { id: String },
+    /// Roll a session back to one of its snapshots.
+    Restore { id: String, snapshot_dir: String },
 }
 
 #[derive(Subcommand)]
@@ -376,6 +383,7 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
                 ImagesCmd::Register {
                     id,
                     kernel,
+                    rootfs,
                     cmdline,
                     mem_mib,
                     vcpus,
@@ -385,6 +393,7 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
                         .register_image(pb::RegisterImageRequest {
                             image_id: id,
                             kernel_path: kernel,
+                            rootfs_path: rootfs,
                             cmdline,
                             mem_mib,
                             vcpus,
@@ -481,6 +490,24 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
                     cl.delete_session(call(id)).await.map_err(st)?;
                     return Ok(());
                 }
+                SessionsCmd::Snapshot { id } => {
+                    let r = cl
+                        .snapshot_session(call(id))
+                        .await
+                        .map_err(st)?
+                        .into_inner();
+                    println!("{}", r.snapshot_dir);
+                    return Ok(());
+                }
+                SessionsCmd::Restore { id, snapshot_dir } => cl
+                    .restore_session(pb::RestoreSessionRequest {
+                        session_id: id,
+                        snapshot_dir,
+                        idempotency_key: String::new(),
+                    })
+                    .await
+                    .map_err(st)?
+                    .into_inner(),
             };
             print_session(&s);
         }

@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::events::EventBus;
 use crate::guest::{self, GuestConn};
 use crate::metrics;
-use crate::pool::{prepare_disk, restore_launch, Pool};
+use crate::pool::{copy_disk, prepare_disk, restore_launch, Pool, VM_DISK};
 use crate::store::{EventRow, ImageRow, SessionRow, Store};
 use crate::supervisor::{self, ExitStatus, VmmProcess};
 
@@ -93,6 +93,7 @@ fn allowed(from: i32, to: i32) -> bool {
             | (Ready, Running)
             | (Ready | Running, Paused)
             | (Paused, Running)
+            | (Running | Paused, Restoring)
             | (Pending | Restoring | Ready | Running | Paused, Stopping)
             | (Stopping, Stopped)
             | (
@@ -364,6 +365,12 @@ impl Manager {
             inner.row.detail = detail.to_string();
         }
         let pid = inner.vmm.as_ref().and_then(|v| v.sample_pid());
+        if to == S::Ready as i32 {
+            if let (Some(m), Some(s)) = (inner.meter.as_mut(), pid.and_then(read_sample)) {
+                // A restored session's new process: its counters start here.
+                m.baseline(s);
+            }
+        }
         if to == S::Ready as i32 && inner.meter.is_none() {
             let mut m = Meter::start(&sess.id, &inner.row.execution_id, inner.image.mem_mib, now);
             if let Some(s) = pid.and_then(read_sample) {
@@ -919,9 +926,17 @@ impl Manager {
         }
         let name = format!("{}-{}", now_ms(), uuid::Uuid::new_v4().simple());
         let dir = snaps.join(&name);
-        let result = vmm
+        let mut result = vmm
             .control(json!({"op":"snapshot","dir":run_inside.join("snapshots").join(&name),"kind":"full"}))
             .await;
+        // The disk goes with the memory (its page cache is in it), copied while paused.
+        let disk = run_host.join(VM_DISK);
+        if result.is_ok() && disk.exists() {
+            if let Err(e) = copy_disk(&disk, &dir.join(VM_DISK)).await {
+                let _ = std::fs::remove_dir_all(&dir);
+                result = Err(e);
+            }
+        }
         if was_running {
             vmm.control(json!({"op":"resume"})).await?;
             self.transition(&sess, S::Running, "snapshot", "")?;
@@ -930,6 +945,127 @@ impl Manager {
         let pages = v.get("pages_written").and_then(|p| p.as_u64()).unwrap_or(0);
         self.touch(&sess);
         Ok((sess.row(), dir.display().to_string(), pages))
+    }
+
+    /// Rolls a RUNNING or PAUSED session back to `snapshot_dir`, one of its own
+    /// snapshots: the disk copy taken with it replaces the session's disk, a new
+    /// vmm restores it under a new execution id, and the old vmm is killed.
+    pub async fn restore_session(
+        self: &Arc<Self>,
+        id: &str,
+        snapshot_dir: &str,
+    ) -> Result<SessionRow> {
+        let sess = self.session(id)?;
+        let _op = sess.op.lock().await;
+        let state = sess.row().state;
+        if state != S::Running as i32 && state != S::Paused as i32 {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is {}; only a RUNNING or PAUSED session can be restored from its snapshot",
+                state_name(state)
+            )));
+        }
+        let old = sess
+            .vmm()
+            .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
+        let dir = PathBuf::from(sess.row().dir);
+        let (run_host, run_inside) = supervisor::run_dirs(&dir, old.jailed);
+        let snapshot = own_snapshot(&run_host.join("snapshots"), snapshot_dir)?;
+        let image = sess.lock().image.clone();
+
+        // Quiet the old VM, then put the snapshot's disk in place: the old vmm
+        // keeps the replaced file open until it dies.
+        if state == S::Running as i32 {
+            old.control(json!({"op":"pause"})).await?;
+        }
+        let disk = run_host.join(VM_DISK);
+        let snap_disk = snapshot.join(VM_DISK);
+        if disk.exists() != snap_disk.exists() {
+            return Err(Error::FailedPrecondition(format!(
+                "snapshot {} and session {id} disagree on having a disk",
+                snapshot.display()
+            )));
+        }
+        if snap_disk.exists() {
+            let staged = run_host.join(format!(".{VM_DISK}.restore"));
+            copy_disk(&snap_disk, &staged).await?;
+            if let Some(j) = self.cfg.jail.as_ref().filter(|_| old.jailed) {
+                std::os::unix::fs::chown(&staged, Some(j.uid), Some(j.gid)).map_err(|e| {
+                    Error::io(format!("giving {} to the jail's uid", staged.display()), e)
+                })?;
+            }
+            std::fs::rename(&staged, &disk).map_err(|e| {
+                Error::io(
+                    format!("putting the snapshot's disk at {}", disk.display()),
+                    e,
+                )
+            })?;
+        }
+        self.transition(
+            &sess,
+            S::Restoring,
+            "restore",
+            &snapshot.display().to_string(),
+        )?;
+        let execution_id = uuid::Uuid::new_v4().to_string();
+        {
+            let mut i = sess.lock();
+            i.row.execution_id = execution_id.clone();
+            i.guest = None;
+            if let Some(m) = i.meter.as_mut() {
+                m.set_execution_id(&execution_id);
+                m.new_process();
+            }
+        }
+        if self.cfg.vsock_device && image.guest_init {
+            // The old vmm's socket: the new vmm binds its own at the same path.
+            let _ = std::fs::remove_file(self.cfg.vsock_path(&run_host));
+        }
+        let (mut args, jail) = restore_launch(&self.cfg, &image, &dir, false);
+        // The session's own snapshot, not the image's golden one.
+        if let Some(at) = args.iter().position(|a| a == "--snapshot") {
+            args[at + 1] = match jail {
+                Some(_) => run_inside
+                    .join("snapshots")
+                    .join(snapshot.file_name().unwrap_or_default())
+                    .display()
+                    .to_string(),
+                None => snapshot.display().to_string(),
+            };
+        }
+        let started = supervisor::spawn(&self.vmm_path, &dir, &args, jail.as_ref());
+        let vmm = match started {
+            Ok(v) => Arc::new(v),
+            Err(e) => {
+                old.kill();
+                let _ = self.transition(&sess, S::Failed, reason::RESTORE_FAILED, &e.to_string());
+                return Err(e);
+            }
+        };
+        {
+            let mut i = sess.lock();
+            i.vmm = Some(vmm.clone());
+            i.row.vmm_pid = vmm.pid;
+            i.row.vmm_start_ticks = vmm.start_ticks;
+            self.store.put_session(&i.row)?;
+        }
+        // No longer the session's vmm: its exit is not a crash.
+        old.kill();
+        let _ = tokio::time::timeout(Duration::from_secs(10), old.wait()).await;
+        self.watch_exit(sess.clone(), vmm.clone());
+        if let Err(e) = supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await {
+            vmm.kill();
+            let _ = self.transition(&sess, S::Failed, reason::RESTORE_FAILED, &e.to_string());
+            return Err(e);
+        }
+        self.transition(&sess, S::Ready, "restore", "")?;
+        self.transition(&sess, S::Running, "restore", "")?;
+        self.touch(&sess);
+        if image.guest_init {
+            if let Err(e) = self.guest_channel(&sess).await {
+                tracing::warn!(session = %id, error = %e, "guest channel after the restore (retried on the next exec)");
+            }
+        }
+        Ok(sess.row())
     }
 
     /// Stops a session with `why` and waits until it is STOPPED (or FAILED).
@@ -1210,6 +1346,26 @@ impl Manager {
 }
 
 /// Runs git in `repo` and returns its stdout.
+/// `requested`, checked to be a snapshot directory directly under `snaps`
+/// (where SnapshotSession writes this session's snapshots).
+fn own_snapshot(snaps: &std::path::Path, requested: &str) -> Result<PathBuf> {
+    let not_ours = || {
+        Error::invalid(format!(
+            "snapshot_dir {requested:?} is not a snapshot of this session (use a snapshot_dir that \
+             SnapshotSession returned for it)"
+        ))
+    };
+    if requested.is_empty() || requested.len() > 4096 {
+        return Err(not_ours());
+    }
+    let path = std::fs::canonicalize(requested).map_err(|_| not_ours())?;
+    let snaps = std::fs::canonicalize(snaps).map_err(|_| not_ours())?;
+    if path.parent() != Some(snaps.as_path()) || !path.join("manifest").is_file() {
+        return Err(not_ours());
+    }
+    Ok(path)
+}
+
 /// This host's wall clock, Unix nanoseconds, for the guest to set its own.
 fn unix_now_ns() -> i64 {
     std::time::SystemTime::now()

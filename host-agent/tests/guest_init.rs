@@ -573,3 +573,37 @@ async fn the_guest_session_is_resumed_after_host_agent_restarts() {
         "before the restart"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_guest_init_session_takes_commands_under_its_new_execution() {
+    let guest = start_guest().await;
+    let vsock = guest.vsock().display().to_string();
+    let agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
+    guest_init_image(&agent).await;
+    let s = guest_init_session(&agent, &guest).await;
+    let call = pb::SessionCall {
+        session_id: s.session_id.clone(),
+        idempotency_key: String::new(),
+    };
+    let mut se = agent.sessions().await;
+    let snap = se.snapshot_session(call).await.unwrap().into_inner();
+    let restored = se
+        .restore_session(pb::RestoreSessionRequest {
+            session_id: s.session_id.clone(),
+            snapshot_dir: snap.snapshot_dir,
+            idempotency_key: String::new(),
+        })
+        .await
+        .expect("restore")
+        .into_inner();
+    assert_ne!(restored.execution_id, s.execution_id);
+    // The guest channel was opened again (ResumeSession) for the new execution.
+    let (out, stdout) = exec(&agent, &restored, &["echo", "restored"], vec![])
+        .await
+        .expect("exec after the restore");
+    assert_eq!(stdout, "restored\n", "{out:?}");
+    let stale = exec(&agent, &s, &["echo", "stale"], vec![])
+        .await
+        .unwrap_err();
+    assert_eq!(stale.code(), Code::FailedPrecondition);
+}

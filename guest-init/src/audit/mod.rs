@@ -190,6 +190,19 @@ impl AuditLog {
 }
 
 impl AuditLog {
+    /// The sequence number of the last event appended (0: none yet).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Continues numbering after `seq` (when it is ahead): a guest restored from
+    /// an older snapshot must not reuse numbers the host already holds for
+    /// events of the future it was rolled back from. The hash chain goes on
+    /// from this log's own last line.
+    pub fn skip_to(&mut self, seq: u64) {
+        self.seq = self.seq.max(seq);
+    }
+
     /// The lines after `seq`, from the log file, oldest first: what a host
     /// that has seen up to `seq` is missing. A log kept only in memory has
     /// no lines to give back.
@@ -265,5 +278,22 @@ mod tests {
         assert!(log.lines_after(3).unwrap().is_empty());
         let memory = AuditLog::open(None, "s1", Redactor::default()).unwrap();
         assert!(memory.lines_after(0).unwrap().is_empty());
+
+        // Rolled back behind the host: numbering continues after the host's.
+        log.skip_to(10);
+        log.skip_to(5);
+        let (seq, line) = log
+            .append(Entry {
+                action: "d",
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(seq, 11);
+        let prev: Line = serde_json::from_str(&sent[2].1).unwrap();
+        let next: Line = serde_json::from_str(&line).unwrap();
+        assert_eq!(
+            next.prev_hash, prev.hash,
+            "the chain goes on from the last line"
+        );
     }
 }

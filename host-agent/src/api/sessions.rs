@@ -170,6 +170,27 @@ impl Sessions for SessionsApi {
         Ok(Response::new(s))
     }
 
+    async fn restore_session(
+        &self,
+        req: Request<pb::RestoreSessionRequest>,
+    ) -> Result<Response<pb::Session>, Status> {
+        let r = req.into_inner();
+        check_session_id(&r.session_id)?;
+        let mgr = &self.0;
+        let s = idempotent(
+            mgr,
+            &r.idempotency_key,
+            "RestoreSession",
+            &format!("{}\0{}", r.session_id, r.snapshot_dir),
+            async {
+                let row = mgr.restore_session(&r.session_id, &r.snapshot_dir).await?;
+                Ok(session_pb(&row))
+            },
+        )
+        .await?;
+        Ok(Response::new(s))
+    }
+
     async fn stop_session(
         &self,
         req: Request<pb::SessionCall>,

@@ -1,0 +1,191 @@
+//! RestoreSession: a RUNNING session rolled back to one of its own
+//! snapshots. The snapshot carries a copy of the session's disk; the restore
+//! puts that disk back, replaces the vmm under a new execution id (the old
+//! one is refused), the guest continues from the snapshot's point, usage and
+//! events go on without a gap. Snapshots of other sessions, or anything
+//! else, are refused.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::*;
+use proto::hostagent as pb;
+use tonic::Code;
+
+/// The counts the counting guest printed to `log` after byte `from`.
+fn counts(log: &Path, from: usize) -> Vec<u64> {
+    let text = std::fs::read(log).unwrap_or_default();
+    String::from_utf8_lossy(&text[from.min(text.len())..])
+        .lines()
+        .filter_map(|l| l.strip_prefix("count="))
+        .filter_map(|n| n.parse().ok())
+        .collect()
+}
+
+fn wait_for_counts(log: &Path, from: usize, n: usize) -> Vec<u64> {
+    let start = Instant::now();
+    loop {
+        let c = counts(log, from);
+        if c.len() >= n {
+            return c;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "only {c:?} in {}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_rolls_back_to_its_own_snapshot() {
+    let t = tempfile::tempdir().unwrap();
+    let rootfs = t.path().join("rootfs.img");
+    let mut original = vec![0u8; 1 << 20];
+    original[..5].copy_from_slice(b"first");
+    std::fs::write(&rootfs, &original).unwrap();
+    let agent = Agent::start(&["--usage-interval-ms", "200"]);
+    let mut im = agent.images().await;
+    im.register_image(pb::RegisterImageRequest {
+        image_id: "count".into(),
+        kernel_path: counter_kernel(),
+        rootfs_path: rootfs.display().to_string(),
+        cmdline: "interval=20000".into(),
+        mem_mib: 32,
+        vcpus: 1,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+        image_id: "count".into(),
+        settle_ms: 50,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let s = agent.create("count", "").await;
+    let dir = agent.state_dir().join("sessions").join(&s.session_id);
+    let log = dir.join("serial.log");
+    wait_for_counts(&log, 0, 2);
+
+    let mut c = agent.sessions().await;
+    let call = pb::SessionCall {
+        session_id: s.session_id.clone(),
+        idempotency_key: String::new(),
+    };
+    let snap = c.snapshot_session(call.clone()).await.unwrap().into_inner();
+    let snap_dir = PathBuf::from(&snap.snapshot_dir);
+    assert_eq!(
+        std::fs::read(snap_dir.join("disk.ext4")).unwrap(),
+        original,
+        "the snapshot carries the disk"
+    );
+    let at_snapshot = *counts(&log, 0).last().unwrap();
+    // After the snapshot the "guest" writes its disk and counts on.
+    std::fs::write(dir.join("disk.ext4"), b"later").unwrap();
+    let before = wait_for_counts(&log, 0, counts(&log, 0).len() + 6);
+    let last_before = *before.last().unwrap();
+    let log_len = std::fs::metadata(&log).unwrap().len() as usize;
+
+    // Not this session's snapshot, or not a snapshot at all: refused.
+    let golden = im
+        .get_image(pb::GetImageRequest {
+            image_id: "count".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .golden_snapshot_dir;
+    for bad in [golden.as_str(), "/etc", "", "relative/dir"] {
+        let err = c
+            .restore_session(pb::RestoreSessionRequest {
+                session_id: s.session_id.clone(),
+                snapshot_dir: bad.into(),
+                idempotency_key: String::new(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{bad:?}: {err:?}");
+    }
+
+    let restored = c
+        .restore_session(pb::RestoreSessionRequest {
+            session_id: s.session_id.clone(),
+            snapshot_dir: snap.snapshot_dir.clone(),
+            idempotency_key: String::new(),
+        })
+        .await
+        .expect("restore from the session's snapshot")
+        .into_inner();
+    assert_eq!(restored.state, S::Running as i32);
+    assert_ne!(restored.execution_id, s.execution_id);
+    assert_ne!(restored.vmm_pid, s.vmm_pid);
+    assert!(
+        !Path::new(&format!("/proc/{}", s.vmm_pid)).exists()
+            || std::fs::read_to_string(format!("/proc/{}/stat", s.vmm_pid))
+                .unwrap_or_default()
+                .contains(") Z "),
+        "the replaced vmm still runs"
+    );
+    assert_eq!(std::fs::read(dir.join("disk.ext4")).unwrap(), original);
+    // The guest counts on from the snapshot's point, not from where it was.
+    let after = wait_for_counts(&log, log_len, 1);
+    assert!(
+        after[0] > at_snapshot && after[0] < last_before,
+        "count after the restore {} is not between the snapshot's {at_snapshot} and the last before {last_before}",
+        after[0]
+    );
+
+    // The old execution id is refused.
+    let mut ex = pb::exec_client::ExecClient::new(agent.channel().await);
+    let stale = ex
+        .exec(tokio_stream::iter(vec![pb::ExecRequest {
+            kind: Some(pb::exec_request::Kind::Start(pb::ExecStart {
+                session_id: s.session_id.clone(),
+                execution_id: s.execution_id.clone(),
+                argv: vec!["true".into()],
+                ..Default::default()
+            })),
+        }]))
+        .await
+        .unwrap_err();
+    assert_eq!(stale.code(), Code::FailedPrecondition, "{stale:?}");
+
+    // Events: RUNNING -> RESTORING -> READY -> RUNNING, all "restore", after
+    // the create's four and the snapshot's two.
+    let events = agent.events_since(0, 9).await;
+    let restore: Vec<(i32, i32)> = events[6..]
+        .iter()
+        .filter(|e| e.reason == "restore")
+        .map(|e| (e.from, e.to))
+        .collect();
+    assert_eq!(
+        restore,
+        vec![
+            (S::Running as i32, S::Restoring as i32),
+            (S::Restoring as i32, S::Ready as i32),
+            (S::Ready as i32, S::Running as i32)
+        ]
+    );
+    // Usage goes on in one chain, later records under the new execution id.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let usage = agent.usage_of(&s.session_id).await;
+    check_usage_chain(&usage);
+    assert_eq!(usage.last().unwrap().execution_id, restored.execution_id);
+
+    // A stopped session cannot be rolled back.
+    c.stop_session(call).await.unwrap();
+    let err = c
+        .restore_session(pb::RestoreSessionRequest {
+            session_id: s.session_id.clone(),
+            snapshot_dir: snap.snapshot_dir.clone(),
+            idempotency_key: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+}
