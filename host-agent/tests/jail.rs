@@ -2,7 +2,8 @@
 //! (`--jail-uid/--jail-gid`): the vmm of a session (and of a warm VM) runs
 //! as the unprivileged uid in its own namespaces with the session's jail
 //! directory as root; pause, resume, snapshot, usage and stop work through
-//! the jail; a restarted host-agent re-attaches to it; SIGKILLing the jailer
+//! the jail, and so does rolling back to a snapshot; a restarted host-agent
+//! re-attaches to it; SIGKILLing the jailer
 //! takes the vmm down and fails the session.
 
 mod common;
@@ -126,6 +127,20 @@ async fn sessions_run_jailed_through_their_whole_life() {
     for f in ["state", "memory", "manifest"] {
         assert!(snap_dir.join(f).is_file(), "{f} missing in {snap_dir:?}");
     }
+    // Rolled back to it: a new jailed vmm restores the snapshot inside the jail.
+    let s = c
+        .restore_session(pb::RestoreSessionRequest {
+            session_id: s.session_id.clone(),
+            snapshot_dir: snap.snapshot_dir.clone(),
+            idempotency_key: String::new(),
+        })
+        .await
+        .expect("restore a jailed session from its snapshot")
+        .into_inner();
+    assert_eq!(s.state, S::Running as i32);
+    wait_gone(vmm, "the replaced jailed vmm still runs");
+    let vmm = jailed_vmm(s.vmm_pid);
+    assert_confined(vmm, &dir);
 
     // Usage is sampled from the jailed vmm, not its jailer.
     let start = Instant::now();
