@@ -77,6 +77,8 @@ async fn a_session_rolls_back_to_its_own_snapshot() {
         session_id: s.session_id.clone(),
         idempotency_key: String::new(),
     };
+    // The snapshot is taken at or after this count (the guest runs on after it).
+    let at_snapshot = *counts(&log, 0).last().unwrap();
     let snap = c.snapshot_session(call.clone()).await.unwrap().into_inner();
     let snap_dir = PathBuf::from(&snap.snapshot_dir);
     assert_eq!(
@@ -84,7 +86,6 @@ async fn a_session_rolls_back_to_its_own_snapshot() {
         original,
         "the snapshot carries the disk"
     );
-    let at_snapshot = *counts(&log, 0).last().unwrap();
     // After the snapshot the "guest" writes its disk and counts on.
     std::fs::write(dir.join("disk.ext4"), b"later").unwrap();
     let before = wait_for_counts(&log, 0, counts(&log, 0).len() + 6);
