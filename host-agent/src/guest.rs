@@ -29,10 +29,12 @@ use crate::sessions::now_ms;
 use crate::store::{AuditRow, Store};
 
 /// Connects to guest port `port` through the vsock Unix socket at `path`.
-pub async fn connect(path: &Path, port: u32) -> Result<UnixStream> {
+/// With `peer`, the socket must be served by that process (the VM's vmm).
+pub async fn connect(path: &Path, port: u32, peer: Option<u32>) -> Result<UnixStream> {
     let mut stream = UnixStream::connect(path)
         .await
         .map_err(|e| Error::Guest(format!("vsock socket {}: {e}", path.display())))?;
+    crate::supervisor::check_peer(&stream, peer, &format!("vsock socket {}", path.display()))?;
     stream
         .write_all(format!("CONNECT {port}\n").as_bytes())
         .await
@@ -59,10 +61,15 @@ pub async fn connect(path: &Path, port: u32) -> Result<UnixStream> {
 }
 
 /// Connects, retrying until `timeout` (the guest may still be starting).
-pub async fn connect_retry(path: &Path, port: u32, timeout: Duration) -> Result<UnixStream> {
+pub async fn connect_retry(
+    path: &Path,
+    port: u32,
+    peer: Option<u32>,
+    timeout: Duration,
+) -> Result<UnixStream> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        match connect(path, port).await {
+        match connect(path, port, peer).await {
             Ok(s) => return Ok(s),
             Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
             Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,

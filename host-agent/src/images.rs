@@ -138,7 +138,10 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
     if !image.rootfs.is_empty() {
         std::fs::create_dir_all(&build)
             .map_err(|e| Error::io(format!("creating {}", build.display()), e))?;
-        copy_disk(Path::new(&image.rootfs), &build_disk).await?;
+        // The operator's path may be a link; the copy is made from what it names.
+        let rootfs = std::fs::canonicalize(&image.rootfs)
+            .map_err(|e| Error::io(format!("resolving rootfs {}", image.rootfs), e))?;
+        copy_disk(&rootfs, &build_disk, None).await?;
         args.push("--disk".to_string());
         args.push(build_disk.display().to_string());
     }
@@ -149,9 +152,13 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
         if image.guest_init {
             // Idle guest-init answering on vsock is what the snapshot keeps.
             let timeout = Duration::from_secs(mgr.cfg.guest_ready_timeout_seconds);
-            let stream =
-                guest::connect_retry(&mgr.cfg.vsock_path(&build), mgr.cfg.guest_port, timeout)
-                    .await?;
+            let stream = guest::connect_retry(
+                &mgr.cfg.vsock_path(&build),
+                mgr.cfg.guest_port,
+                mgr.cfg.vsock_device.then_some(vmm.pid),
+                timeout,
+            )
+            .await?;
             drop(GuestConn::open(stream, "golden", None).await?);
         } else {
             tokio::time::sleep(Duration::from_millis(u64::from(settle))).await;

@@ -228,23 +228,19 @@ pub const VM_DISK: &str = "disk.ext4";
 pub const GOLDEN_DISK: &str = "rootfs.ext4";
 
 /// Copies a disk image keeping holes, sharing blocks where the file system
-/// can (reflink); a plain file system copies the allocated blocks.
-pub async fn copy_disk(from: &Path, to: &Path) -> Result<()> {
-    let out = tokio::process::Command::new("cp")
-        .args(["--sparse=always", "--reflink=auto"])
-        .arg(from)
-        .arg(to)
-        .stdin(std::process::Stdio::null())
-        .output()
+/// can (reflink), owned by `owner` if given. Safe in a directory a jailed vmm
+/// can write: see [`crate::safe_fs`].
+pub async fn copy_disk(from: &Path, to: &Path, owner: Option<(u32, u32)>) -> Result<()> {
+    let (src, dst) = (from.to_path_buf(), to.to_path_buf());
+    tokio::task::spawn_blocking(move || crate::safe_fs::copy_file(&src, &dst, owner))
         .await
-        .map_err(|e| Error::io("running cp for a disk copy", e))?;
-    if !out.status.success() {
-        return Err(Error::io(
-            format!("copying disk {} to {}", from.display(), to.display()),
-            std::io::Error::other(String::from_utf8_lossy(&out.stderr).trim().to_string()),
-        ));
-    }
-    Ok(())
+        .map_err(|e| Error::io("copying a disk", std::io::Error::other(e.to_string())))?
+        .map_err(|e| {
+            Error::io(
+                format!("copying disk {} to {}", from.display(), to.display()),
+                e,
+            )
+        })
 }
 
 /// Gives a VM in `dir` its own writable copy of the golden snapshot's root
@@ -256,13 +252,13 @@ pub async fn prepare_disk(cfg: &Config, image: &ImageRow, dir: &Path) -> Result<
     let (run, _) = run_dirs(dir, cfg.jail.is_some());
     std::fs::create_dir_all(&run)
         .map_err(|e| Error::io(format!("creating {}", run.display()), e))?;
-    let disk = run.join(VM_DISK);
-    copy_disk(&Path::new(&image.golden_dir).join(GOLDEN_DISK), &disk).await?;
-    if let Some(j) = &cfg.jail {
-        std::os::unix::fs::chown(&disk, Some(j.uid), Some(j.gid))
-            .map_err(|e| Error::io(format!("giving {} to the jail's uid", disk.display()), e))?;
-    }
-    Ok(())
+    let owner = cfg.jail.as_ref().map(|j| (j.uid, j.gid));
+    copy_disk(
+        &Path::new(&image.golden_dir).join(GOLDEN_DISK),
+        &run.join(VM_DISK),
+        owner,
+    )
+    .await
 }
 
 /// Where a jailed VM sees its image's golden snapshot.

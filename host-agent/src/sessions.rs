@@ -622,9 +622,16 @@ impl Manager {
 
     /// Connects to the session's guest-init over vsock and exchanges Hello.
     async fn connect_guest(&self, sess: &Session, timeout: Duration) -> Result<GuestConn> {
+        // A socket of the vmm's own vsock device must be served by that vmm.
+        let peer = if self.cfg.vsock_device {
+            sess.vmm().and_then(|v| v.sample_pid())
+        } else {
+            None
+        };
         let stream = guest::connect_retry(
             &self.cfg.vsock_path(&self.run_dir(sess)),
             self.cfg.guest_port,
+            peer,
             timeout,
         )
         .await?;
@@ -917,22 +924,33 @@ impl Manager {
         let (run_host, run_inside) =
             supervisor::run_dirs(&PathBuf::from(sess.row().dir), vmm.jailed);
         let snaps = run_host.join("snapshots");
-        std::fs::create_dir_all(&snaps)
-            .map_err(|e| Error::io(format!("creating {}", snaps.display()), e))?;
-        if let (true, Some(j)) = (vmm.jailed, &self.cfg.jail) {
-            std::os::unix::fs::chown(&snaps, Some(j.uid), Some(j.gid)).map_err(|e| {
-                Error::io(format!("giving {} to the jail's uid", snaps.display()), e)
-            })?;
-        }
+        let owner = self
+            .cfg
+            .jail
+            .as_ref()
+            .filter(|_| vmm.jailed)
+            .map(|j| (j.uid, j.gid));
+        crate::safe_fs::ensure_dir(&snaps, owner)
+            .map_err(|e| Error::io(format!("preparing {}", snaps.display()), e))?;
         let name = format!("{}-{}", now_ms(), uuid::Uuid::new_v4().simple());
         let dir = snaps.join(&name);
         let mut result = vmm
             .control(json!({"op":"snapshot","dir":run_inside.join("snapshots").join(&name),"kind":"full"}))
             .await;
-        // The disk goes with the memory (its page cache is in it), copied while paused.
-        let disk = run_host.join(VM_DISK);
-        if result.is_ok() && disk.exists() {
-            if let Err(e) = copy_disk(&disk, &dir.join(VM_DISK)).await {
+        // The disk goes with the memory (its page cache is in it), copied while
+        // paused, to a place the vmm cannot write.
+        if result.is_ok() && !sess.lock().image.rootfs.is_empty() {
+            let kept = snapshot_disk(&PathBuf::from(sess.row().dir), &name);
+            let copied = match kept.parent() {
+                Some(p) => std::fs::create_dir_all(p)
+                    .map_err(|e| Error::io(format!("creating {}", p.display()), e)),
+                None => Ok(()),
+            };
+            let copied = match copied {
+                Ok(()) => copy_disk(&run_host.join(VM_DISK), &kept, None).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = copied {
                 let _ = std::fs::remove_dir_all(&dir);
                 result = Err(e);
             }
@@ -970,6 +988,10 @@ impl Manager {
         let dir = PathBuf::from(sess.row().dir);
         let (run_host, run_inside) = supervisor::run_dirs(&dir, old.jailed);
         let snapshot = own_snapshot(&run_host.join("snapshots"), snapshot_dir)?;
+        let name = snapshot
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         let image = sess.lock().image.clone();
 
         // Quiet the old VM, then put the snapshot's disk in place: the old vmm
@@ -977,25 +999,27 @@ impl Manager {
         if state == S::Running as i32 {
             old.control(json!({"op":"pause"})).await?;
         }
-        let disk = run_host.join(VM_DISK);
-        let snap_disk = snapshot.join(VM_DISK);
-        if disk.exists() != snap_disk.exists() {
-            return Err(Error::FailedPrecondition(format!(
-                "snapshot {} and session {id} disagree on having a disk",
-                snapshot.display()
-            )));
-        }
-        if snap_disk.exists() {
-            let staged = run_host.join(format!(".{VM_DISK}.restore"));
-            copy_disk(&snap_disk, &staged).await?;
-            if let Some(j) = self.cfg.jail.as_ref().filter(|_| old.jailed) {
-                std::os::unix::fs::chown(&staged, Some(j.uid), Some(j.gid)).map_err(|e| {
-                    Error::io(format!("giving {} to the jail's uid", staged.display()), e)
-                })?;
+        if !image.rootfs.is_empty() {
+            let kept = snapshot_disk(&dir, &name);
+            if !kept.is_file() {
+                return Err(Error::FailedPrecondition(format!(
+                    "snapshot {} has no copy of the session's disk ({} is missing)",
+                    snapshot.display(),
+                    kept.display()
+                )));
             }
-            std::fs::rename(&staged, &disk).map_err(|e| {
+            let staged = run_host.join(format!(".{VM_DISK}.restore"));
+            let owner = self
+                .cfg
+                .jail
+                .as_ref()
+                .filter(|_| old.jailed)
+                .map(|j| (j.uid, j.gid));
+            copy_disk(&kept, &staged, owner).await?;
+            // A rename replaces whatever name is there; it follows no link.
+            std::fs::rename(&staged, run_host.join(VM_DISK)).map_err(|e| {
                 Error::io(
-                    format!("putting the snapshot's disk at {}", disk.display()),
+                    format!("putting the snapshot's disk in {}", run_host.display()),
                     e,
                 )
             })?;
@@ -1346,8 +1370,10 @@ impl Manager {
 }
 
 /// Runs git in `repo` and returns its stdout.
-/// `requested`, checked to be a snapshot directory directly under `snaps`
-/// (where SnapshotSession writes this session's snapshots).
+/// `requested`, checked to name a snapshot directory directly under `snaps`
+/// (where SnapshotSession writes this session's snapshots). The check is on
+/// the name: the directory may belong to a jailed vmm, so nothing in it is
+/// followed here (the vmm validates the snapshot itself when it restores).
 fn own_snapshot(snaps: &std::path::Path, requested: &str) -> Result<PathBuf> {
     let not_ours = || {
         Error::invalid(format!(
@@ -1355,15 +1381,30 @@ fn own_snapshot(snaps: &std::path::Path, requested: &str) -> Result<PathBuf> {
              SnapshotSession returned for it)"
         ))
     };
-    if requested.is_empty() || requested.len() > 4096 {
+    let path = std::path::Path::new(requested);
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
+    let valid_name = !name.is_empty()
+        && name.len() <= 128
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    if !valid_name || path.parent() != Some(snaps) {
         return Err(not_ours());
     }
-    let path = std::fs::canonicalize(requested).map_err(|_| not_ours())?;
-    let snaps = std::fs::canonicalize(snaps).map_err(|_| not_ours())?;
-    if path.parent() != Some(snaps.as_path()) || !path.join("manifest").is_file() {
+    let manifest = std::fs::symlink_metadata(path.join("manifest")).map_err(|_| not_ours())?;
+    if !manifest.is_file() {
         return Err(not_ours());
     }
-    Ok(path)
+    Ok(path.to_path_buf())
+}
+
+/// Where the copy of a session's disk taken with snapshot `name` is kept:
+/// in the session's directory, out of reach of a jailed vmm.
+fn snapshot_disk(dir: &std::path::Path, name: &str) -> PathBuf {
+    dir.join("snapshot-disks").join(format!("{name}.ext4"))
 }
 
 /// This host's wall clock, Unix nanoseconds, for the guest to set its own.

@@ -162,7 +162,19 @@ impl VmmProcess {
 
     /// Sends one control request, returning the response object.
     pub async fn control(&self, request: Value) -> Result<Value> {
-        control(&self.control, request, Duration::from_secs(30)).await
+        self.control_with(request, Duration::from_secs(30)).await
+    }
+
+    /// [`VmmProcess::control`] with a timeout. The socket must be served by
+    /// this VM's vmm process (a jailed vmm could plant a link to another).
+    pub async fn control_with(&self, request: Value, timeout: Duration) -> Result<Value> {
+        let peer = self.sample_pid().ok_or_else(|| {
+            Error::Vmm(format!(
+                "the jailed vmm under pid {} is not running yet",
+                self.pid
+            ))
+        })?;
+        control_checked(&self.control, Some(peer), request, timeout).await
     }
 
     /// Last lines of the vmm's log, for error messages.
@@ -347,9 +359,38 @@ pub fn attach(pid: u32, start_ticks: u64, dir: &Path) -> Option<VmmProcess> {
     })
 }
 
+/// Checks that the process serving the Unix socket `stream` is `pid`: a
+/// jailed vmm owns the directory its sockets are in, and could put a link
+/// to some other socket of this host there.
+pub fn check_peer(stream: &UnixStream, pid: Option<u32>, what: &str) -> Result<()> {
+    let Some(pid) = pid else {
+        return Ok(());
+    };
+    let peer = stream
+        .peer_cred()
+        .map_err(|e| Error::Vmm(format!("{what}: cannot read the peer's credentials: {e}")))?
+        .pid();
+    if peer != i32::try_from(pid).ok() {
+        return Err(Error::Vmm(format!(
+            "{what} is served by pid {peer:?}, not by the VM's vmm (pid {pid}); refusing it"
+        )));
+    }
+    Ok(())
+}
+
 /// Sends one JSON request on the control socket at `path` and reads the
 /// response line. `{"ok":false}` answers become [`Error::Vmm`].
 pub async fn control(path: &Path, request: Value, timeout: Duration) -> Result<Value> {
+    control_checked(path, None, request, timeout).await
+}
+
+/// [`control`], after checking the socket is served by process `peer`.
+pub async fn control_checked(
+    path: &Path,
+    peer: Option<u32>,
+    request: Value,
+    timeout: Duration,
+) -> Result<Value> {
     let op = request
         .get("op")
         .and_then(|v| v.as_str())
@@ -359,6 +400,7 @@ pub async fn control(path: &Path, request: Value, timeout: Duration) -> Result<V
         let stream = UnixStream::connect(path)
             .await
             .map_err(|e| Error::Vmm(format!("control socket {}: {e}", path.display())))?;
+        check_peer(&stream, peer, &format!("control socket {}", path.display()))?;
         let (r, mut w) = stream.into_split();
         let mut line = request.to_string();
         line.push('\n');
@@ -399,7 +441,10 @@ pub async fn wait_for_state(vmm: &VmmProcess, want: &str, timeout: Duration) -> 
         if let Some(status) = vmm.exit_status() {
             return Err(Error::Vmm(format!("{status}: {}", vmm.log_tail())));
         }
-        if let Ok(v) = control(&vmm.control, json!({"op":"status"}), Duration::from_secs(5)).await {
+        if let Ok(v) = vmm
+            .control_with(json!({"op":"status"}), Duration::from_secs(5))
+            .await
+        {
             if v.get("state").and_then(|s| s.as_str()) == Some(want) {
                 return Ok(());
             }
@@ -413,5 +458,34 @@ pub async fn wait_for_state(vmm: &VmmProcess, want: &str, timeout: Duration) -> 
         }
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(Duration::from_millis(100));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_socket_served_by_another_process_is_refused() {
+        let t = tempfile::tempdir().unwrap();
+        let path = t.path().join("control.sock");
+        let _listener = tokio::net::UnixListener::bind(&path).unwrap();
+        // A jailed vmm could leave a link to some other socket in its directory.
+        let link = t.path().join("planted.sock");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        let stream = UnixStream::connect(&link).await.unwrap();
+        let me = std::process::id();
+        assert!(check_peer(&stream, Some(me), "test socket").is_ok());
+        assert!(check_peer(&stream, None, "test socket").is_ok());
+        let err = check_peer(&stream, Some(me + 1), "test socket").unwrap_err();
+        assert!(err.to_string().contains("not by the VM's vmm"), "{err}");
+    }
+
+    #[test]
+    fn jail_ids_are_what_vmm_jail_accepts() {
+        assert_eq!(jail_id(Path::new("/s/0b5e-x_1")), "0b5e-x_1");
+        assert_eq!(jail_id(Path::new("/s/a.b c")), "abc");
+        assert_eq!(jail_id(Path::new("/")), "vm");
+        assert_eq!(jail_id(Path::new(&format!("/s/{}", "x".repeat(80)))).len(), 64);
     }
 }

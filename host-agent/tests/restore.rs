@@ -81,10 +81,14 @@ async fn a_session_rolls_back_to_its_own_snapshot() {
     let at_snapshot = *counts(&log, 0).last().unwrap();
     let snap = c.snapshot_session(call.clone()).await.unwrap().into_inner();
     let snap_dir = PathBuf::from(&snap.snapshot_dir);
+    let kept = dir.join("snapshot-disks").join(format!(
+        "{}.ext4",
+        snap_dir.file_name().unwrap().to_str().unwrap()
+    ));
     assert_eq!(
-        std::fs::read(snap_dir.join("disk.ext4")).unwrap(),
+        std::fs::read(&kept).unwrap(),
         original,
-        "the snapshot carries the disk"
+        "the snapshot's copy of the disk is kept out of the VM's reach"
     );
     // After the snapshot the "guest" writes its disk and counts on.
     std::fs::write(dir.join("disk.ext4"), b"later").unwrap();
