@@ -18,7 +18,9 @@ for target in snapshot_state snapshot_manifest control_request guest_frames virt
         -max_total_time="$secs" -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 \
         >"$log" 2>&1 || rc=$?
     grep -E 'stat::number_of_executed_units|stat::new_units_added' "$log" || true
-    if ((rc != 0)) || ls "artifacts/$target"/{crash,oom,timeout,leak}-* >/dev/null 2>&1; then
+    findings=$(find "artifacts/$target" -maxdepth 1 -type f \
+        \( -name 'crash-*' -o -name 'oom-*' -o -name 'timeout-*' -o -name 'leak-*' \) 2>/dev/null | head -n 1)
+    if ((rc != 0)) || [[ -n $findings ]]; then
         tail -n 40 "$log" >&2
         echo "fuzz $target failed (exit $rc): a build error, or a finding in fuzz/artifacts/$target" >&2
         exit 1

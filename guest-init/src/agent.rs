@@ -19,8 +19,8 @@ use proto::framing::FrameError;
 use proto::guest::{
     answer::Reply, error::Code, exec_exited, guest_message::Kind as Out, host_message::Kind as In,
     output, AskRequest, AuditEvent, BundleChunk, Error as ErrorMsg, Exec, ExecExited, ExecRejected,
-    ExecStarted, GuestMessage, Hello, HostMessage, KilledProcess, Output, Ready, ShutdownStarted,
-    StartSession, TurnEnded, PROTOCOL_VERSION,
+    ExecStarted, GuestMessage, Hello, HostMessage, KilledProcess, Output, Ready, ResumeSession,
+    ShutdownStarted, StartSession, TurnEnded, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
@@ -375,10 +375,7 @@ impl Conn {
                 Err(m) => self.send(m).await,
             },
             In::ResumeSession(r) => {
-                if let Err(e) = self
-                    .resume(&r.session_id, r.audit_seq_seen, r.host_time_unix_ns)
-                    .await
-                {
+                if let Err(e) = self.resume(&r).await {
                     self.send(e).await;
                 }
             }
@@ -500,12 +497,8 @@ impl Conn {
     }
 
     /// Re-attaches the session an earlier connection left to this one.
-    async fn resume(
-        &mut self,
-        session_id: &str,
-        audit_seen: u64,
-        host_time_ns: i64,
-    ) -> Result<(), Failure> {
+    async fn resume(&mut self, req: &ResumeSession) -> Result<(), Failure> {
+        let session_id = req.session_id.as_str();
         if self.session.is_some() || self.pending.is_some() {
             return Err(error(
                 Code::Protocol,
@@ -515,7 +508,7 @@ impl Conn {
         }
         match self.detached.take() {
             Some(s) if s.id == session_id => {
-                s.reattach(self.out.clone(), audit_seen, host_time_ns).await;
+                s.reattach(self.out.clone(), req).await;
                 self.session = Some(s);
                 Ok(())
             }
@@ -739,37 +732,49 @@ impl Session {
 
     /// Sends to a resumed session's new connection from now on: first the
     /// audit events after `audit_seen` (the host missed them), then Ready.
-    async fn reattach(&self, out: Outbox, audit_seen: u64, host_time_ns: i64) {
-        *lock(&self.out) = out;
+    async fn reattach(&self, out: Outbox, req: &ResumeSession) {
+        let audit_seen = req.audit_seq_seen;
         let clock = self
             .cfg
             .set_clock
-            .then(|| crate::clock::sync_to(host_time_ns));
+            .then(|| crate::clock::sync_to(req.host_time_unix_ns));
         let mut rolled_back = None;
         {
+            // The new outbox is set while the log is held, so no new event can
+            // reach the host before the ones it missed.
             let mut log = self.audit.lock().await;
-            if audit_seen > log.seq() {
+            *lock(&self.out) = out;
+            let own = log.seq();
+            let diverged = audit_seen > own
+                || (audit_seen > 0
+                    && !req.audit_hash_seen.is_empty()
+                    && log.hash_at(audit_seen).ok().flatten().as_deref()
+                        != Some(req.audit_hash_seen.as_str()));
+            if diverged {
                 // Restored from a snapshot older than what the host has seen.
-                rolled_back = Some(log.seq());
+                rolled_back = Some(own);
                 log.skip_to(audit_seen);
-            }
-            match log.lines_after(audit_seen) {
-                Ok(lines) => {
-                    for (seq, json) in lines {
-                        let _ = self
-                            .outbox()
-                            .send(msg(Out::AuditEvent(AuditEvent { seq, json })))
-                            .await;
+            } else {
+                match log.lines_after(audit_seen) {
+                    Ok(lines) => {
+                        for (seq, json) in lines {
+                            let _ = self
+                                .outbox()
+                                .send(msg(Out::AuditEvent(AuditEvent { seq, json })))
+                                .await;
+                        }
                     }
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot read the audit log back for the host");
-                    self.send(error(
-                        Code::Internal,
-                        format!("audit events after seq {audit_seen} cannot be sent again: {e}"),
-                        "",
-                    ))
-                    .await;
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot read the audit log back for the host");
+                        self.send(error(
+                            Code::Internal,
+                            format!(
+                                "audit events after seq {audit_seen} cannot be sent again: {e}"
+                            ),
+                            "",
+                        ))
+                        .await;
+                    }
                 }
             }
         }
@@ -779,8 +784,9 @@ impl Session {
                 action: "session.rolled_back",
                 resource: &self.branch,
                 result: &format!(
-                    "resumed from a snapshot: this guest's log ended at seq {own}, the host holds \
-                     events up to {audit_seen}; numbering goes on after the host's"
+                    "resumed from a snapshot: the host holds events up to seq {audit_seen} that \
+                     this guest's log (at seq {own}) does not have; this guest's events after the \
+                     fork stay in its log only, numbering goes on after both"
                 ),
                 ..Default::default()
             })

@@ -11,11 +11,28 @@ use common::*;
 use proto::guest::{guest_message::Kind as Out, host_message::Kind as In, ResumeSession};
 
 fn resume(id: &str, audit_seq_seen: u64) -> In {
+    resume_at(id, audit_seq_seen, "")
+}
+
+/// ResumeSession naming the host's last event by seq and hash.
+fn resume_at(id: &str, audit_seq_seen: u64, hash: &str) -> In {
     In::ResumeSession(ResumeSession {
         session_id: id.into(),
         audit_seq_seen,
         host_time_unix_ns: 0,
+        audit_hash_seen: hash.into(),
     })
+}
+
+/// The `hash` of the guest's own audit event `seq`.
+fn hash_of(h: &Harness, session: &str, seq: u64) -> String {
+    std::fs::read_to_string(h.audit_log(session))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|v| v["seq"] == seq)
+        .map(|v| v["hash"].as_str().unwrap().to_string())
+        .unwrap()
 }
 
 /// (seq, action, result) of every line of an audit log.
@@ -80,8 +97,9 @@ async fn a_session_survives_its_connection_and_is_resumed() {
     assert_eq!(code, proto::guest::error::Code::Protocol as i32);
     assert!(msg.contains("\"s1\""), "{msg}");
 
-    // The host says it holds the audit events up to seq 2: the rest come again first.
-    c2.send(resume("s1", 2)).await;
+    // The host says it holds the audit events up to seq 2 (the same event as
+    // the guest's): the rest come again first.
+    c2.send(resume_at("s1", 2, &hash_of(&h, "s1", 2))).await;
     let ready = c2
         .expect(|m| match m {
             Out::Ready(r) => Some(r.clone()),
@@ -170,4 +188,31 @@ async fn a_guest_behind_the_host_numbers_its_audit_after_the_hosts() {
     assert_eq!(c2.run("e", &["echo", "on"]).await.stdout(), "on\n");
     let (last_seq, ..) = audit_actions(&h, "s1").pop().unwrap();
     assert!(last_seq > 1002, "{last_seq}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_whose_event_differs_from_the_hosts_at_that_seq_was_rolled_back() {
+    // The host's event at the seq it names is not the guest's: the guest runs
+    // on from an older snapshot and wrote other events since.
+    let repo = Repo::new();
+    let h = Harness::start().await;
+    let c = h.session(&repo, "free", "main").await;
+    drop(c);
+    let mut c2 = h.connect().await;
+    c2.hello().await;
+    let own = audit_actions(&h, "s1").last().unwrap().0;
+    c2.send(resume_at("s1", own, "not-the-guests-hash")).await;
+    c2.expect(|m| matches!(m, Out::Ready(_)).then_some(()))
+        .await;
+    let sent: Vec<serde_json::Value> = c2
+        .audit
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        sent[0]["action"], "session.rolled_back",
+        "nothing resent: {sent:?}"
+    );
+    assert_eq!(sent[0]["seq"], own + 1);
+    assert_eq!(sent[1]["action"], "session.resumed");
 }

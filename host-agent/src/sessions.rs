@@ -623,8 +623,14 @@ impl Manager {
     /// Connects to the session's guest-init over vsock and exchanges Hello.
     async fn connect_guest(&self, sess: &Session, timeout: Duration) -> Result<GuestConn> {
         // A socket of the vmm's own vsock device must be served by that vmm.
+        // Without that process (exited, not started yet) nothing is connected to.
         let peer = if self.cfg.vsock_device {
-            sess.vmm().and_then(|v| v.sample_pid())
+            Some(sess.vmm().and_then(|v| v.sample_pid()).ok_or_else(|| {
+                Error::Guest(format!(
+                    "session {} has no running vmm to reach its guest through",
+                    sess.id
+                ))
+            })?)
         } else {
             None
         };
@@ -711,19 +717,32 @@ impl Manager {
         }
         let timeout = Duration::from_secs(10);
         let conn = self.connect_guest(sess, timeout).await?;
-        let audit_seq_seen = self
-            .store
-            .audit_since(&sess.id, 0)?
-            .last()
-            .map_or(0, |a| a.guest_seq);
+        // The last event held, by seq and by the guest's own hash of it, so a
+        // guest rolled back to an older snapshot can tell.
+        let last = self.store.audit_since(&sess.id, 0)?.pop();
+        let audit_seq_seen = last.as_ref().map_or(0, |a| a.guest_seq);
+        let audit_hash_seen = last
+            .and_then(|a| serde_json::from_str::<serde_json::Value>(&a.json).ok())
+            .and_then(|v| v.get("hash").and_then(|h| h.as_str()).map(str::to_string))
+            .unwrap_or_default();
         conn.send(In::ResumeSession(ResumeSession {
             session_id: sess.id.clone(),
             audit_seq_seen,
+            audit_hash_seen,
             host_time_unix_ns: unix_now_ns(),
         }))
         .await?;
+        // One deadline for the whole wait: other messages do not extend it.
+        let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            match conn.next_control(timeout).await?.kind {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout(format!(
+                    "guest-init did not resume session {} within {timeout:?}",
+                    sess.id
+                )));
+            }
+            match conn.next_control(left).await?.kind {
                 Some(Out::Ready(_)) => break,
                 Some(Out::Error(e)) => {
                     return Err(Error::Guest(format!(
@@ -794,8 +813,9 @@ impl Manager {
     fn on_exit(&self, sess: &Session, vmm: &VmmProcess, status: ExitStatus) {
         let (state, pending) = {
             let i = sess.lock();
-            // Ignore a vmm that is no longer this session's.
-            if i.vmm.as_ref().is_some_and(|v| v.pid != vmm.pid) {
+            // Ignore a vmm that is no longer this session's (also the one a
+            // RestoreSession has let go of and is replacing).
+            if i.vmm.as_ref().is_none_or(|v| v.pid != vmm.pid) {
                 return;
             }
             (i.row.state, i.pending_stop.clone())
@@ -916,11 +936,8 @@ impl Manager {
         let vmm = sess
             .vmm()
             .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
-        if was_running {
-            vmm.control(json!({"op":"pause"})).await?;
-            self.transition(&sess, S::Paused, "snapshot", "")?;
-        }
-        // A jailed vmm writes into its own run directory; both names of the place follow.
+        // A jailed vmm writes into its own run directory; both names of the place
+        // follow. Prepared before the pause, so a failure here changes nothing.
         let (run_host, run_inside) =
             supervisor::run_dirs(&PathBuf::from(sess.row().dir), vmm.jailed);
         let snaps = run_host.join("snapshots");
@@ -932,6 +949,10 @@ impl Manager {
             .map(|j| (j.uid, j.gid));
         crate::safe_fs::ensure_dir(&snaps, owner)
             .map_err(|e| Error::io(format!("preparing {}", snaps.display()), e))?;
+        if was_running {
+            vmm.control(json!({"op":"pause"})).await?;
+            self.transition(&sess, S::Paused, "snapshot", "")?;
+        }
         let name = format!("{}-{}", now_ms(), uuid::Uuid::new_v4().simple());
         let dir = snaps.join(&name);
         let mut result = vmm
@@ -951,6 +972,7 @@ impl Manager {
                 Err(e) => Err(e),
             };
             if let Err(e) = copied {
+                let _ = std::fs::remove_file(&kept);
                 let _ = std::fs::remove_dir_all(&dir);
                 result = Err(e);
             }
@@ -967,7 +989,9 @@ impl Manager {
 
     /// Rolls a RUNNING or PAUSED session back to `snapshot_dir`, one of its own
     /// snapshots: the disk copy taken with it replaces the session's disk, a new
-    /// vmm restores it under a new execution id, and the old vmm is killed.
+    /// vmm restores it under a new execution id. Everything that can be checked
+    /// or prepared is done before the old vmm is killed; a failure after that
+    /// leaves the session FAILED (`restore_failed`).
     pub async fn restore_session(
         self: &Arc<Self>,
         id: &str,
@@ -985,6 +1009,20 @@ impl Manager {
         let old = sess
             .vmm()
             .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
+        if old.jailed != self.cfg.jail.is_some() {
+            // The snapshot was written by a vmm jailed (or not) as the session
+            // started; a vmm of the other kind must not read it.
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} runs {} but host-agent now runs {}; restart host-agent with the \
+                 jail setting the session started with to restore it",
+                if old.jailed { "jailed" } else { "unjailed" },
+                if self.cfg.jail.is_some() {
+                    "with --jail-uid"
+                } else {
+                    "without --jail-uid"
+                },
+            )));
+        }
         let dir = PathBuf::from(sess.row().dir);
         let (run_host, run_inside) = supervisor::run_dirs(&dir, old.jailed);
         let snapshot = own_snapshot(&run_host.join("snapshots"), snapshot_dir)?;
@@ -993,12 +1031,8 @@ impl Manager {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let image = sess.lock().image.clone();
-
-        // Quiet the old VM, then put the snapshot's disk in place: the old vmm
-        // keeps the replaced file open until it dies.
-        if state == S::Running as i32 {
-            old.control(json!({"op":"pause"})).await?;
-        }
+        // Stage the snapshot's disk copy where the vmm cannot reach it.
+        let staged = dir.join(format!(".restore-{VM_DISK}"));
         if !image.rootfs.is_empty() {
             let kept = snapshot_disk(&dir, &name);
             if !kept.is_file() {
@@ -1008,22 +1042,10 @@ impl Manager {
                     kept.display()
                 )));
             }
-            let staged = run_host.join(format!(".{VM_DISK}.restore"));
-            let owner = self
-                .cfg
-                .jail
-                .as_ref()
-                .filter(|_| old.jailed)
-                .map(|j| (j.uid, j.gid));
+            let owner = self.cfg.jail.as_ref().map(|j| (j.uid, j.gid));
             copy_disk(&kept, &staged, owner).await?;
-            // A rename replaces whatever name is there; it follows no link.
-            std::fs::rename(&staged, run_host.join(VM_DISK)).map_err(|e| {
-                Error::io(
-                    format!("putting the snapshot's disk in {}", run_host.display()),
-                    e,
-                )
-            })?;
         }
+
         self.transition(
             &sess,
             S::Restoring,
@@ -1033,12 +1055,33 @@ impl Manager {
         let execution_id = uuid::Uuid::new_v4().to_string();
         {
             let mut i = sess.lock();
-            i.row.execution_id = execution_id.clone();
+            // Let go of the old vmm first: its exit is not a crash.
+            i.vmm = None;
             i.guest = None;
+            i.row.execution_id = execution_id.clone();
+            let last = old.sample_pid().and_then(read_sample);
             if let Some(m) = i.meter.as_mut() {
+                if let Some(s) = last {
+                    m.observe(s);
+                }
                 m.set_execution_id(&execution_id);
                 m.new_process();
             }
+        }
+        old.kill();
+        let _ = tokio::time::timeout(Duration::from_secs(10), old.wait()).await;
+        let fail = |e: Error| {
+            let _ = self.transition(&sess, S::Failed, reason::RESTORE_FAILED, &e.to_string());
+            e
+        };
+        if !image.rootfs.is_empty() {
+            // The old vmm is gone; a rename replaces whatever name is there.
+            std::fs::rename(&staged, run_host.join(VM_DISK)).map_err(|e| {
+                fail(Error::io(
+                    format!("putting the snapshot's disk in {}", run_host.display()),
+                    e,
+                ))
+            })?;
         }
         if self.cfg.vsock_device && image.guest_init {
             // The old vmm's socket: the new vmm binds its own at the same path.
@@ -1047,39 +1090,26 @@ impl Manager {
         let (mut args, jail) = restore_launch(&self.cfg, &image, &dir, false);
         // The session's own snapshot, not the image's golden one.
         if let Some(at) = args.iter().position(|a| a == "--snapshot") {
-            args[at + 1] = match jail {
-                Some(_) => run_inside
-                    .join("snapshots")
-                    .join(snapshot.file_name().unwrap_or_default())
-                    .display()
-                    .to_string(),
-                None => snapshot.display().to_string(),
-            };
+            let inside = run_inside.join("snapshots").join(&name);
+            args[at + 1] = inside.display().to_string();
         }
-        let started = supervisor::spawn(&self.vmm_path, &dir, &args, jail.as_ref());
-        let vmm = match started {
-            Ok(v) => Arc::new(v),
-            Err(e) => {
-                old.kill();
-                let _ = self.transition(&sess, S::Failed, reason::RESTORE_FAILED, &e.to_string());
-                return Err(e);
-            }
-        };
-        {
+        let vmm =
+            Arc::new(supervisor::spawn(&self.vmm_path, &dir, &args, jail.as_ref()).map_err(fail)?);
+        let recorded = {
             let mut i = sess.lock();
             i.vmm = Some(vmm.clone());
             i.row.vmm_pid = vmm.pid;
             i.row.vmm_start_ticks = vmm.start_ticks;
-            self.store.put_session(&i.row)?;
-        }
-        // No longer the session's vmm: its exit is not a crash.
-        old.kill();
-        let _ = tokio::time::timeout(Duration::from_secs(10), old.wait()).await;
+            self.store.put_session(&i.row)
+        };
         self.watch_exit(sess.clone(), vmm.clone());
-        if let Err(e) = supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await {
+        let started = match recorded {
+            Ok(()) => supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = started {
             vmm.kill();
-            let _ = self.transition(&sess, S::Failed, reason::RESTORE_FAILED, &e.to_string());
-            return Err(e);
+            return Err(fail(e));
         }
         self.transition(&sess, S::Ready, "restore", "")?;
         self.transition(&sess, S::Running, "restore", "")?;

@@ -486,6 +486,9 @@ mod tests {
         assert_eq!(jail_id(Path::new("/s/0b5e-x_1")), "0b5e-x_1");
         assert_eq!(jail_id(Path::new("/s/a.b c")), "abc");
         assert_eq!(jail_id(Path::new("/")), "vm");
-        assert_eq!(jail_id(Path::new(&format!("/s/{}", "x".repeat(80)))).len(), 64);
+        assert_eq!(
+            jail_id(Path::new(&format!("/s/{}", "x".repeat(80)))).len(),
+            64
+        );
     }
 }

@@ -203,6 +203,25 @@ impl AuditLog {
         self.seq = self.seq.max(seq);
     }
 
+    /// The `hash` of this log's event `seq`, from the log file (None: no such
+    /// line, or a log kept only in memory).
+    pub fn hash_at(&self, seq: u64) -> Result<Option<String>, AuditError> {
+        let Some((_, path)) = &self.file else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| AuditError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        for l in text.lines() {
+            let line: Line = serde_json::from_str(l)?;
+            if line.event.seq == seq {
+                return Ok(Some(line.hash));
+            }
+        }
+        Ok(None)
+    }
+
     /// The lines after `seq`, from the log file, oldest first: what a host
     /// that has seen up to `seq` is missing. A log kept only in memory has
     /// no lines to give back.
@@ -275,6 +294,9 @@ mod tests {
             );
         }
         assert_eq!(log.lines_after(1).unwrap(), sent[1..].to_vec());
+        let second: Line = serde_json::from_str(&sent[1].1).unwrap();
+        assert_eq!(log.hash_at(2).unwrap(), Some(second.hash));
+        assert_eq!(log.hash_at(9).unwrap(), None);
         assert!(log.lines_after(3).unwrap().is_empty());
         let memory = AuditLog::open(None, "s1", Redactor::default()).unwrap();
         assert!(memory.lines_after(0).unwrap().is_empty());
