@@ -206,6 +206,21 @@ impl GuestConn {
             .map_err(|_| Error::Guest("the guest channel is closed".into()))
     }
 
+    /// The next control message before `deadline`: a guest that keeps
+    /// sending other messages cannot hold a caller past it.
+    pub async fn next_control_before(
+        &self,
+        deadline: tokio::time::Instant,
+    ) -> Result<GuestMessage> {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout(
+                "the guest did not answer in time (other messages kept coming)".into(),
+            ));
+        }
+        self.next_control(left).await
+    }
+
     /// The next message not routed to an exec (Ready, Error, bundle end, ...).
     pub async fn next_control(&self, timeout: Duration) -> Result<GuestMessage> {
         let mut rx = self.control.lock().await;

@@ -676,8 +676,9 @@ impl Manager {
             }))
             .await?;
         }
+        let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            match conn.next_control(timeout).await?.kind {
+            match conn.next_control_before(deadline).await?.kind {
                 Some(Out::Ready(_)) => return Ok(conn),
                 Some(Out::Error(e)) => {
                     return Err(Error::Guest(format!(
@@ -735,14 +736,7 @@ impl Manager {
         // One deadline for the whole wait: other messages do not extend it.
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            if left.is_zero() {
-                return Err(Error::Timeout(format!(
-                    "guest-init did not resume session {} within {timeout:?}",
-                    sess.id
-                )));
-            }
-            match conn.next_control(left).await?.kind {
+            match conn.next_control_before(deadline).await?.kind {
                 Some(Out::Ready(_)) => break,
                 Some(Out::Error(e)) => {
                     return Err(Error::Guest(format!(
@@ -766,8 +760,9 @@ impl Manager {
         let row = sess.row();
         let branch = format!("session/{}", sess.id);
         conn.send(In::FetchBranch(FetchBranch {})).await?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
-            match conn.next_control(Duration::from_secs(60)).await?.kind {
+            match conn.next_control_before(deadline).await?.kind {
                 Some(Out::BundleChunk(c)) if c.last => break,
                 Some(Out::Error(e)) => {
                     return Err(Error::Guest(format!(
