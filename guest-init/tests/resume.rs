@@ -161,31 +161,40 @@ async fn a_session_survives_its_connection_and_is_resumed() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_guest_behind_the_host_numbers_its_audit_after_the_hosts() {
-    // As after a restore from an older snapshot: the host holds events up to
-    // seq 1000, the guest's own log is far shorter.
+/// Starts session s1, closes its connection, and resumes it on a new one
+/// with the message `resume` builds; returns the connection (after Ready)
+/// and the audit events it received before Ready.
+async fn rolled_back(
+    h: &Harness,
+    resume: impl FnOnce(&Harness) -> In,
+) -> (Client, Vec<serde_json::Value>) {
     let repo = Repo::new();
-    let h = Harness::start().await;
-    let c = h.session(&repo, "free", "main").await;
-    drop(c);
-    let mut c2 = h.connect().await;
-    c2.hello().await;
-    c2.send(resume("s1", 1000)).await;
-    c2.expect(|m| matches!(m, Out::Ready(_)).then_some(()))
-        .await;
-    let sent: Vec<serde_json::Value> = c2
+    drop(h.session(&repo, "free", "main").await);
+    let mut c = h.connect().await;
+    c.hello().await;
+    c.send(resume(h)).await;
+    c.expect(|m| matches!(m, Out::Ready(_)).then_some(())).await;
+    let sent = c
         .audit
         .iter()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
+    (c, sent)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_behind_the_host_numbers_its_audit_after_the_hosts() {
+    // As after a restore from an older snapshot: the host holds events up to
+    // seq 1000, the guest's own log is far shorter.
+    let h = Harness::start().await;
+    let (mut c, sent) = rolled_back(&h, |_| resume("s1", 1000)).await;
     assert_eq!(sent[0]["action"], "session.rolled_back", "{sent:?}");
     assert_eq!(
         sent[0]["seq"], 1001,
         "nothing the host holds is numbered again"
     );
     assert_eq!(sent[1]["action"], "session.resumed");
-    assert_eq!(c2.run("e", &["echo", "on"]).await.stdout(), "on\n");
+    assert_eq!(c.run("e", &["echo", "on"]).await.stdout(), "on\n");
     let (last_seq, ..) = audit_actions(&h, "s1").pop().unwrap();
     assert!(last_seq > 1002, "{last_seq}");
 }
@@ -194,25 +203,17 @@ async fn a_guest_behind_the_host_numbers_its_audit_after_the_hosts() {
 async fn a_guest_whose_event_differs_from_the_hosts_at_that_seq_was_rolled_back() {
     // The host's event at the seq it names is not the guest's: the guest runs
     // on from an older snapshot and wrote other events since.
-    let repo = Repo::new();
     let h = Harness::start().await;
-    let c = h.session(&repo, "free", "main").await;
-    drop(c);
-    let mut c2 = h.connect().await;
-    c2.hello().await;
-    let own = audit_actions(&h, "s1").last().unwrap().0;
-    c2.send(resume_at("s1", own, "not-the-guests-hash")).await;
-    c2.expect(|m| matches!(m, Out::Ready(_)).then_some(()))
-        .await;
-    let sent: Vec<serde_json::Value> = c2
-        .audit
-        .iter()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let own = std::cell::Cell::new(0);
+    let (_c, sent) = rolled_back(&h, |h| {
+        own.set(audit_actions(h, "s1").last().unwrap().0);
+        resume_at("s1", own.get(), "not-the-guests-hash")
+    })
+    .await;
     assert_eq!(
         sent[0]["action"], "session.rolled_back",
         "nothing resent: {sent:?}"
     );
-    assert_eq!(sent[0]["seq"], own + 1);
+    assert_eq!(sent[0]["seq"], own.get() + 1);
     assert_eq!(sent[1]["action"], "session.resumed");
 }
