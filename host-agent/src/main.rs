@@ -195,6 +195,15 @@ enum SessionsCmd {
     /// Create a session.
     Create {
         image: String,
+        /// Host repository the session works on (guest-init images).
+        #[arg(long, default_value = "")]
+        repository: String,
+        /// Agent whose rules (`agents/<agent>.md`) apply (guest-init images).
+        #[arg(long, default_value = "")]
+        agent: String,
+        /// Branch, tag or commit the session branch starts from (guest-init images).
+        #[arg(long, default_value = "")]
+        base_ref: String,
         #[arg(long, default_value = "")]
         idempotency_key: String,
         #[arg(long, default_value_t = 0)]
@@ -444,12 +453,18 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
             let s = match c {
                 SessionsCmd::Create {
                     image,
+                    repository,
+                    agent,
+                    base_ref,
                     idempotency_key,
                     ttl,
                     idle_timeout,
                 } => cl
                     .create_session(pb::CreateSessionRequest {
                         image_id: image,
+                        repository_path: repository,
+                        agent,
+                        base_ref,
                         idempotency_key,
                         limits: Some(pb::Limits {
                             ttl_seconds: ttl,

@@ -580,7 +580,21 @@ async fn a_restored_guest_init_session_takes_commands_under_its_new_execution() 
     let vsock = guest.vsock().display().to_string();
     let agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
     guest_init_image(&agent).await;
-    let s = guest_init_session(&agent, &guest).await;
+    // Created through the operator CLI this time.
+    let out = Command::new(env!("CARGO_BIN_EXE_host-agent"))
+        .args(["--addr", &agent.addr, "sessions", "create", "gi"])
+        .args(["--repository", guest.repo().to_str().unwrap()])
+        .args(["--agent", "coder", "--base-ref", "main"])
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success() && printed.contains("state=RUNNING"),
+        "{printed} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = printed.split_whitespace().next().unwrap().to_string();
+    let s = agent.get(&id).await;
     let call = pb::SessionCall {
         session_id: s.session_id.clone(),
         idempotency_key: String::new(),
