@@ -295,9 +295,21 @@ pub fn exec_msg(id: &str, turn: &str, argv: &[&str]) -> Exec {
 }
 
 impl Client {
+    /// Connects, retrying while the socket exists but does not listen yet.
     pub async fn connect(path: &Path) -> Self {
+        let mut tries = 0;
+        let stream = loop {
+            match UnixStream::connect(path).await {
+                Ok(s) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && tries < 2000 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err(e) => panic!("connect {}: {e}", path.display()),
+            }
+        };
         Self {
-            stream: UnixStream::connect(path).await.unwrap(),
+            stream,
             decoder: FrameDecoder::new(DEFAULT_MAX_FRAME),
             audit: Vec::new(),
             all: Vec::new(),
