@@ -47,7 +47,7 @@ impl ControlServer {
             path: path.into(),
             source,
         };
-        let listener = UnixListener::bind(path).map_err(bind_err)?;
+        let listener = bind_listening(path).map_err(bind_err)?;
         let clients = Arc::new(AtomicUsize::new(0));
         std::thread::Builder::new()
             .name("control".into())
@@ -55,6 +55,26 @@ impl ControlServer {
             .map_err(bind_err)?;
         Ok(ControlServer { path: path.into() })
     }
+}
+
+/// Binds a listening socket that appears at `path` only once it listens: it
+/// is bound under a temporary name beside `path` and renamed into place, so
+/// a client that sees the file never meets a socket that refuses it.
+fn bind_listening(path: &Path) -> std::io::Result<UnixListener> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let staging = path.with_file_name(format!(".{name}.{}", std::process::id()));
+    let _ = std::fs::remove_file(&staging);
+    let listener = match UnixListener::bind(&staging) {
+        Ok(l) => l,
+        // A staging name past the socket path limit: bind in place.
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => return UnixListener::bind(path),
+        Err(e) => return Err(e),
+    };
+    if let Err(e) = std::fs::rename(&staging, path) {
+        let _ = std::fs::remove_file(&staging);
+        return Err(e);
+    }
+    Ok(listener)
 }
 
 impl Drop for ControlServer {

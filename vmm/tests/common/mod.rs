@@ -95,23 +95,10 @@ pub struct Control {
 }
 
 impl Control {
-    /// Connects to the control socket at `path`, waiting for it to appear and
-    /// to listen (the file exists from bind(2) on, before listen(2)).
+    /// Connects to the control socket at `path`, waiting for it to appear.
     pub fn connect(path: &Path) -> Control {
         wait_for_path(path, Duration::from_secs(10));
-        let start = Instant::now();
-        let stream = loop {
-            match UnixStream::connect(path) {
-                Ok(s) => break s,
-                Err(e)
-                    if e.kind() == std::io::ErrorKind::ConnectionRefused
-                        && start.elapsed() < Duration::from_secs(10) =>
-                {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err(e) => panic!("connect control socket {}: {e}", path.display()),
-            }
-        };
+        let stream = UnixStream::connect(path).expect("connect control socket");
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
             .expect("timeout");
