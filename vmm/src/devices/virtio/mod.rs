@@ -174,6 +174,17 @@ impl DeviceCommon {
         self.interrupt = None;
     }
 
+    /// Registers every queue eventfd with the device's event loop; `device`
+    /// names it in the error log.
+    pub fn watch_queues(&self, ops: &mut event_manager::EventOps, device: &str) {
+        for evt in &self.queue_evts {
+            let events = event_manager::Events::new(evt, event_manager::EventSet::IN);
+            if let Err(e) = ops.add(events) {
+                tracing::error!(error = ?e, device, "cannot watch a virtio queue eventfd");
+            }
+        }
+    }
+
     /// Raises the used-ring interrupt, when activated.
     pub fn signal_used(&self) {
         if let Some(irq) = &self.interrupt {

@@ -10,7 +10,7 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
+use event_manager::{EventOps, Events, MutEventSubscriber};
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
     VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
@@ -325,11 +325,7 @@ impl MutEventSubscriber for Block {
     }
 
     fn init(&mut self, ops: &mut EventOps) {
-        for evt in &self.common.queue_evts {
-            if let Err(e) = ops.add(Events::new(evt, EventSet::IN)) {
-                tracing::error!(error = ?e, "cannot watch the virtio-blk queue eventfd");
-            }
-        }
+        self.common.watch_queues(ops, "virtio-blk");
     }
 }
 

@@ -251,11 +251,7 @@ impl MutEventSubscriber for Net {
     }
 
     fn init(&mut self, ops: &mut EventOps) {
-        for evt in &self.common.queue_evts {
-            if let Err(e) = ops.add(Events::new(evt, EventSet::IN)) {
-                tracing::error!(error = ?e, "cannot watch a virtio-net queue eventfd");
-            }
-        }
+        self.common.watch_queues(ops, "virtio-net");
         if let Err(e) = ops.add(Events::new(
             &self.tap,
             EventSet::IN | EventSet::EDGE_TRIGGERED,

@@ -7,7 +7,7 @@ pub mod persist;
 use std::io::Write;
 use std::os::fd::AsRawFd;
 
-use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
+use event_manager::{EventOps, Events, MutEventSubscriber};
 use virtio_bindings::virtio_ids::VIRTIO_ID_RNG;
 use virtio_queue::{DescriptorChain, QueueT, Writer};
 
@@ -115,11 +115,7 @@ impl MutEventSubscriber for Rng {
     }
 
     fn init(&mut self, ops: &mut EventOps) {
-        for evt in &self.common.queue_evts {
-            if let Err(e) = ops.add(Events::new(evt, EventSet::IN)) {
-                tracing::error!(error = ?e, "cannot watch the virtio-rng queue eventfd");
-            }
-        }
+        self.common.watch_queues(ops, "virtio-rng");
     }
 }
 

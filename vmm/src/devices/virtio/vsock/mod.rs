@@ -842,14 +842,12 @@ impl MutEventSubscriber for Vsock {
     }
 
     fn init(&mut self, ops: &mut EventOps) {
+        self.common.watch_queues(ops, "virtio-vsock");
         let mut add = |events: Events, what: &str| {
             if let Err(e) = ops.add(events) {
                 tracing::error!(error = ?e, "cannot watch the vsock {what}");
             }
         };
-        for evt in &self.common.queue_evts {
-            add(Events::new(evt, EventSet::IN), "queue eventfd");
-        }
         add(Events::new(&self.kick_evt, EventSet::IN), "kick eventfd");
         add(
             Events::new(&self.listener, EventSet::IN | EventSet::EDGE_TRIGGERED),
