@@ -18,6 +18,34 @@ const MAX_LIMIT_S: u64 = 30 * 24 * 3600;
 /// The Sessions service.
 pub struct SessionsApi(pub Arc<Manager>);
 
+impl SessionsApi {
+    /// One call on one session: checks the id, then runs `op` unless the
+    /// idempotency key already holds an answer for it.
+    async fn on_session<T, F, Fut>(
+        &self,
+        call: pb::SessionCall,
+        method: &str,
+        op: F,
+    ) -> Result<Response<T>, Status>
+    where
+        T: prost::Message + Default,
+        F: FnOnce(Arc<Manager>, String) -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        check_session_id(&call.session_id)?;
+        let work = op(self.0.clone(), call.session_id.clone());
+        let answer = idempotent(
+            &self.0,
+            &call.idempotency_key,
+            method,
+            &call.session_id,
+            work,
+        )
+        .await?;
+        Ok(Response::new(answer))
+    }
+}
+
 fn create_params(r: pb::CreateSessionRequest) -> Result<CreateParams> {
     valid_id(&r.image_id)?;
     check_key(&r.idempotency_key)?;
@@ -110,64 +138,35 @@ impl Sessions for SessionsApi {
         &self,
         req: Request<pb::SessionCall>,
     ) -> Result<Response<pb::Session>, Status> {
-        let r = req.into_inner();
-        check_session_id(&r.session_id)?;
-        let mgr = &self.0;
-        let s = idempotent(
-            mgr,
-            &r.idempotency_key,
-            "PauseSession",
-            &r.session_id,
-            async {
-                let row = mgr.pause(&r.session_id, reason::REQUESTED).await?;
-                Ok(session_pb(&row))
-            },
-        )
-        .await?;
-        Ok(Response::new(s))
+        self.on_session(req.into_inner(), "PauseSession", |mgr, id| async move {
+            Ok(session_pb(&mgr.pause(&id, reason::REQUESTED).await?))
+        })
+        .await
     }
 
     async fn resume_session(
         &self,
         req: Request<pb::SessionCall>,
     ) -> Result<Response<pb::Session>, Status> {
-        let r = req.into_inner();
-        check_session_id(&r.session_id)?;
-        let mgr = &self.0;
-        let s = idempotent(
-            mgr,
-            &r.idempotency_key,
-            "ResumeSession",
-            &r.session_id,
-            async { Ok(session_pb(&mgr.resume(&r.session_id).await?)) },
-        )
-        .await?;
-        Ok(Response::new(s))
+        self.on_session(req.into_inner(), "ResumeSession", |mgr, id| async move {
+            Ok(session_pb(&mgr.resume(&id).await?))
+        })
+        .await
     }
 
     async fn snapshot_session(
         &self,
         req: Request<pb::SessionCall>,
     ) -> Result<Response<pb::SnapshotSessionResponse>, Status> {
-        let r = req.into_inner();
-        check_session_id(&r.session_id)?;
-        let mgr = &self.0;
-        let s = idempotent(
-            mgr,
-            &r.idempotency_key,
-            "SnapshotSession",
-            &r.session_id,
-            async {
-                let (row, dir, pages) = mgr.snapshot(&r.session_id).await?;
-                Ok(pb::SnapshotSessionResponse {
-                    session: Some(session_pb(&row)),
-                    snapshot_dir: dir,
-                    pages_written: pages,
-                })
-            },
-        )
-        .await?;
-        Ok(Response::new(s))
+        self.on_session(req.into_inner(), "SnapshotSession", |mgr, id| async move {
+            let (row, dir, pages) = mgr.snapshot(&id).await?;
+            Ok(pb::SnapshotSessionResponse {
+                session: Some(session_pb(&row)),
+                snapshot_dir: dir,
+                pages_written: pages,
+            })
+        })
+        .await
     }
 
     async fn restore_session(
@@ -195,42 +194,20 @@ impl Sessions for SessionsApi {
         &self,
         req: Request<pb::SessionCall>,
     ) -> Result<Response<pb::Session>, Status> {
-        let r = req.into_inner();
-        check_session_id(&r.session_id)?;
-        let mgr = &self.0;
-        let s = idempotent(
-            mgr,
-            &r.idempotency_key,
-            "StopSession",
-            &r.session_id,
-            async {
-                Ok(session_pb(
-                    &mgr.stop(&r.session_id, reason::REQUESTED).await?,
-                ))
-            },
-        )
-        .await?;
-        Ok(Response::new(s))
+        self.on_session(req.into_inner(), "StopSession", |mgr, id| async move {
+            Ok(session_pb(&mgr.stop(&id, reason::REQUESTED).await?))
+        })
+        .await
     }
 
     async fn delete_session(
         &self,
         req: Request<pb::SessionCall>,
     ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
-        let r = req.into_inner();
-        check_session_id(&r.session_id)?;
-        let mgr = &self.0;
-        let s = idempotent(
-            mgr,
-            &r.idempotency_key,
-            "DeleteSession",
-            &r.session_id,
-            async {
-                mgr.delete(&r.session_id).await?;
-                Ok(pb::DeleteSessionResponse {})
-            },
-        )
-        .await?;
-        Ok(Response::new(s))
+        self.on_session(req.into_inner(), "DeleteSession", |mgr, id| async move {
+            mgr.delete(&id).await?;
+            Ok(pb::DeleteSessionResponse {})
+        })
+        .await
     }
 }
