@@ -140,8 +140,8 @@ impl GuestConn {
         let sid = session_id.to_string();
         let last = store
             .as_ref()
-            .and_then(|s| s.audit_since(&sid, 0).ok())
-            .and_then(|v| v.last().map(|a| (a.host_hash.clone(), a.guest_seq)));
+            .and_then(|s| s.last_audit(&sid).ok().flatten())
+            .map(|a| (a.host_hash, a.guest_seq));
         let (mut prev_hash, mut last_seq) = last.unwrap_or_default();
         tokio::spawn(async move {
             let mut dec = FrameDecoder::new(DEFAULT_MAX_FRAME);

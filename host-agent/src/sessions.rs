@@ -720,7 +720,7 @@ impl Manager {
         let conn = self.connect_guest(sess, timeout).await?;
         // The last event held, by seq and by the guest's own hash of it, so a
         // guest rolled back to an older snapshot can tell.
-        let last = self.store.audit_since(&sess.id, 0)?.pop();
+        let last = self.store.last_audit(&sess.id)?;
         let audit_seq_seen = last.as_ref().map_or(0, |a| a.guest_seq);
         let audit_hash_seen = last
             .and_then(|a| serde_json::from_str::<serde_json::Value>(&a.json).ok())

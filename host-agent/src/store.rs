@@ -191,6 +191,16 @@ CREATE TABLE IF NOT EXISTS idempotency(
   response BLOB NOT NULL, at INTEGER NOT NULL);
 "#;
 
+fn audit_row(r: &Row<'_>) -> rusqlite::Result<AuditRow> {
+    Ok(AuditRow {
+        session_id: r.get(0)?,
+        guest_seq: r.get::<_, i64>(1)? as u64,
+        json: r.get(2)?,
+        host_hash: r.get(3)?,
+        received_at: r.get(4)?,
+    })
+}
+
 fn image_from_row(r: &Row<'_>) -> rusqlite::Result<ImageRow> {
     Ok(ImageRow {
         id: r.get(0)?,
@@ -515,16 +525,21 @@ impl Store {
                 "SELECT session_id, guest_seq, json, host_hash, received_at FROM audit \
                  WHERE session_id=?1 AND guest_seq > ?2 ORDER BY guest_seq",
             )?;
-            let rows = st.query_map(params![session, since as i64], |r| {
-                Ok(AuditRow {
-                    session_id: r.get(0)?,
-                    guest_seq: r.get::<_, i64>(1)? as u64,
-                    json: r.get(2)?,
-                    host_hash: r.get(3)?,
-                    received_at: r.get(4)?,
-                })
-            })?;
+            let rows = st.query_map(params![session, since as i64], audit_row)?;
             rows.collect()
+        })
+    }
+
+    /// The session's audit record with the highest guest seq, if any.
+    pub fn last_audit(&self, session: &str) -> Result<Option<AuditRow>> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT session_id, guest_seq, json, host_hash, received_at FROM audit \
+                 WHERE session_id=?1 ORDER BY guest_seq DESC LIMIT 1",
+                [session],
+                audit_row,
+            )
+            .optional()
         })
     }
 
@@ -591,4 +606,30 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
         ],
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_last_audit_record_is_the_highest_seq_of_its_session() {
+        let t = tempfile::tempdir().unwrap();
+        let store = Store::open(&t.path().join("db")).unwrap();
+        assert!(store.last_audit("s1").unwrap().is_none());
+        for (session, seq) in [("s1", 2), ("s1", 7), ("s1", 5), ("s2", 9)] {
+            store
+                .insert_audit(&AuditRow {
+                    session_id: session.into(),
+                    guest_seq: seq,
+                    json: format!("{{\"seq\":{seq}}}"),
+                    host_hash: format!("h{seq}"),
+                    received_at: 0,
+                })
+                .unwrap();
+        }
+        let last = store.last_audit("s1").unwrap().unwrap();
+        assert_eq!((last.guest_seq, last.host_hash.as_str()), (7, "h7"));
+        assert_eq!(store.audit_since("s1", 0).unwrap().len(), 3);
+    }
 }
