@@ -60,6 +60,8 @@ pub struct VmmProcess {
     /// Started through `vmm jail`: `pid` is the jailer, the vmm is its child,
     /// and the sockets lie in `dir/jail/run`.
     pub jailed: bool,
+    /// The jailed vmm's pid, once found (it lives exactly as long as its jailer).
+    jailed_vmm: std::sync::OnceLock<u32>,
     exited: watch::Receiver<Option<ExitStatus>>,
 }
 
@@ -145,12 +147,21 @@ impl VmmProcess {
         if !self.jailed {
             return Some(self.pid);
         }
-        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", self.pid))
+        // The vmm dies with its jailer and the jailer exits with it, so the
+        // pid read once stays right while the jailer runs.
+        if self.exit_status().is_some() {
+            return None;
+        }
+        if let Some(pid) = self.jailed_vmm.get() {
+            return Some(*pid);
+        }
+        let pid = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", self.pid))
             .ok()?
             .split_whitespace()
             .next()?
             .parse()
-            .ok()
+            .ok()?;
+        Some(*self.jailed_vmm.get_or_init(|| pid))
     }
 
     /// The same VM after its directory was renamed to `dest`.
@@ -312,6 +323,7 @@ pub fn spawn(
         control,
         dir: dir.to_path_buf(),
         jailed: jail.is_some(),
+        jailed_vmm: std::sync::OnceLock::new(),
         exited: rx,
     })
 }
@@ -355,6 +367,7 @@ pub fn attach(pid: u32, start_ticks: u64, dir: &Path) -> Option<VmmProcess> {
         control: run_dirs(dir, jailed).0.join("control.sock"),
         dir: dir.to_path_buf(),
         jailed,
+        jailed_vmm: std::sync::OnceLock::new(),
         exited: rx,
     })
 }
