@@ -745,36 +745,37 @@ impl Session {
             let mut log = self.audit.lock().await;
             *lock(&self.out) = out;
             let own = log.seq();
+            let lines = match log.lines() {
+                Ok(lines) => lines,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot read the audit log back for the host");
+                    self.send(error(
+                        Code::Internal,
+                        format!("audit events after seq {audit_seen} cannot be sent again: {e}"),
+                        "",
+                    ))
+                    .await;
+                    Vec::new()
+                }
+            };
+            let at_host = lines.iter().find(|l| l.seq == audit_seen);
             let diverged = audit_seen > own
                 || (audit_seen > 0
                     && !req.audit_hash_seen.is_empty()
-                    && log.hash_at(audit_seen).ok().flatten().as_deref()
-                        != Some(req.audit_hash_seen.as_str()));
+                    && at_host.map(|l| l.hash.as_str()) != Some(req.audit_hash_seen.as_str()));
             if diverged {
                 // Restored from a snapshot older than what the host has seen.
                 rolled_back = Some(own);
                 log.skip_to(audit_seen);
             } else {
-                match log.lines_after(audit_seen) {
-                    Ok(lines) => {
-                        for (seq, json) in lines {
-                            let _ = self
-                                .outbox()
-                                .send(msg(Out::AuditEvent(AuditEvent { seq, json })))
-                                .await;
-                        }
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, "cannot read the audit log back for the host");
-                        self.send(error(
-                            Code::Internal,
-                            format!(
-                                "audit events after seq {audit_seen} cannot be sent again: {e}"
-                            ),
-                            "",
-                        ))
+                for l in lines.into_iter().filter(|l| l.seq > audit_seen) {
+                    let _ = self
+                        .outbox()
+                        .send(msg(Out::AuditEvent(AuditEvent {
+                            seq: l.seq,
+                            json: l.json,
+                        })))
                         .await;
-                    }
                 }
             }
         }

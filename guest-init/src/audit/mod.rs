@@ -203,29 +203,10 @@ impl AuditLog {
         self.seq = self.seq.max(seq);
     }
 
-    /// The `hash` of this log's event `seq`, from the log file (None: no such
-    /// line, or a log kept only in memory).
-    pub fn hash_at(&self, seq: u64) -> Result<Option<String>, AuditError> {
-        let Some((_, path)) = &self.file else {
-            return Ok(None);
-        };
-        let text = std::fs::read_to_string(path).map_err(|source| AuditError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        for l in text.lines() {
-            let line: Line = serde_json::from_str(l)?;
-            if line.event.seq == seq {
-                return Ok(Some(line.hash));
-            }
-        }
-        Ok(None)
-    }
-
-    /// The lines after `seq`, from the log file, oldest first: what a host
-    /// that has seen up to `seq` is missing. A log kept only in memory has
-    /// no lines to give back.
-    pub fn lines_after(&self, seq: u64) -> Result<Vec<(u64, String)>, AuditError> {
+    /// Every line of the log file, oldest first, with its seq and hash (a log
+    /// kept only in memory has none): what a resume compares with the host's
+    /// last event and sends again.
+    pub fn lines(&self) -> Result<Vec<Logged>, AuditError> {
         let Some((_, path)) = &self.file else {
             return Ok(Vec::new());
         };
@@ -233,15 +214,28 @@ impl AuditLog {
             path: path.clone(),
             source,
         })?;
-        let mut out = Vec::new();
-        for l in text.lines() {
-            let line: Line = serde_json::from_str(l)?;
-            if line.event.seq > seq {
-                out.push((line.event.seq, l.to_string()));
-            }
-        }
-        Ok(out)
+        text.lines()
+            .map(|l| {
+                let line: Line = serde_json::from_str(l)?;
+                Ok(Logged {
+                    seq: line.event.seq,
+                    hash: line.hash,
+                    json: l.to_string(),
+                })
+            })
+            .collect()
     }
+}
+
+/// One line read back from an audit log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Logged {
+    /// Its sequence number.
+    pub seq: u64,
+    /// Its chain hash.
+    pub hash: String,
+    /// The line itself, as sent to the host.
+    pub json: String,
 }
 
 #[cfg(test)]
@@ -279,7 +273,7 @@ mod tests {
     }
 
     #[test]
-    fn lines_after_a_seq_come_back_from_the_file() {
+    fn lines_come_back_from_the_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("audit.jsonl");
         let mut log = AuditLog::open(Some(&path), "s1", Redactor::default()).unwrap();
@@ -293,13 +287,13 @@ mod tests {
                 .unwrap(),
             );
         }
-        assert_eq!(log.lines_after(1).unwrap(), sent[1..].to_vec());
+        let lines = log.lines().unwrap();
+        let back: Vec<(u64, String)> = lines.iter().map(|l| (l.seq, l.json.clone())).collect();
+        assert_eq!(back, sent);
         let second: Line = serde_json::from_str(&sent[1].1).unwrap();
-        assert_eq!(log.hash_at(2).unwrap(), Some(second.hash));
-        assert_eq!(log.hash_at(9).unwrap(), None);
-        assert!(log.lines_after(3).unwrap().is_empty());
+        assert_eq!(lines[1].hash, second.hash);
         let memory = AuditLog::open(None, "s1", Redactor::default()).unwrap();
-        assert!(memory.lines_after(0).unwrap().is_empty());
+        assert!(memory.lines().unwrap().is_empty());
 
         // Rolled back behind the host: numbering continues after the host's.
         log.skip_to(10);
