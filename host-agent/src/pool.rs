@@ -94,7 +94,7 @@ impl Pool {
     async fn spawn_one(mgr: &Manager, image: &ImageRow) -> Result<VmmProcess> {
         let dir = mgr.pool_dir().join(uuid::Uuid::new_v4().to_string());
         prepare_disk(&mgr.cfg, image, &dir).await?;
-        let (args, jail) = restore_launch(&mgr.cfg, image, &dir, true);
+        let (args, jail) = restore_launch(&mgr.cfg, image, &dir, true, Source::Golden);
         let vm = supervisor::spawn(&mgr.vmm_path, &dir, &args, jail.as_ref())?;
         std::fs::write(dir.join("pid"), format!("{} {}", vm.pid, vm.start_ticks))
             .map_err(|e| Error::io(format!("writing {}/pid", dir.display()), e))?;
@@ -169,7 +169,6 @@ impl Pool {
     }
 }
 
-/// Arguments of `vmm restore` for `image` with its files in `dir`.
 /// How to start a restore of `image` for a VM in `dir`: the vmm arguments
 /// (paths as the vmm sees them) and, when sessions are jailed, the jail. The
 /// golden snapshot has a vsock device exactly when the VM gets one: both
@@ -179,22 +178,29 @@ pub fn restore_launch(
     image: &ImageRow,
     dir: &Path,
     paused: bool,
+    from: Source<'_>,
 ) -> (Vec<String>, Option<JailLaunch>) {
     let (_, inside) = run_dirs(dir, cfg.jail.is_some());
-    let (snapshot, jail) = match &cfg.jail {
-        None => (image.golden_dir.clone(), None),
-        Some(j) => (
+    let (snapshot, binds) = match (from, cfg.jail.is_some()) {
+        (Source::Golden, false) => (image.golden_dir.clone(), vec![]),
+        (Source::Golden, true) => (
             GOLDEN_IN_JAIL.to_string(),
-            Some(JailLaunch {
-                id: jail_id(dir),
-                uid: j.uid,
-                gid: j.gid,
-                binds: vec![(PathBuf::from(&image.golden_dir), GOLDEN_IN_JAIL.into())],
-                memory_max_mib: (j.memory_overhead_mib > 0)
-                    .then(|| u64::from(image.mem_mib) + j.memory_overhead_mib),
-            }),
+            vec![(PathBuf::from(&image.golden_dir), GOLDEN_IN_JAIL.into())],
+        ),
+        // The VM's own snapshots are in its run directory, inside the jail if any.
+        (Source::Own(name), _) => (
+            inside.join("snapshots").join(name).display().to_string(),
+            vec![],
         ),
     };
+    let jail = cfg.jail.as_ref().map(|j| JailLaunch {
+        id: jail_id(dir),
+        uid: j.uid,
+        gid: j.gid,
+        binds,
+        memory_max_mib: (j.memory_overhead_mib > 0)
+            .then(|| u64::from(image.mem_mib) + j.memory_overhead_mib),
+    });
     let mut args = vec![
         "restore".to_string(),
         "--snapshot".to_string(),
@@ -261,6 +267,15 @@ pub async fn prepare_disk(cfg: &Config, image: &ImageRow, dir: &Path) -> Result<
     .await
 }
 
+/// The snapshot a VM is restored from.
+#[derive(Debug, Clone, Copy)]
+pub enum Source<'a> {
+    /// The image's golden snapshot.
+    Golden,
+    /// One of the VM's own snapshots (SnapshotSession), by directory name.
+    Own(&'a str),
+}
+
 /// Where a jailed VM sees its image's golden snapshot.
 const GOLDEN_IN_JAIL: &str = "/golden";
 
@@ -288,7 +303,7 @@ mod tests {
     fn guest_init_vms_get_a_vsock_device_at_their_own_socket() {
         let cfg = Config::default();
         let dir = Path::new("/state/sessions/s1");
-        let (args, jail) = restore_launch(&cfg, &image(true), dir, true);
+        let (args, jail) = restore_launch(&cfg, &image(true), dir, true, Source::Golden);
         assert_eq!(jail, None);
         let at = args.iter().position(|a| a == "--vsock").expect("--vsock");
         assert_eq!(args[at + 1], "3:/state/sessions/s1/vsock.sock");
@@ -299,7 +314,7 @@ mod tests {
             "guest-init images get entropy"
         );
 
-        let (args, _) = restore_launch(&cfg, &image(false), dir, false);
+        let (args, _) = restore_launch(&cfg, &image(false), dir, false, Source::Golden);
         assert!(!args.contains(&"--vsock".to_string()), "{args:?}");
         assert!(!args.contains(&"--rng".to_string()), "{args:?}");
 
@@ -321,7 +336,7 @@ mod tests {
             ..Config::default()
         };
         let dir = Path::new("/state/sessions/0b5e-s1");
-        let (args, jail) = restore_launch(&cfg, &image(true), dir, false);
+        let (args, jail) = restore_launch(&cfg, &image(true), dir, false, Source::Golden);
         let jail = jail.expect("a jail");
         assert_eq!(jail.id, "0b5e-s1");
         assert_eq!((jail.uid, jail.gid), (1000, 1001));
@@ -341,5 +356,14 @@ mod tests {
             run_dirs(dir, true).0,
             PathBuf::from("/state/sessions/0b5e-s1/jail/run")
         );
+        // A session's own snapshot: in its run directory, nothing bound in.
+        let (args, jail) = restore_launch(&cfg, &image(true), dir, false, Source::Own("123-ab"));
+        let at = args.iter().position(|a| a == "--snapshot").unwrap();
+        assert_eq!(args[at + 1], "/run/snapshots/123-ab");
+        assert!(jail.unwrap().binds.is_empty());
+        let plain = Config::default();
+        let (args, _) = restore_launch(&plain, &image(false), dir, false, Source::Own("123-ab"));
+        let at = args.iter().position(|a| a == "--snapshot").unwrap();
+        assert_eq!(args[at + 1], "/state/sessions/0b5e-s1/snapshots/123-ab");
     }
 }

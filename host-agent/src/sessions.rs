@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::events::EventBus;
 use crate::guest::{self, GuestConn};
 use crate::metrics;
-use crate::pool::{copy_disk, prepare_disk, restore_launch, Pool, VM_DISK};
+use crate::pool::{copy_disk, prepare_disk, restore_launch, Pool, Source, VM_DISK};
 use crate::store::{EventRow, ImageRow, SessionRow, Store};
 use crate::supervisor::{self, ExitStatus, VmmProcess};
 
@@ -581,7 +581,8 @@ impl Manager {
                 None => (
                     {
                         prepare_disk(&self.cfg, image, &dir).await?;
-                        let (args, jail) = restore_launch(&self.cfg, image, &dir, false);
+                        let (args, jail) =
+                            restore_launch(&self.cfg, image, &dir, false, Source::Golden);
                         supervisor::spawn(&self.vmm_path, &dir, &args, jail.as_ref())?
                     },
                     false,
@@ -1019,7 +1020,7 @@ impl Manager {
             )));
         }
         let dir = PathBuf::from(sess.row().dir);
-        let (run_host, run_inside) = supervisor::run_dirs(&dir, old.jailed);
+        let (run_host, _) = supervisor::run_dirs(&dir, old.jailed);
         let snapshot = own_snapshot(&run_host.join("snapshots"), snapshot_dir)?;
         let name = snapshot
             .file_name()
@@ -1082,12 +1083,7 @@ impl Manager {
             // The old vmm's socket: the new vmm binds its own at the same path.
             let _ = std::fs::remove_file(self.cfg.vsock_path(&run_host));
         }
-        let (mut args, jail) = restore_launch(&self.cfg, &image, &dir, false);
-        // The session's own snapshot, not the image's golden one.
-        if let Some(at) = args.iter().position(|a| a == "--snapshot") {
-            let inside = run_inside.join("snapshots").join(&name);
-            args[at + 1] = inside.display().to_string();
-        }
+        let (args, jail) = restore_launch(&self.cfg, &image, &dir, false, Source::Own(&name));
         let vmm =
             Arc::new(supervisor::spawn(&self.vmm_path, &dir, &args, jail.as_ref()).map_err(fail)?);
         let recorded = {
