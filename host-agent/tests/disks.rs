@@ -95,14 +95,7 @@ async fn every_vm_gets_its_own_copy_of_the_golden_disk() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_jailed_vm_gets_its_disk_inside_the_jail() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("skipped: jailed vmm processes need root");
-        return;
-    }
-    let cg = Path::new("/sys/fs/cgroup");
-    if !cg.join("cgroup.controllers").exists() && !cg.join("memory/cgroup.procs").exists() {
-        println!("skipped: no cgroup v2 or v1 memory hierarchy at /sys/fs/cgroup");
+    if !jail_supported() {
         return;
     }
     let t = tempfile::tempdir().unwrap();

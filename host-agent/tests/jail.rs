@@ -15,21 +15,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use proto::hostagent as pb;
 
-/// Whether `vmm jail` can run here; prints why not.
-fn jail_supported() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("skipped: jailed vmm processes need root (namespaces, cgroups)");
-        return false;
-    }
-    let cg = Path::new("/sys/fs/cgroup");
-    if !cg.join("cgroup.controllers").exists() && !cg.join("memory/cgroup.procs").exists() {
-        println!("skipped: no cgroup v2 or v1 memory hierarchy at /sys/fs/cgroup");
-        return false;
-    }
-    true
-}
-
 /// The jailed vmm: the jailer's (session's recorded pid's) only child.
 fn jailed_vmm(jailer: u32) -> u32 {
     let start = Instant::now();

@@ -333,3 +333,18 @@ pub fn check_usage_chain(recs: &[pb::UsageRecord]) {
         assert!(!a.r#final, "only the last record is final");
     }
 }
+
+/// Whether `vmm jail` can run here; prints why not.
+pub fn jail_supported() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipped: jailed vmm processes need root (namespaces, cgroups)");
+        return false;
+    }
+    let cg = Path::new("/sys/fs/cgroup");
+    if !cg.join("cgroup.controllers").exists() && !cg.join("memory/cgroup.procs").exists() {
+        println!("skipped: no cgroup v2 or v1 memory hierarchy at /sys/fs/cgroup");
+        return false;
+    }
+    true
+}
