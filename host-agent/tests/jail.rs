@@ -50,12 +50,24 @@ fn session_dir(agent: &Agent, id: &str) -> PathBuf {
 }
 
 fn assert_confined(vmm: u32, dir: &Path) {
-    let status = std::fs::read_to_string(format!("/proc/{vmm}/status")).unwrap();
+    // The vmm's main thread installs its filter just after its control
+    // socket appears: wait for it rather than race it.
+    let start = Instant::now();
+    let status = loop {
+        let status = std::fs::read_to_string(format!("/proc/{vmm}/status")).unwrap();
+        if status.contains("Seccomp:\t2") {
+            break status;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the vmm's main thread is not filtered after 20 s: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
     assert!(
         status.contains("Uid:\t65534\t65534\t65534\t65534"),
         "{status}"
     );
-    assert!(status.contains("Seccomp:\t2"), "{status}");
     for ns in ["mnt", "pid"] {
         assert_ne!(
             std::fs::read_link(format!("/proc/{vmm}/ns/{ns}")).unwrap(),

@@ -14,10 +14,26 @@ use common::*;
 use proto::hostagent as pb;
 use tonic::Code;
 
-/// The counts the counting guest printed to `log` after byte `from`.
+/// The counts the counting guest printed to `log` in the lines that start
+/// at or after byte `from`. The log is read while the vmm writes it: a line
+/// still being written (no newline yet) is not counted, nor is a line that
+/// `from` cuts.
 fn counts(log: &Path, from: usize) -> Vec<u64> {
     let text = std::fs::read(log).unwrap_or_default();
-    String::from_utf8_lossy(&text[from.min(text.len())..])
+    let from = from.min(text.len());
+    let start = if from == 0 || text[from - 1] == b'\n' {
+        from
+    } else {
+        match text[from..].iter().position(|b| *b == b'\n') {
+            Some(i) => from + i + 1,
+            None => return Vec::new(),
+        }
+    };
+    let end = text.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+    if end <= start {
+        return Vec::new();
+    }
+    String::from_utf8_lossy(&text[start..end])
         .lines()
         .filter_map(|l| l.strip_prefix("count="))
         .filter_map(|n| n.parse().ok())

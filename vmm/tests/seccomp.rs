@@ -30,45 +30,69 @@ fn every_thread_of_a_running_vm_is_filtered() {
         .unwrap();
     let mut ctl = Control::connect(&sock);
     assert_eq!(ctl.send_raw(r#"{"op":"status"}"#)["ok"], true);
-    // The main thread installs its filter just after the control socket starts.
-    let main_status = format!("/proc/{}/status", child.id());
-    let start = std::time::Instant::now();
-    while !std::fs::read_to_string(&main_status)
-        .unwrap()
-        .contains("Seccomp:\t2")
-    {
+    // A thread is checked once it has started: it has its name (a thread
+    // sets its own name first thing, until then it shows the process's
+    // "vmm") and the filter it installs before doing any work. The main
+    // thread installs its filter just after the control socket starts. Wait,
+    // with a deadline, until every expected thread has started; then every
+    // thread of the process must be filtered.
+    let expected = [
+        "vmm",
+        "vcpu0",
+        "vcpu1",
+        "control",
+        "control-client",
+        "signals",
+    ];
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let threads = loop {
+        let threads = thread_modes(child.id());
+        let started = expected.iter().all(|name| {
+            threads
+                .iter()
+                .any(|(n, mode)| n == name && (*name != "vmm" || mode == "2"))
+        }) && threads.iter().filter(|(n, _)| n == "vmm").count() == 1;
+        if started {
+            break threads;
+        }
         assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "main thread never filtered"
+            std::time::Instant::now() < deadline,
+            "the VM's threads did not all start within 20 s (want {expected:?}, have {threads:?})"
         );
         std::thread::sleep(Duration::from_millis(5));
-    }
-    let mut seen = Vec::new();
-    for task in std::fs::read_dir(format!("/proc/{}/task", child.id())).unwrap() {
-        let task = task.unwrap().path();
-        let name = std::fs::read_to_string(task.join("comm"))
-            .unwrap()
-            .trim()
-            .to_string();
-        let status = std::fs::read_to_string(task.join("status")).unwrap();
-        let mode = status
-            .lines()
-            .find_map(|l| l.strip_prefix("Seccomp:"))
-            .unwrap()
-            .trim()
-            .to_string();
-        assert_eq!(mode, "2", "thread {name} is not in seccomp filter mode");
-        seen.push(name);
-    }
-    for expected in ["vcpu0", "vcpu1", "control", "control-client", "signals"] {
-        assert!(
-            seen.iter().any(|n| n == expected),
-            "no {expected} thread in {seen:?}"
+    };
+    for (name, mode) in &threads {
+        assert_eq!(
+            mode, "2",
+            "thread {name} is not in seccomp filter mode: {threads:?}"
         );
     }
     assert_eq!(ctl.send_raw(r#"{"op":"stop"}"#)["ok"], true);
     let out = wait_with_deadline(child, Duration::from_secs(10));
     assert_eq!(out.status.code(), Some(0));
+}
+
+/// (name, seccomp mode) of every thread of `pid`, from /proc.
+fn thread_modes(pid: u32) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let task = task.unwrap().path();
+        // A thread that exits between the listing and the reads is skipped.
+        let (Ok(name), Ok(status)) = (
+            std::fs::read_to_string(task.join("comm")),
+            std::fs::read_to_string(task.join("status")),
+        ) else {
+            continue;
+        };
+        let mode = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Seccomp:"))
+            .unwrap_or("?")
+            .trim()
+            .to_string();
+        out.push((name.trim().to_string(), mode));
+    }
+    out
 }
 
 #[test]

@@ -134,3 +134,22 @@ pub fn kv<'a>(pairs: &'a [(String, String)], key: &str) -> &'a str {
         .map(|(_, v)| v.as_str())
         .unwrap_or_else(|| panic!("guest did not report {key}"))
 }
+
+/// Waits (up to 20 s) until process `pid`'s main thread is in seccomp filter
+/// mode and returns its /proc status. The vmm's main thread installs its
+/// filter just after the control socket appears, so a client can get an
+/// answer before that.
+pub fn wait_main_thread_filtered(pid: &str) -> String {
+    let start = std::time::Instant::now();
+    loop {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        if status.contains("Seccomp:\t2") {
+            return status;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the main thread of {pid} is not filtered after 20 s: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
