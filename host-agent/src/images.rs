@@ -69,6 +69,9 @@ pub fn validate(img: &mut ImageRow) -> Result<()> {
     if !img.rootfs.is_empty() {
         check_file("rootfs_path", &img.rootfs)?;
     }
+    if !img.initrd.is_empty() {
+        check_file("initrd_path", &img.initrd)?;
+    }
     if img.cmdline.len() > MAX_CMDLINE {
         return Err(Error::invalid(format!(
             "cmdline is {} bytes; at most {MAX_CMDLINE}",
@@ -99,16 +102,9 @@ pub fn validate(img: &mut ImageRow) -> Result<()> {
     Ok(())
 }
 
-/// Boots `id`, lets it settle, pauses it and writes its golden snapshot.
-pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<ImageRow> {
-    let _g = mgr.golden_lock.lock().await;
-    let image = mgr
-        .store
-        .image(id)?
-        .ok_or_else(|| Error::not_found("image", id))?;
-    let settle = if settle_ms == 0 { 200 } else { settle_ms };
-    let dir = mgr.image_dir(id);
-    let build = dir.join(format!("build-{}", uuid::Uuid::new_v4().simple()));
+/// `vmm run` arguments that boot `image` for its golden snapshot in `build`
+/// (the vsock and disk back ends are added by the caller).
+fn boot_args(image: &ImageRow, build: &Path) -> Vec<String> {
     let mut args = vec![
         "run".to_string(),
         "--kernel".to_string(),
@@ -120,17 +116,35 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
         "--serial".to_string(),
         format!("file:{}", build.join("serial.log").display()),
     ];
+    if !image.initrd.is_empty() {
+        args.push("--initrd".to_string());
+        args.push(image.initrd.clone());
+    }
     if !image.cmdline.is_empty() {
         args.push("--cmdline".to_string());
         args.push(image.cmdline.clone());
     }
-    if let Some(v) = mgr.cfg.vsock_device_arg(image.guest_init, &build) {
-        args.push("--vsock".to_string());
-        args.push(v);
-    }
     if image.guest_init {
         // A Linux guest gets entropy from the host (virtio-rng) from its first boot.
         args.push("--rng".to_string());
+    }
+    args
+}
+
+/// Boots `id`, lets it settle, pauses it and writes its golden snapshot.
+pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<ImageRow> {
+    let _g = mgr.golden_lock.lock().await;
+    let image = mgr
+        .store
+        .image(id)?
+        .ok_or_else(|| Error::not_found("image", id))?;
+    let settle = if settle_ms == 0 { 200 } else { settle_ms };
+    let dir = mgr.image_dir(id);
+    let build = dir.join(format!("build-{}", uuid::Uuid::new_v4().simple()));
+    let mut args = boot_args(&image, &build);
+    if let Some(v) = mgr.cfg.vsock_device_arg(image.guest_init, &build) {
+        args.push("--vsock".to_string());
+        args.push(v);
     }
     // The image boots on a copy of its rootfs; the copy, as the snapshot
     // leaves it, goes with the golden snapshot (the registered file stays as it is).
@@ -201,4 +215,40 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
     mgr.store
         .image(id)?
         .ok_or_else(|| Error::not_found("image", id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image() -> ImageRow {
+        ImageRow {
+            id: "img".into(),
+            kernel: "/k/vmlinux".into(),
+            cmdline: "console=ttyS0".into(),
+            mem_mib: 512,
+            vcpus: 2,
+            guest_init: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_golden_boot_takes_the_image_initrd_when_it_has_one() {
+        let build = Path::new("/state/images/img/build-1");
+        let without = boot_args(&image(), build);
+        assert!(!without.iter().any(|a| a == "--initrd"), "{without:?}");
+        let with = boot_args(
+            &ImageRow {
+                initrd: "/k/initrd.gz".into(),
+                ..image()
+            },
+            build,
+        );
+        let at = with.iter().position(|a| a == "--initrd").expect("--initrd");
+        assert_eq!(with[at + 1], "/k/initrd.gz");
+        for flag in ["--kernel", "--cmdline", "--rng", "--serial"] {
+            assert!(with.iter().any(|a| a == flag), "{flag} in {with:?}");
+        }
+    }
 }

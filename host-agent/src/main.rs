@@ -173,6 +173,9 @@ enum ImagesCmd {
         /// Root disk image (each VM gets its own copy).
         #[arg(long, default_value = "")]
         rootfs: String,
+        /// Initial ramdisk (for kernels whose drivers are modules).
+        #[arg(long, default_value = "")]
+        initrd: String,
         #[arg(long, default_value = "")]
         cmdline: String,
         #[arg(long, default_value_t = 0)]
@@ -393,6 +396,7 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
                     id,
                     kernel,
                     rootfs,
+                    initrd,
                     cmdline,
                     mem_mib,
                     vcpus,
@@ -403,6 +407,7 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
                             image_id: id,
                             kernel_path: kernel,
                             rootfs_path: rootfs,
+                            initrd_path: initrd,
                             cmdline,
                             mem_mib,
                             vcpus,

@@ -294,8 +294,7 @@ mod tests {
             vcpus: 1,
             guest_init,
             golden_dir: "/images/i/golden-1".into(),
-            created_at: 0,
-            golden_built_at: 0,
+            ..Default::default()
         }
     }
 

@@ -1260,15 +1260,7 @@ impl Manager {
                 Some(i) => i,
                 None => ImageRow {
                     id: row.image_id.clone(),
-                    kernel: String::new(),
-                    rootfs: String::new(),
-                    cmdline: String::new(),
-                    mem_mib: 0,
-                    vcpus: 0,
-                    guest_init: false,
-                    golden_dir: String::new(),
-                    created_at: 0,
-                    golden_built_at: 0,
+                    ..Default::default()
                 },
             };
             let state = row.state;

@@ -16,7 +16,7 @@ use rusqlite::{params, Connection, OptionalExtension, Row};
 use crate::error::{Error, Result};
 
 /// A registered image.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct ImageRow {
     /// Caller-chosen id.
     pub id: String,
@@ -24,6 +24,8 @@ pub struct ImageRow {
     pub kernel: String,
     /// Root filesystem path, may be empty.
     pub rootfs: String,
+    /// Initial ramdisk path, may be empty.
+    pub initrd: String,
     /// Kernel command line.
     pub cmdline: String,
     /// Guest memory.
@@ -165,7 +167,8 @@ PRAGMA journal_mode=WAL;
 CREATE TABLE IF NOT EXISTS images(
   id TEXT PRIMARY KEY, kernel TEXT NOT NULL, rootfs TEXT NOT NULL, cmdline TEXT NOT NULL,
   mem_mib INTEGER NOT NULL, vcpus INTEGER NOT NULL, guest_init INTEGER NOT NULL,
-  golden_dir TEXT NOT NULL, created_at INTEGER NOT NULL, golden_built_at INTEGER NOT NULL);
+  golden_dir TEXT NOT NULL, created_at INTEGER NOT NULL, golden_built_at INTEGER NOT NULL,
+  initrd TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS sessions(
   id TEXT PRIMARY KEY, image_id TEXT NOT NULL, state INTEGER NOT NULL, execution_id TEXT NOT NULL,
   reason TEXT NOT NULL, detail TEXT NOT NULL, created_at INTEGER NOT NULL, ready_at INTEGER NOT NULL,
@@ -213,6 +216,7 @@ fn image_from_row(r: &Row<'_>) -> rusqlite::Result<ImageRow> {
         golden_dir: r.get(7)?,
         created_at: r.get(8)?,
         golden_built_at: r.get(9)?,
+        initrd: r.get(10)?,
     })
 }
 
@@ -282,12 +286,26 @@ fn event_from_row(r: &Row<'_>) -> rusqlite::Result<EventRow> {
     })
 }
 
+/// Brings a database written by an older host-agent up to [`SCHEMA`]:
+/// columns added since are added with their defaults.
+fn migrate(conn: &Connection) -> rusqlite::Result<()> {
+    let mut st = conn.prepare("SELECT name FROM pragma_table_info('images')")?;
+    let columns: Vec<String> = st
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    if !columns.iter().any(|c| c == "initrd") {
+        conn.execute_batch("ALTER TABLE images ADD COLUMN initrd TEXT NOT NULL DEFAULT '';")?;
+    }
+    Ok(())
+}
+
 impl Store {
     /// Opens (creating if needed) the database at `path`.
     pub fn open(path: &Path) -> Result<Store> {
         let conn = Connection::open(path)?;
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
         conn.execute_batch(SCHEMA)?;
+        migrate(&conn)?;
         conn.execute_batch("PRAGMA synchronous=NORMAL;")?;
         Ok(Store {
             conn: Mutex::new(conn),
@@ -305,7 +323,7 @@ impl Store {
     pub fn insert_image(&self, img: &ImageRow) -> Result<()> {
         let n = self.with(|c| {
             c.execute(
-                "INSERT OR IGNORE INTO images VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10)",
+                "INSERT OR IGNORE INTO images VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)",
                 params![
                     img.id,
                     img.kernel,
@@ -316,7 +334,8 @@ impl Store {
                     img.guest_init,
                     img.golden_dir,
                     img.created_at,
-                    img.golden_built_at
+                    img.golden_built_at,
+                    img.initrd
                 ],
             )
         })?;
@@ -611,6 +630,38 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_database_from_before_the_initrd_column_opens_and_keeps_its_images() {
+        let t = tempfile::tempdir().unwrap();
+        let path = t.path().join("db");
+        {
+            let c = Connection::open(&path).unwrap();
+            c.execute_batch(
+                "CREATE TABLE images(id TEXT PRIMARY KEY, kernel TEXT NOT NULL, \
+                 rootfs TEXT NOT NULL, cmdline TEXT NOT NULL, mem_mib INTEGER NOT NULL, \
+                 vcpus INTEGER NOT NULL, guest_init INTEGER NOT NULL, golden_dir TEXT NOT NULL, \
+                 created_at INTEGER NOT NULL, golden_built_at INTEGER NOT NULL);
+                 INSERT INTO images VALUES ('old','/k','','c',64,1,0,'/g',1,2);",
+            )
+            .unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        let old = store.image("old").unwrap().unwrap();
+        assert_eq!((old.kernel.as_str(), old.initrd.as_str()), ("/k", ""));
+        let new = ImageRow {
+            id: "new".into(),
+            kernel: "/k".into(),
+            initrd: "/i".into(),
+            ..Default::default()
+        };
+        store.insert_image(&new).unwrap();
+        assert_eq!(store.image("new").unwrap().unwrap(), new);
+        // Opening again changes nothing.
+        drop(store);
+        let store = Store::open(&path).unwrap();
+        assert_eq!(store.images().unwrap().len(), 2);
+    }
 
     #[test]
     fn the_last_audit_record_is_the_highest_seq_of_its_session() {

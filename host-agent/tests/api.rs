@@ -56,6 +56,14 @@ async fn bad_requests_are_refused_with_a_message() {
             "missing rootfs",
             reg(&|r| r.rootfs_path = "/nonexistent/rootfs".into()),
         ),
+        (
+            "missing initrd",
+            reg(&|r| r.initrd_path = "/nonexistent/initrd.gz".into()),
+        ),
+        (
+            "relative initrd",
+            reg(&|r| r.initrd_path = "initrd.gz".into()),
+        ),
         ("long cmdline", reg(&|r| r.cmdline = "a".repeat(3000))),
         ("newline cmdline", reg(&|r| r.cmdline = "a\nb".into())),
         ("too much memory", reg(&|r| r.mem_mib = 1 << 20)),
@@ -533,4 +541,38 @@ async fn image_in_use_cannot_be_deleted() {
         "deleted image",
     );
     assert!(!agent.state_dir().join("images/counter").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_with_an_initrd_boots_its_golden_snapshot_with_it() {
+    let agent = Agent::start(&[]);
+    let initrd = agent.dir.path().join("initrd.cpio.gz");
+    std::fs::write(&initrd, vec![0x5a; 64 << 10]).unwrap();
+    let mut im = agent.images().await;
+    let reg = im
+        .register_image(pb::RegisterImageRequest {
+            image_id: "with-initrd".into(),
+            kernel_path: counter_kernel(),
+            initrd_path: initrd.display().to_string(),
+            cmdline: "interval=100000000".into(),
+            mem_mib: 32,
+            ..Default::default()
+        })
+        .await
+        .expect("register with an initrd")
+        .into_inner();
+    assert_eq!(reg.initrd_path, initrd.display().to_string());
+    let built = im
+        .build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+            image_id: "with-initrd".into(),
+            settle_ms: 50,
+            ..Default::default()
+        })
+        .await
+        .expect("golden snapshot of an image with an initrd")
+        .into_inner();
+    assert!(!built.golden_snapshot_dir.is_empty());
+    assert_eq!(built.initrd_path, initrd.display().to_string());
+    let s = agent.create("with-initrd", "").await;
+    assert_eq!(s.state, S::Running as i32);
 }

@@ -96,6 +96,7 @@ pub fn image_pb(i: &ImageRow) -> pb::Image {
         golden_snapshot_dir: i.golden_dir.clone(),
         created_at: i.created_at,
         golden_built_at: i.golden_built_at,
+        initrd_path: i.initrd.clone(),
     }
 }
 
