@@ -1,5 +1,6 @@
 //! The 8250 serial console (vm-superio) at COM1: guest output to stdout, a
-//! file or nowhere; host stdin to guest input.
+//! file or nowhere; host stdin to guest input. vm-superio ignores the FIFO
+//! control register; this wrapper honours its receive-FIFO reset.
 
 pub mod output;
 pub mod persist;
@@ -21,12 +22,30 @@ pub const COM1_PORT_LEN: u64 = 8;
 /// COM1's interrupt line.
 pub const COM1_IRQ: u32 = 4;
 
+/// The UART's receive FIFO holds this many bytes (vm-superio's 16550A).
+pub const RX_FIFO_SIZE: usize = 64;
+/// Register offsets and bits this wrapper handles itself.
+const DATA_OFFSET: u8 = 0;
+const FCR_OFFSET: u8 = 2;
+const LCR_OFFSET: u8 = 3;
+/// FCR bit 1: clear the receive FIFO.
+const FCR_CLEAR_RECEIVE: u8 = 0x02;
+/// LCR bit 7: offsets 0 and 1 reach the divisor latch instead of the FIFO.
+const LCR_DLAB: u8 = 0x80;
+
 /// Where guest output goes.
 pub type SerialOut = Box<dyn Write + Send>;
 
 /// The UART on the port-I/O bus.
 pub struct SerialDevice {
     uart: Serial<IrqLine, NoEvents, SerialOut>,
+}
+
+fn log_write_error<E: std::fmt::Debug>(result: Result<(), E>) {
+    if let Err(e) = result {
+        // A closed stdout or a full disk must not stop the guest.
+        tracing::debug!(error = ?e, "serial output dropped");
+    }
 }
 
 impl SerialDevice {
@@ -58,6 +77,32 @@ impl SerialDevice {
         }
     }
 
+    /// Room left in the guest's receive FIFO.
+    pub fn input_room(&self) -> usize {
+        self.uart.fifo_capacity()
+    }
+
+    /// Empties the receive FIFO, as a UART does when the guest writes FCR with
+    /// the receive-reset bit (Linux does whenever it sets the port up).
+    fn reset_receive_fifo(&mut self) {
+        // vm-superio has no way to clear its FIFO but reading it, and reads at
+        // offset 0 reach the divisor latch while DLAB is set: clear DLAB for
+        // the reads and put LCR back afterwards (an LCR write has no side effect).
+        let lcr = self.uart.read(LCR_OFFSET);
+        if lcr & LCR_DLAB != 0 {
+            log_write_error(self.uart.write(LCR_OFFSET, lcr & !LCR_DLAB));
+        }
+        for _ in 0..RX_FIFO_SIZE {
+            if self.uart.fifo_capacity() >= RX_FIFO_SIZE {
+                break;
+            }
+            self.uart.read(DATA_OFFSET);
+        }
+        if lcr & LCR_DLAB != 0 {
+            log_write_error(self.uart.write(LCR_OFFSET, lcr));
+        }
+    }
+
     /// Flushes buffered guest output.
     pub fn flush(&mut self) {
         let _ = self.uart.writer_mut().flush();
@@ -73,10 +118,10 @@ impl BusDevice for SerialDevice {
 
     fn write(&mut self, offset: u64, data: &[u8]) {
         if let (Some(value), Ok(off)) = (data.first(), u8::try_from(offset)) {
-            if let Err(e) = self.uart.write(off, *value) {
-                // A closed stdout or a full disk must not stop the guest.
-                tracing::debug!(error = ?e, "serial output dropped");
+            if off == FCR_OFFSET && value & FCR_CLEAR_RECEIVE != 0 {
+                self.reset_receive_fifo();
             }
+            log_write_error(self.uart.write(off, *value));
         }
     }
 }
@@ -146,6 +191,47 @@ mod tests {
         let mut byte = [0u8];
         dev.read(0, &mut byte);
         assert_eq!(byte[0], b'o');
+    }
+
+    fn read_byte(dev: &mut SerialDevice, offset: u64) -> u8 {
+        let mut b = [0u8];
+        dev.read(offset, &mut b);
+        b[0]
+    }
+
+    #[test]
+    fn a_receive_fifo_reset_empties_the_fifo() {
+        let mut dev = SerialDevice::new(IrqLine::new(4).unwrap(), Box::new(std::io::sink()));
+        assert_eq!(dev.input_room(), RX_FIFO_SIZE);
+        assert_eq!(dev.enqueue_input(b"ping-from-host-0\n"), 17);
+        // FCR without the receive-reset bit (enable FIFOs, clear transmit) keeps input.
+        dev.write(2, &[0x05]);
+        assert_eq!(read_byte(&mut dev, 5) & 1, 1, "data still ready");
+        assert_eq!(read_byte(&mut dev, 0), b'p');
+        // Linux's serial8250_clear_fifos: enable, clear receive and transmit.
+        dev.write(2, &[0x07]);
+        assert_eq!(
+            read_byte(&mut dev, 5) & 1,
+            0,
+            "no data ready after the reset"
+        );
+        assert_eq!(dev.input_room(), RX_FIFO_SIZE);
+        assert_eq!(dev.enqueue_input(b"next"), 4);
+        assert_eq!(read_byte(&mut dev, 0), b'n');
+    }
+
+    #[test]
+    fn a_receive_fifo_reset_with_the_divisor_latch_open_keeps_the_divisor() {
+        let mut dev = SerialDevice::new(IrqLine::new(4).unwrap(), Box::new(std::io::sink()));
+        dev.enqueue_input(b"stale");
+        dev.write(3, &[0x83]); // DLAB on, 8 bits
+        dev.write(0, &[0x01]); // divisor 1: 115200 baud
+        dev.write(2, &[0x02]); // receive FIFO reset only
+        assert_eq!(read_byte(&mut dev, 3), 0x83);
+        assert_eq!(read_byte(&mut dev, 0), 0x01, "divisor latch untouched");
+        dev.write(3, &[0x03]);
+        assert_eq!(read_byte(&mut dev, 5) & 1, 0);
+        assert_eq!(dev.input_room(), RX_FIFO_SIZE);
     }
 
     #[test]
