@@ -16,6 +16,7 @@ const GUESTS: &[&str] = &[
     "virtio_net",
     "virtio_hostile",
     "virtio_vsock",
+    "serial_fifo",
 ];
 
 const FLAGS: &[&str] = &[

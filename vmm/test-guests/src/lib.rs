@@ -13,6 +13,7 @@
 //! * `virtio_net`: sends one frame through virtio-net, optionally waits for one.
 //! * `virtio_vsock`: connects to a host port and accepts a host-initiated connection over virtio-vsock.
 //! * `virtio_hostile`: a misbehaving virtio-blk driver (bad sizes, buffers, chains).
+//! * `serial_fifo`: resets the UART's receive FIFO once input arrived, then echoes the next line.
 
 use std::path::PathBuf;
 
@@ -29,6 +30,7 @@ pub const ALL: &[&str] = &[
     "virtio_net",
     "virtio_hostile",
     "virtio_vsock",
+    "serial_fifo",
 ];
 
 /// Path of the ELF image of test guest `name`, or `None` for an unknown name.
