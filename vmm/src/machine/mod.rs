@@ -149,6 +149,10 @@ pub struct MachineShared {
     coordinator: Arc<Coordinator>,
     vcpus: Vec<SharedVcpuFd>,
     serial: Arc<Mutex<SerialDevice>>,
+    /// The i8042; held here too so that it and its irqfds are dropped on
+    /// this thread, not on a vCPU thread under its seccomp filter.
+    #[expect(dead_code, reason = "held only for where it is dropped")]
+    i8042: Arc<Mutex<I8042>>,
     mem_mib: u64,
     /// The snapshot the current memory descends from (the parent of the next diff).
     last_snapshot: Mutex<Option<PathBuf>>,
@@ -162,11 +166,12 @@ pub struct MachineShared {
 struct Devices {
     buses: Buses,
     serial: Arc<Mutex<SerialDevice>>,
+    i8042: Arc<Mutex<I8042>>,
     virtio: VirtioRuntime,
 }
 
-/// Puts the serial console and the i8042 on the port-I/O bus and the virtio
-/// devices on the MMIO bus.
+/// Puts the serial console and the i8042 (its IRQ 1 and 12 registered as
+/// irqfds) on the port-I/O bus and the virtio devices on the MMIO bus.
 fn build_devices(
     vm: &Vm,
     coordinator: &Arc<Coordinator>,
@@ -181,12 +186,25 @@ fn build_devices(
         })?;
     let serial = Arc::new(Mutex::new(serial));
     let reset_coordinator = coordinator.clone();
-    let i8042 = Arc::new(Mutex::new(I8042::new(ResetTrigger::new(move || {
+    let i8042 = I8042::new(ResetTrigger::new(move || {
         reset_coordinator.request_exit(ExitReason::GuestReset)
-    }))));
+    }))
+    .map_err(|source| StartError::Device {
+        what: "the i8042 interrupts".into(),
+        source,
+    })?;
+    for line in i8042.irq_lines() {
+        vm.fd()
+            .register_irqfd(line.eventfd(), line.gsi())
+            .map_err(|e| StartError::Device {
+                what: format!("the i8042 irqfd for IRQ {}", line.gsi()),
+                source: std::io::Error::from_raw_os_error(e.errno()),
+            })?;
+    }
+    let i8042 = Arc::new(Mutex::new(i8042));
     let mut io = Bus::new();
     io.insert(serial.clone(), COM1_PORT_BASE, COM1_PORT_LEN)?;
-    io.insert(i8042, I8042_PORT_BASE, I8042_PORT_LEN)?;
+    io.insert(i8042.clone(), I8042_PORT_BASE, I8042_PORT_LEN)?;
     let mut mmio = Bus::new();
     let virtio = virtio_setup::attach(vm.fd(), vm.memory(), &mut mmio, virtio_devices)?;
     Ok(Devices {
@@ -195,6 +213,7 @@ fn build_devices(
             mmio: Arc::new(mmio),
         },
         serial,
+        i8042,
         virtio,
     })
 }
@@ -288,6 +307,7 @@ impl Machine {
             coordinator,
             vcpus: vcpus.iter().map(Vcpu::fd).collect(),
             serial: devices.serial,
+            i8042: devices.i8042,
             mem_mib: config.mem_mib,
             last_snapshot: Mutex::new(None),
             pending_dirty: Mutex::new(Vec::new()),

@@ -91,6 +91,7 @@ impl Machine {
             coordinator,
             vcpus: vcpus.iter().map(Vcpu::fd).collect(),
             serial: devices.serial,
+            i8042: devices.i8042,
             mem_mib: state.mem_mib,
             last_snapshot: Mutex::new(Some(top)),
             pending_dirty: Mutex::new(Vec::new()),
