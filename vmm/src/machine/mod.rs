@@ -20,6 +20,7 @@ use crate::arch::x86_64::{loader, mptable};
 use crate::config::{SerialConfig, VmConfig};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::irq::IrqLine;
+use crate::devices::legacy::i8042::persist::I8042PersistError;
 use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT_BASE, I8042_PORT_LEN};
 use crate::devices::legacy::serial::output::BufferedOutput;
 use crate::devices::legacy::serial::{
@@ -109,6 +110,9 @@ pub enum StartError {
     /// The serial device's state could not be restored.
     #[error("cannot restore the serial console: {0}")]
     SerialState(#[from] crate::devices::legacy::serial::persist::SerialPersistError),
+    /// The i8042's state could not be restored.
+    #[error("cannot restore the i8042: {0}")]
+    I8042State(#[from] I8042PersistError),
 }
 
 impl StartError {
@@ -121,6 +125,7 @@ impl StartError {
             | StartError::Manifest(_)
             | StartError::State(_)
             | StartError::SerialState(_)
+            | StartError::I8042State(I8042PersistError::Invalid(_))
             | StartError::TooManyVcpus { .. }
             | StartError::SerialFile { .. }
             | StartError::MpTable(mptable::MpTableError::TooManyCpus(_)) => EXIT_BAD_INPUT,
@@ -149,9 +154,8 @@ pub struct MachineShared {
     coordinator: Arc<Coordinator>,
     vcpus: Vec<SharedVcpuFd>,
     serial: Arc<Mutex<SerialDevice>>,
-    /// The i8042; held here too so that it and its irqfds are dropped on
-    /// this thread, not on a vCPU thread under its seccomp filter.
-    #[expect(dead_code, reason = "held only for where it is dropped")]
+    /// The i8042, for snapshots (held here also so that it and its irqfds
+    /// are dropped on this thread, not on a vCPU thread under its seccomp filter).
     i8042: Arc<Mutex<I8042>>,
     mem_mib: u64,
     /// The snapshot the current memory descends from (the parent of the next diff).
@@ -174,8 +178,8 @@ struct Devices {
 /// irqfds) on the port-I/O bus and the virtio devices on the MMIO bus.
 fn build_devices(
     vm: &Vm,
-    coordinator: &Arc<Coordinator>,
     serial: SerialDevice,
+    i8042: I8042,
     virtio_devices: Vec<PlannedDevice>,
 ) -> Result<Devices, StartError> {
     vm.fd()
@@ -185,14 +189,6 @@ fn build_devices(
             source: std::io::Error::from_raw_os_error(e.errno()),
         })?;
     let serial = Arc::new(Mutex::new(serial));
-    let reset_coordinator = coordinator.clone();
-    let i8042 = I8042::new(ResetTrigger::new(move || {
-        reset_coordinator.request_exit(ExitReason::GuestReset)
-    }))
-    .map_err(|source| StartError::Device {
-        what: "the i8042 interrupts".into(),
-        source,
-    })?;
     for line in i8042.irq_lines() {
         vm.fd()
             .register_irqfd(line.eventfd(), line.gsi())
@@ -216,6 +212,12 @@ fn build_devices(
         i8042,
         virtio,
     })
+}
+
+/// What the i8042 runs when the guest resets: the VM ends with a guest reset.
+fn reset_trigger(coordinator: &Arc<Coordinator>) -> ResetTrigger {
+    let coordinator = coordinator.clone();
+    ResetTrigger::new(move || coordinator.request_exit(ExitReason::GuestReset))
 }
 
 fn serial_irq() -> Result<IrqLine, StartError> {
@@ -289,7 +291,12 @@ impl Machine {
         let vm = Vm::new(&kvm, memory)?;
         let coordinator = Arc::new(Coordinator::new(usize::from(config.vcpus)));
         let serial = SerialDevice::new(serial_irq()?, serial_output(&config.serial)?);
-        let devices = build_devices(&vm, &coordinator, serial, virtio_devices)?;
+        let i8042 =
+            I8042::new(reset_trigger(&coordinator)).map_err(|source| StartError::Device {
+                what: "the i8042 interrupts".into(),
+                source,
+            })?;
+        let devices = build_devices(&vm, serial, i8042, virtio_devices)?;
 
         let supported = kvm
             .kvm()

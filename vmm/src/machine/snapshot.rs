@@ -66,6 +66,7 @@ impl MachineShared {
             vcpus,
             serial: lock(&self.serial).save().map_err(|e| state_err(&e))?,
             virtio,
+            i8042: lock(&self.i8042).save().map_err(|e| state_err(&e))?,
         })
     }
 

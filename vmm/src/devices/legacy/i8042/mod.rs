@@ -10,6 +10,7 @@
 //! none panics, and the output buffer is bounded.
 
 pub mod keyboard;
+pub mod persist;
 #[cfg(test)]
 mod tests;
 
