@@ -16,6 +16,8 @@ const GUESTS: &[&str] = &[
     "virtio_net",
     "virtio_hostile",
     "virtio_vsock",
+    "i8042_probe",
+    "serial_fifo",
 ];
 
 const FLAGS: &[&str] = &[

@@ -9,6 +9,7 @@ use std::path::Path;
 use common::counter::*;
 use common::*;
 use serde_json::{json, Value};
+use vmm::snapshot::format::FORMAT_MINOR;
 
 fn continuity(backend: &str) {
     let t = tempfile::tempdir().unwrap();
@@ -226,7 +227,7 @@ fn damaged_snapshots_are_refused_with_clear_errors() {
     std::fs::write(d.join("state"), &state).unwrap();
     assert_restore_refused(
         &d,
-        "snapshot format version 9.0 is newer than this vmm supports (1.0)",
+        &format!("snapshot format version 9.{FORMAT_MINOR} is newer than this vmm supports (1.{FORMAT_MINOR})"),
     );
 
     let d = damaged("newer-manifest");
@@ -234,7 +235,10 @@ fn damaged_snapshots_are_refused_with_clear_errors() {
     let mut m: Value = serde_json::from_str(&manifest).unwrap();
     m["format_version"] = json!([7, 1]);
     std::fs::write(d.join("manifest"), m.to_string()).unwrap();
-    assert_restore_refused(&d, "format version 7.1, newer than this vmm supports (1.0)");
+    assert_restore_refused(
+        &d,
+        &format!("format version 7.1, newer than this vmm supports (1.{FORMAT_MINOR})"),
+    );
 
     let d = damaged("short-memory");
     let f = std::fs::OpenOptions::new()

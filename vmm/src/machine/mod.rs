@@ -20,6 +20,7 @@ use crate::arch::x86_64::{loader, mptable};
 use crate::config::{SerialConfig, VmConfig};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::irq::IrqLine;
+use crate::devices::legacy::i8042::persist::I8042PersistError;
 use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT_BASE, I8042_PORT_LEN};
 use crate::devices::legacy::serial::output::BufferedOutput;
 use crate::devices::legacy::serial::{
@@ -109,6 +110,9 @@ pub enum StartError {
     /// The serial device's state could not be restored.
     #[error("cannot restore the serial console: {0}")]
     SerialState(#[from] crate::devices::legacy::serial::persist::SerialPersistError),
+    /// The i8042's state could not be restored.
+    #[error("cannot restore the i8042: {0}")]
+    I8042State(#[from] I8042PersistError),
 }
 
 impl StartError {
@@ -121,6 +125,7 @@ impl StartError {
             | StartError::Manifest(_)
             | StartError::State(_)
             | StartError::SerialState(_)
+            | StartError::I8042State(I8042PersistError::Invalid(_))
             | StartError::TooManyVcpus { .. }
             | StartError::SerialFile { .. }
             | StartError::MpTable(mptable::MpTableError::TooManyCpus(_)) => EXIT_BAD_INPUT,
@@ -149,6 +154,9 @@ pub struct MachineShared {
     coordinator: Arc<Coordinator>,
     vcpus: Vec<SharedVcpuFd>,
     serial: Arc<Mutex<SerialDevice>>,
+    /// The i8042, for snapshots (held here also so that it and its irqfds
+    /// are dropped on this thread, not on a vCPU thread under its seccomp filter).
+    i8042: Arc<Mutex<I8042>>,
     mem_mib: u64,
     /// The snapshot the current memory descends from (the parent of the next diff).
     last_snapshot: Mutex<Option<PathBuf>>,
@@ -162,15 +170,16 @@ pub struct MachineShared {
 struct Devices {
     buses: Buses,
     serial: Arc<Mutex<SerialDevice>>,
+    i8042: Arc<Mutex<I8042>>,
     virtio: VirtioRuntime,
 }
 
-/// Puts the serial console and the i8042 on the port-I/O bus and the virtio
-/// devices on the MMIO bus.
+/// Puts the serial console and the i8042 (its IRQ 1 and 12 registered as
+/// irqfds) on the port-I/O bus and the virtio devices on the MMIO bus.
 fn build_devices(
     vm: &Vm,
-    coordinator: &Arc<Coordinator>,
     serial: SerialDevice,
+    i8042: I8042,
     virtio_devices: Vec<PlannedDevice>,
 ) -> Result<Devices, StartError> {
     vm.fd()
@@ -180,13 +189,18 @@ fn build_devices(
             source: std::io::Error::from_raw_os_error(e.errno()),
         })?;
     let serial = Arc::new(Mutex::new(serial));
-    let reset_coordinator = coordinator.clone();
-    let i8042 = Arc::new(Mutex::new(I8042::new(ResetTrigger::new(move || {
-        reset_coordinator.request_exit(ExitReason::GuestReset)
-    }))));
+    for line in i8042.irq_lines() {
+        vm.fd()
+            .register_irqfd(line.eventfd(), line.gsi())
+            .map_err(|e| StartError::Device {
+                what: format!("the i8042 irqfd for IRQ {}", line.gsi()),
+                source: std::io::Error::from_raw_os_error(e.errno()),
+            })?;
+    }
+    let i8042 = Arc::new(Mutex::new(i8042));
     let mut io = Bus::new();
     io.insert(serial.clone(), COM1_PORT_BASE, COM1_PORT_LEN)?;
-    io.insert(i8042, I8042_PORT_BASE, I8042_PORT_LEN)?;
+    io.insert(i8042.clone(), I8042_PORT_BASE, I8042_PORT_LEN)?;
     let mut mmio = Bus::new();
     let virtio = virtio_setup::attach(vm.fd(), vm.memory(), &mut mmio, virtio_devices)?;
     Ok(Devices {
@@ -195,8 +209,15 @@ fn build_devices(
             mmio: Arc::new(mmio),
         },
         serial,
+        i8042,
         virtio,
     })
+}
+
+/// What the i8042 runs when the guest resets: the VM ends with a guest reset.
+fn reset_trigger(coordinator: &Arc<Coordinator>) -> ResetTrigger {
+    let coordinator = coordinator.clone();
+    ResetTrigger::new(move || coordinator.request_exit(ExitReason::GuestReset))
 }
 
 fn serial_irq() -> Result<IrqLine, StartError> {
@@ -270,7 +291,12 @@ impl Machine {
         let vm = Vm::new(&kvm, memory)?;
         let coordinator = Arc::new(Coordinator::new(usize::from(config.vcpus)));
         let serial = SerialDevice::new(serial_irq()?, serial_output(&config.serial)?);
-        let devices = build_devices(&vm, &coordinator, serial, virtio_devices)?;
+        let i8042 =
+            I8042::new(reset_trigger(&coordinator)).map_err(|source| StartError::Device {
+                what: "the i8042 interrupts".into(),
+                source,
+            })?;
+        let devices = build_devices(&vm, serial, i8042, virtio_devices)?;
 
         let supported = kvm
             .kvm()
@@ -288,6 +314,7 @@ impl Machine {
             coordinator,
             vcpus: vcpus.iter().map(Vcpu::fd).collect(),
             serial: devices.serial,
+            i8042: devices.i8042,
             mem_mib: config.mem_mib,
             last_snapshot: Mutex::new(None),
             pending_dirty: Mutex::new(Vec::new()),

@@ -3,8 +3,11 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use super::{build_devices, serial_irq, serial_output, Machine, MachineShared, StartError};
+use super::{
+    build_devices, reset_trigger, serial_irq, serial_output, Machine, MachineShared, StartError,
+};
 use crate::config::{DeviceConfig, SerialConfig};
+use crate::devices::legacy::i8042::I8042;
 use crate::devices::legacy::serial::persist::SerialRestoreArgs;
 use crate::devices::legacy::serial::SerialDevice;
 use crate::devices::virtio::setup as virtio_setup;
@@ -71,7 +74,8 @@ impl Machine {
         // devices/virtio/setup.rs: VirtioRuntime::save, restore_devices).
         let virtio_devices =
             virtio_setup::restore_devices(&config.devices, vm.memory(), &state.virtio)?;
-        let devices = build_devices(&vm, &coordinator, serial, virtio_devices)?;
+        let i8042 = I8042::restore(reset_trigger(&coordinator), &state.i8042)?;
+        let devices = build_devices(&vm, serial, i8042, virtio_devices)?;
         let mut vcpus = Vec::with_capacity(count);
         for vstate in &state.vcpus {
             let vcpu = Vcpu::new(vm.fd(), vstate.index, devices.buses.clone())?;
@@ -91,6 +95,7 @@ impl Machine {
             coordinator,
             vcpus: vcpus.iter().map(Vcpu::fd).collect(),
             serial: devices.serial,
+            i8042: devices.i8042,
             mem_mib: state.mem_mib,
             last_snapshot: Mutex::new(Some(top)),
             pending_dirty: Mutex::new(Vec::new()),

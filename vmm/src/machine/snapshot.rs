@@ -54,13 +54,7 @@ fn or_into(acc: &mut Vec<Vec<u64>>, new: Vec<Vec<u64>>) {
 impl MachineShared {
     fn save_state(&self, virtio: VirtioState) -> Result<MachineState, SnapshotRequestError> {
         let state_err = |e: &dyn std::fmt::Display| SnapshotRequestError::State(e.to_string());
-        let msr_indices: Vec<u32> = self
-            .kvm
-            .kvm()
-            .get_msr_index_list()
-            .map_err(|e| state_err(&e))?
-            .as_slice()
-            .to_vec();
+        let msr_indices = vcpu_persist::msrs_to_save(self.kvm.kvm()).map_err(|e| state_err(&e))?;
         let mut vcpus = Vec::with_capacity(self.vcpus.len());
         for (i, fd) in self.vcpus.iter().enumerate() {
             let fd = lock_fd(fd);
@@ -72,6 +66,7 @@ impl MachineShared {
             vcpus,
             serial: lock(&self.serial).save().map_err(|e| state_err(&e))?,
             virtio,
+            i8042: lock(&self.i8042).save().map_err(|e| state_err(&e))?,
         })
     }
 

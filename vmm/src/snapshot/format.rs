@@ -14,7 +14,10 @@
 //! | 24 + N | 8 | CRC-64/XZ of bytes 0 .. 24 + N |
 //!
 //! A newer major version is refused; a newer minor version of the same major
-//! only adds fields older readers may ignore.
+//! only appends fields, which older readers ignore and newer readers fill in
+//! for older files (see `state`).
+//!
+//! Minor versions: 1.0 the first; 1.1 appends the i8042's state.
 
 use crc::{Crc, CRC_64_XZ};
 
@@ -23,7 +26,7 @@ pub const MAGIC: &[u8; 8] = b"AGVMSNAP";
 /// Major version written by this build.
 pub const FORMAT_MAJOR: u16 = 1;
 /// Minor version written by this build.
-pub const FORMAT_MINOR: u16 = 0;
+pub const FORMAT_MINOR: u16 = 1;
 /// Largest payload accepted (the state of 32 vCPUs and all devices is far below this).
 pub const MAX_PAYLOAD_LEN: u64 = 16 << 20;
 const HEADER_LEN: usize = 24;
@@ -86,10 +89,15 @@ pub enum FormatError {
 
 /// Wraps `payload` in the state-file container.
 pub fn encode(payload: &[u8]) -> Vec<u8> {
+    encode_minor(payload, FORMAT_MINOR)
+}
+
+/// Wraps `payload` in a container of minor version `minor` (tests write older files).
+pub(crate) fn encode_minor(payload: &[u8], minor: u16) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + CRC_LEN);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&FORMAT_MAJOR.to_le_bytes());
-    out.extend_from_slice(&FORMAT_MINOR.to_le_bytes());
+    out.extend_from_slice(&minor.to_le_bytes());
     out.extend_from_slice(&[0u8; 4]);
     out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     out.extend_from_slice(payload);
@@ -110,6 +118,11 @@ fn u64_at(b: &[u8], off: usize) -> u64 {
 
 /// Checks the container and returns the payload.
 pub fn decode(bytes: &[u8]) -> Result<&[u8], FormatError> {
+    decode_versioned(bytes).map(|(_, payload)| payload)
+}
+
+/// Checks the container and returns its minor version and the payload.
+pub fn decode_versioned(bytes: &[u8]) -> Result<(u16, &[u8]), FormatError> {
     let min = HEADER_LEN + CRC_LEN;
     if bytes.len() < min {
         return Err(FormatError::Truncated {
@@ -144,7 +157,7 @@ pub fn decode(bytes: &[u8]) -> Result<&[u8], FormatError> {
     if stored != computed {
         return Err(FormatError::Checksum { stored, computed });
     }
-    Ok(&bytes[HEADER_LEN..body_end])
+    Ok((minor, &bytes[HEADER_LEN..body_end]))
 }
 
 /// CRC-64/XZ of `bytes` (also used for guest-memory checksums).
@@ -194,8 +207,9 @@ mod tests {
         assert_eq!(
             err.to_string(),
             format!(
-                "snapshot format version {}.0 is newer than this vmm supports ({}.{}); restore it with a newer vmm",
+                "snapshot format version {}.{} is newer than this vmm supports ({}.{}); restore it with a newer vmm",
                 FORMAT_MAJOR + 1,
+                FORMAT_MINOR,
                 FORMAT_MAJOR,
                 FORMAT_MINOR
             )

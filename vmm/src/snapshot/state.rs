@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::format::{self, FormatError, MAX_PAYLOAD_LEN};
 use super::manifest::STATE_FILE;
 use crate::arch::x86_64::mptable::MAX_CPUS;
+use crate::devices::legacy::i8042::persist::I8042State;
 use crate::devices::legacy::serial::persist::SerialSnapshot;
 use crate::devices::virtio::setup::VirtioState;
 use crate::vcpu::persist::VcpuState;
@@ -27,6 +28,31 @@ pub struct MachineState {
     pub serial: SerialSnapshot,
     /// Every virtio device and its transport, in slot order.
     pub virtio: VirtioState,
+    /// The i8042 (format 1.1; a 1.0 file restores a power-on controller).
+    pub i8042: I8042State,
+}
+
+/// A format 1.0 payload: `MachineState` without the fields 1.1 appended.
+#[derive(Deserialize)]
+struct MachineStateV1_0 {
+    mem_mib: u64,
+    vm: VmState,
+    vcpus: Vec<VcpuState>,
+    serial: SerialSnapshot,
+    virtio: VirtioState,
+}
+
+impl From<MachineStateV1_0> for MachineState {
+    fn from(old: MachineStateV1_0) -> Self {
+        MachineState {
+            mem_mib: old.mem_mib,
+            vm: old.vm,
+            vcpus: old.vcpus,
+            serial: old.serial,
+            virtio: old.virtio,
+            i8042: I8042State::power_on(),
+        }
+    }
 }
 
 /// Errors reading or decoding the state file.
@@ -93,9 +119,15 @@ impl MachineState {
 
     /// Checks and decodes the bytes of a state file (untrusted input).
     pub fn decode(bytes: &[u8]) -> Result<MachineState, DecodeError> {
-        let payload = format::decode(bytes).map_err(DecodeError::Format)?;
-        let state: MachineState =
-            postcard::from_bytes(payload).map_err(|e| DecodeError::Invalid(e.to_string()))?;
+        let (minor, payload) = format::decode_versioned(bytes).map_err(DecodeError::Format)?;
+        let invalid = |e: postcard::Error| DecodeError::Invalid(e.to_string());
+        let state: MachineState = if minor == 0 {
+            postcard::from_bytes::<MachineStateV1_0>(payload)
+                .map_err(invalid)?
+                .into()
+        } else {
+            postcard::from_bytes(payload).map_err(invalid)?
+        };
         state.validate().map_err(DecodeError::Invalid)?;
         Ok(state)
     }
@@ -117,5 +149,84 @@ impl MachineState {
             DecodeError::Format(source) => StateError::Format { path, source },
             DecodeError::Invalid(reason) => StateError::Invalid { path, reason },
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::irq::IrqLine;
+    use crate::devices::legacy::i8042::persist::{KeyboardState, SourceState};
+    use crate::devices::legacy::serial::SerialDevice;
+    use crate::snapshot::persist::Persist;
+
+    fn sample() -> MachineState {
+        let serial = SerialDevice::new(IrqLine::new(4).unwrap(), Box::new(std::io::sink()));
+        let mut i8042 = I8042State::power_on();
+        i8042.ram[0] = 0x47;
+        i8042.output = vec![(0xfa, SourceState::Keyboard), (0x5a, SourceState::Aux)];
+        i8042.pending_command = Some(0xd1);
+        i8042.keyboard = KeyboardState {
+            awaiting: Some(0xed),
+            ..i8042.keyboard
+        };
+        MachineState {
+            mem_mib: 128,
+            vm: VmState {
+                pit: Default::default(),
+                clock: Default::default(),
+                pic_master: Default::default(),
+                pic_slave: Default::default(),
+                ioapic: Default::default(),
+            },
+            vcpus: vec![VcpuState {
+                index: 0,
+                cpuid: Vec::new(),
+                mp_state: Default::default(),
+                regs: Default::default(),
+                sregs: Default::default(),
+                xsave: Default::default(),
+                xcrs: Default::default(),
+                debugregs: Default::default(),
+                lapic: Default::default(),
+                msrs: Vec::new(),
+                vcpu_events: Default::default(),
+                tsc_khz: None,
+            }],
+            serial: serial.save().unwrap(),
+            virtio: VirtioState { slots: Vec::new() },
+            i8042,
+        }
+    }
+
+    #[test]
+    fn the_i8042_round_trips() {
+        let state = sample();
+        let decoded = MachineState::decode(&state.encode().unwrap()).unwrap();
+        assert_eq!(decoded.i8042, state.i8042);
+        assert_eq!(decoded.mem_mib, 128);
+    }
+
+    #[test]
+    fn a_format_1_0_file_restores_a_power_on_i8042() {
+        let state = sample();
+        let legacy = (
+            state.mem_mib,
+            &state.vm,
+            &state.vcpus,
+            &state.serial,
+            &state.virtio,
+        );
+        let bytes = format::encode_minor(&postcard::to_stdvec(&legacy).unwrap(), 0);
+        let decoded = MachineState::decode(&bytes).unwrap();
+        assert_eq!(decoded.i8042, I8042State::power_on());
+        assert_eq!(decoded.mem_mib, 128);
+        assert_eq!(decoded.serial, state.serial);
+        // The same 1.0 payload labelled 1.1 lacks the i8042 and is refused.
+        let mislabelled = format::encode(&postcard::to_stdvec(&legacy).unwrap());
+        assert!(matches!(
+            MachineState::decode(&mislabelled),
+            Err(DecodeError::Invalid(_))
+        ));
     }
 }

@@ -7,8 +7,10 @@ use kvm_bindings::{
     kvm_cpuid_entry2, kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs,
     kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, CpuId, Msrs, KVM_MAX_CPUID_ENTRIES,
 };
-use kvm_ioctls::VcpuFd;
+use kvm_ioctls::{Kvm, VcpuFd};
 use serde::{Deserialize, Serialize};
+
+use crate::arch::x86_64::msr;
 
 /// MSR_IA32_TSC_DEADLINE: must be restored after MSR_IA32_TSC.
 const MSR_IA32_TSC_DEADLINE: u32 = 0x6e0;
@@ -82,6 +84,19 @@ fn ioctl(index: u8, what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> Vcp
         what,
         source,
     }
+}
+
+/// The MSRs a snapshot saves: every MSR KVM lists as saveable
+/// (KVM_GET_MSR_INDEX_LIST) and the MTRRs, which KVM emulates but does not
+/// list. Any that a vCPU refuses to read are skipped at save time.
+pub fn msrs_to_save(kvm: &Kvm) -> Result<Vec<u32>, kvm_ioctls::Error> {
+    let mut indices = kvm.get_msr_index_list()?.as_slice().to_vec();
+    for msr in msr::mtrr_msrs() {
+        if !indices.contains(&msr) {
+            indices.push(msr);
+        }
+    }
+    Ok(indices)
 }
 
 /// Orders MSRs for restore: by index, with TSC_DEADLINE moved after everything else.

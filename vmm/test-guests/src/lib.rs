@@ -13,6 +13,8 @@
 //! * `virtio_net`: sends one frame through virtio-net, optionally waits for one.
 //! * `virtio_vsock`: connects to a host port and accepts a host-initiated connection over virtio-vsock.
 //! * `virtio_hostile`: a misbehaving virtio-blk driver (bad sizes, buffers, chains).
+//! * `i8042_probe`: runs Linux's i8042 probe sequence by polling and reports what it read.
+//! * `serial_fifo`: resets the UART's receive FIFO once input arrived, then echoes the next line.
 
 use std::path::PathBuf;
 
@@ -29,6 +31,8 @@ pub const ALL: &[&str] = &[
     "virtio_net",
     "virtio_hostile",
     "virtio_vsock",
+    "i8042_probe",
+    "serial_fifo",
 ];
 
 /// Path of the ELF image of test guest `name`, or `None` for an unknown name.

@@ -99,6 +99,17 @@ mod tests {
     }
 
     #[test]
+    fn leaf_one_keeps_the_mtrr_feature_bit() {
+        const EDX_MTRR_BIT: u32 = 1 << 12;
+        for count in [1, 2] {
+            let mut e = entry(1, 0);
+            e.edx |= EDX_MTRR_BIT;
+            normalize_entry(&mut e, 0, count);
+            assert_ne!(e.edx & EDX_MTRR_BIT, 0, "{count} vCPUs");
+        }
+    }
+
+    #[test]
     fn topology_leaf_reports_x2apic_id_and_core_count() {
         let mut core = entry(0xb, 1);
         normalize_entry(&mut core, 2, 3);

@@ -86,7 +86,10 @@ impl Persist for SerialDevice {
         };
         let uart = Serial::from_state(&state, args.irq, NoEvents, args.out)
             .map_err(|e| SerialPersistError::Invalid(format!("{e:?}")))?;
-        Ok(SerialDevice { uart })
+        Ok(SerialDevice {
+            uart,
+            receive_resets: 0,
+        })
     }
 }
 
