@@ -1,0 +1,43 @@
+#!/bin/sh
+# /init of the outer VM (L1): Debian's generic kernel with kvm_amd under QEMU's
+# software emulation. Loads KVM and 9p, mounts the host's / read-only and the
+# harness's work directory read-write (both over 9p), and runs the command
+# the harness left in that directory, chrooted into the host's tree, so the
+# host's binaries run unchanged. A heartbeat line every 10 s tells the
+# harness L1 is alive, whatever the scenarios are doing.
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+echo "L1: init started, uptime $(cut -d' ' -f1 /proc/uptime)s"
+for m in $(cat /mods/order); do insmod "/mods/$m" 2>&1 | sed "s/^/L1: insmod $m: /"; done
+arg() { sed -n "s/.*[[:space:]]$1=\([^[:space:]]*\).*/\1/p" /proc/cmdline | head -n 1; }
+work=$(arg l1.work)
+cmd=$(arg l1.cmd)
+H=/host
+mkdir -p $H /work
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose host $H || echo "L1: FAIL mount 9p host"
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 work /work || echo "L1: FAIL mount 9p work"
+mount --bind /work "$H$work" || echo "L1: FAIL bind $work"
+mount -t proc proc $H/proc
+mount -t sysfs sys $H/sys
+mount -t devtmpfs dev $H/dev
+mkdir -p /dev/pts 2>/dev/null; mount -t devpts devpts $H/dev/pts 2>/dev/null
+for d in tmp run var/tmp; do mount -t tmpfs -o mode=1777 tmpfs "$H/$d" || echo "L1: FAIL tmpfs /$d"; done
+mount -t cgroup2 cgroup2 $H/sys/fs/cgroup 2>/dev/null
+mount -t debugfs debugfs $H/sys/kernel/debug 2>/dev/null
+mount -t tracefs tracefs $H/sys/kernel/tracing 2>/dev/null
+ip link set lo up 2>/dev/null
+(while :; do echo "L1-HEARTBEAT $(cut -d' ' -f1 /proc/uptime)"; sleep 10; done) &
+hb=$!
+if [ -c /dev/kvm ]; then kvm=yes; else kvm=no; fi
+echo "L1: ready, uptime $(cut -d' ' -f1 /proc/uptime)s, kvm=$kvm"
+if [ -n "$cmd" ]; then
+	chroot $H /bin/bash "$cmd"
+	echo "L1-DONE rc=$?"
+else
+	sh
+fi
+kill $hb
+sync
+poweroff -f

@@ -1,0 +1,89 @@
+//! The scenarios, by group. Each group runs in one fresh outer VM, so an
+//! outer-VM failure costs at most the group it happened in; the outer and
+//! inner halves of the harness both read this list.
+
+use std::time::Duration;
+
+/// A set of scenarios run in one outer VM.
+#[derive(Debug, Clone, Copy)]
+pub struct Group {
+    /// Name, as given to `--group`.
+    pub name: &'static str,
+    /// What the group shows.
+    pub about: &'static str,
+    /// Its scenarios, in the order they run.
+    pub scenarios: &'static [&'static str],
+    /// Longest the whole group may take in one outer VM (boot included).
+    pub limit: Duration,
+}
+
+/// Every group, in the order `run` takes them.
+pub const GROUPS: &[Group] = &[
+    Group {
+        name: "boot",
+        about: "Debian's cloud kernel boots to user space; the kernel's own view of the machine",
+        scenarios: &[
+            "boot-1-vcpu",
+            "boot-2-vcpus",
+            "boot-bzimage",
+            "poweroff",
+            "serial-input",
+        ],
+        limit: Duration::from_secs(25 * 60),
+    },
+    Group {
+        name: "virtio",
+        about: "the guest's own virtio drivers against the vmm's devices",
+        scenarios: &[
+            "virtio-blk",
+            "virtio-blk-read-only",
+            "virtio-rng",
+            "virtio-net",
+            "virtio-vsock",
+        ],
+        limit: Duration::from_secs(20 * 60),
+    },
+    Group {
+        name: "snapshot",
+        about: "a running guest snapshotted and restored in new vmm processes",
+        scenarios: &[
+            "restore-file",
+            "restore-uffd",
+            "diff-chain-checksums",
+            "clones-randomness",
+        ],
+        limit: Duration::from_secs(35 * 60),
+    },
+    Group {
+        name: "node",
+        about: "host-agent serving a session on the real image (golden snapshot, guest-init)",
+        scenarios: &["node-golden", "node-session", "pool-timing"],
+        limit: Duration::from_secs(40 * 60),
+    },
+];
+
+/// The group called `name`.
+pub fn group(name: &str) -> Option<&'static Group> {
+    GROUPS.iter().find(|g| g.name == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scenario_names_are_unique_and_plain() {
+        let mut seen = std::collections::HashSet::new();
+        for g in GROUPS {
+            assert!(group(g.name).is_some());
+            for s in g.scenarios {
+                assert!(seen.insert(*s), "{s} appears twice");
+                assert!(
+                    s.chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'),
+                    "{s}: scenario names are parsed from console lines"
+                );
+            }
+        }
+    }
+}

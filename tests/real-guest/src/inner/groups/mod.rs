@@ -1,0 +1,79 @@
+//! The scenarios, by group (see `catalogue`), and what they share.
+
+mod boot;
+mod checks;
+mod node;
+mod snapshot;
+mod virtio;
+
+use std::path::Path;
+
+use super::net::{AckServer, Tap};
+use super::{Check, Ctx};
+
+/// Fixtures shared by the scenarios of a group, built on first use, so a
+/// retried group that skips finished scenarios still gets what it needs.
+#[derive(Default)]
+pub struct Fixtures {
+    /// The tap and TCP server guests reach.
+    network: Option<(Tap, AckServer)>,
+    /// The one run of the virtio guest.
+    virtio: Option<virtio::VirtioRun>,
+    /// The ticking guest's snapshot.
+    tick: Option<snapshot::TickSnapshot>,
+    /// host-agent with the real image registered and its golden snapshot.
+    agent: Option<node::HostAgent>,
+    /// How long the golden snapshot took.
+    golden_secs: f64,
+}
+
+/// `vmm run` arguments for a probe guest (more devices may be appended).
+pub fn probe_args(kernel: &Path, initrd: &Path, vcpus: u8, cmdline: &str) -> Vec<String> {
+    vec![
+        "run".into(),
+        "--kernel".into(),
+        kernel.display().to_string(),
+        "--initrd".into(),
+        initrd.display().to_string(),
+        "--mem-mib".into(),
+        PROBE_MEM_MIB.to_string(),
+        "--vcpus".into(),
+        vcpus.to_string(),
+        "--cmdline".into(),
+        cmdline.into(),
+    ]
+}
+
+/// Memory of a probe guest.
+pub const PROBE_MEM_MIB: u64 = 256;
+
+/// Runs scenario `name`.
+pub fn run(ctx: &mut Ctx, name: &str) -> Check {
+    match name {
+        "boot-1-vcpu" => boot::boot_vcpus(ctx, name, 1),
+        "boot-2-vcpus" => boot::boot_vcpus(ctx, name, 2),
+        "boot-bzimage" => boot::bzimage(ctx, name),
+        "poweroff" => boot::poweroff(ctx, name),
+        "serial-input" => boot::serial_input(ctx, name),
+        "virtio-blk" => virtio::blk(ctx, name),
+        "virtio-blk-read-only" => virtio::blk_read_only(ctx, name),
+        "virtio-rng" => virtio::rng(ctx, name),
+        "virtio-net" => virtio::net(ctx, name),
+        "virtio-vsock" => virtio::vsock(ctx, name),
+        "restore-file" => snapshot::restore(ctx, name, "file"),
+        "restore-uffd" => snapshot::restore(ctx, name, "uffd"),
+        "diff-chain-checksums" => snapshot::diff_chain(ctx, name),
+        "clones-randomness" => snapshot::clones_randomness(ctx, name),
+        "node-golden" => node::golden(ctx, name),
+        "node-session" => node::session(ctx, name),
+        "pool-timing" => node::pool_timing(ctx, name),
+        other => Err(format!("the runner has no scenario {other}")),
+    }
+}
+
+/// The command line every probe guest gets, before its `rg.*` options: the
+/// vmm's default (console on the 8250, reboot through the keyboard
+/// controller, no PCI) and `quiet`, since every console byte is an exit
+/// that the emulated outer CPU handles slowly.
+pub const BASE_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=1 pci=off i8042.noaux i8042.nomux i8042.dumbkbd quiet";

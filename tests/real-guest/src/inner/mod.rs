@@ -1,0 +1,79 @@
+//! The scenario runner, run inside the outer VM (chrooted into the host's
+//! tree, so the host's binaries run unchanged): one group, scenario by
+//! scenario, each printing `RGH START` and `RGH RESULT` lines.
+
+mod groups;
+pub mod hang;
+pub mod net;
+pub mod vm;
+pub mod vsock;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use crate::catalogue::Group;
+use crate::env::InnerEnv;
+use crate::report::{self, Outcome, Status};
+
+/// A scenario's verdict: what it showed, or why it failed.
+pub type Check = Result<String, String>;
+
+/// What scenarios of one group share.
+pub struct Ctx {
+    /// The prepared paths.
+    pub env: InnerEnv,
+    /// This group's logs (consoles, hang reports).
+    pub out: PathBuf,
+    /// Scratch space in the outer VM's memory (tmpfs): disks, snapshots, sockets.
+    pub scratch: PathBuf,
+    /// Fixtures a group's scenarios share, built on first use.
+    pub fixtures: groups::Fixtures,
+}
+
+impl Ctx {
+    /// Notes a line under `scenario` (shown live by the harness).
+    pub fn info(&self, scenario: &str, text: &str) {
+        println!("{}", report::info_line(scenario, text));
+    }
+}
+
+/// Runs `group`'s scenarios except `skip`; returns 0 when all passed.
+pub fn run(env: InnerEnv, group: &Group, skip: &[String]) -> i32 {
+    let out = env.work.join("logs").join(group.name);
+    let scratch = PathBuf::from("/run/real-guest").join(group.name);
+    let _ = std::fs::remove_dir_all(&scratch);
+    if let Err(e) = std::fs::create_dir_all(&out).and_then(|_| std::fs::create_dir_all(&scratch)) {
+        eprintln!("real-guest inner: cannot create {}: {e}", out.display());
+        return 2;
+    }
+    let mut ctx = Ctx {
+        env,
+        out,
+        scratch,
+        fixtures: groups::Fixtures::default(),
+    };
+    let mut failed = 0;
+    for name in group.scenarios {
+        if skip.iter().any(|s| s == name) {
+            continue;
+        }
+        println!("{}", report::start_line(name));
+        let t0 = Instant::now();
+        let result = groups::run(&mut ctx, name);
+        let outcome = Outcome {
+            name: name.to_string(),
+            status: if result.is_ok() {
+                Status::Pass
+            } else {
+                Status::Fail
+            },
+            secs: t0.elapsed().as_secs_f64(),
+            detail: result.unwrap_or_else(|e| e),
+        };
+        if outcome.status == Status::Fail {
+            failed += 1;
+        }
+        println!("{}", outcome.line());
+    }
+    i32::from(failed > 0)
+}

@@ -1,0 +1,208 @@
+//! `real-guest`: end-to-end scenarios on real Linux guests under the
+//! project's vmm, on any x86 host with QEMU, through nested virtualization:
+//! QEMU in software emulation with an emulated AMD SVM CPU (the outer VM,
+//! L1) gives a KVM that behaves like hardware, the vmm runs in it, and real
+//! kernels boot under the vmm (L2). See tests/real-guest/README.md.
+//!
+//! `run` (on the host) prepares everything, runs each scenario group in a
+//! fresh outer VM and prints one line per scenario and a summary; `inner`
+//! is what runs inside the outer VM.
+
+mod catalogue;
+mod env;
+mod inner;
+mod outer;
+mod prepare;
+mod report;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "Real Linux guests end to end, through nested virtualization")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Prepare, boot an outer VM per group, run the scenarios, summarise.
+    Run(RunArgs),
+    /// List the groups and their scenarios.
+    List,
+    /// (Inside the outer VM.) Run one group's scenarios.
+    Inner {
+        /// The environment file `run` wrote.
+        #[arg(long)]
+        env: PathBuf,
+        /// The group.
+        #[arg(long)]
+        group: String,
+        /// Scenarios to leave out (comma-separated; finished in an earlier attempt).
+        #[arg(long, default_value = "")]
+        skip: String,
+    },
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Groups to run (default: all, in order).
+    #[arg(long = "group")]
+    groups: Vec<String>,
+    /// Outer-VM sessions per group before its remaining scenarios are given
+    /// up as infrastructure failures.
+    #[arg(long, default_value_t = 3)]
+    attempts: u32,
+    /// Cache of kernels, initramfs images and tools (default
+    /// $XDG_CACHE_HOME/agentvm/real-guest or ~/.cache/agentvm/real-guest).
+    #[arg(long)]
+    cache: Option<PathBuf>,
+    /// Work directory shared with the outer VM: logs, consoles, hang reports
+    /// (default target/real-guest in the workspace; emptied first).
+    #[arg(long)]
+    work: Option<PathBuf>,
+    /// Outer VM vCPUs.
+    #[arg(long, default_value_t = 2)]
+    l1_smp: u32,
+    /// Outer VM memory, MiB.
+    #[arg(long, default_value_t = 6144)]
+    l1_mem_mib: u32,
+    /// QEMU TCG thread mode: multi or single.
+    #[arg(long, default_value = "multi")]
+    tcg_thread: String,
+    /// QEMU CPU model for the outer VM (it must offer SVM with nested paging).
+    #[arg(long, default_value = "max")]
+    l1_cpu: String,
+    /// A kernel with its drivers built in for the node scenarios (the
+    /// `images kernel` vmlinux); default: Debian's cloud kernel with an
+    /// initramfs that loads its modules.
+    #[arg(long)]
+    node_kernel: Option<PathBuf>,
+}
+
+fn default_cache() -> PathBuf {
+    if let Some(x) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(x).join("agentvm/real-guest");
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
+    PathBuf::from(home).join(".cache/agentvm/real-guest")
+}
+
+fn run(args: RunArgs) -> Result<i32, String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(
+            "run as root: the outer VM shares / and chroots into it, and the \
+                    root filesystem recipe runs debootstrap"
+                .into(),
+        );
+    }
+    let groups: Vec<&catalogue::Group> = if args.groups.is_empty() {
+        catalogue::GROUPS.iter().collect()
+    } else {
+        args.groups
+            .iter()
+            .map(|g| {
+                catalogue::group(g).ok_or_else(|| {
+                    format!(
+                        "no group {g:?}; groups: {}",
+                        catalogue::GROUPS
+                            .iter()
+                            .map(|g| g.name)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                })
+            })
+            .collect::<Result<_, _>>()?
+    };
+    let root = prepare::workspace_root();
+    let work = args.work.unwrap_or_else(|| root.join("target/real-guest"));
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
+    let work = std::fs::canonicalize(&work).map_err(|e| format!("{}: {e}", work.display()))?;
+    let runner = std::env::current_exe().map_err(|e| format!("locating myself: {e}"))?;
+    let bin_dir = runner
+        .parent()
+        .ok_or("the runner binary has no directory")?
+        .to_path_buf();
+    let cache = args.cache.unwrap_or_else(default_cache);
+    let prepared = prepare::prepare(&prepare::PrepareOptions {
+        cache,
+        bin_dir,
+        work: work.clone(),
+        node_kernel: args.node_kernel,
+    })
+    .map_err(|e| format!("preparing the outer VM failed: {e}"))?;
+    prepared.env.save(&work.join("env.json"))?;
+    let qemu = which("qemu-system-x86_64")
+        .ok_or("qemu-system-x86_64 is missing: apt-get install qemu-system-x86")?;
+    let opts = outer::RunOptions {
+        l1: outer::qemu::L1Options {
+            qemu,
+            smp: args.l1_smp,
+            mem_mib: args.l1_mem_mib,
+            tcg_thread: args.tcg_thread,
+            cpu: args.l1_cpu,
+        },
+        attempts: args.attempts.max(1),
+        kernel: prepared.l1_kernel,
+        initrd: prepared.l1_initrd,
+        work,
+        runner,
+    };
+    let summary = outer::run(&opts, &groups);
+    Ok(outer::print_summary(&summary))
+}
+
+fn which(program: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let code = match cli.cmd {
+        Cmd::Run(args) => match run(args) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("real-guest: {e}");
+                2
+            }
+        },
+        Cmd::List => {
+            for g in catalogue::GROUPS {
+                println!("{}: {}", g.name, g.about);
+                for s in g.scenarios {
+                    println!("  {s}");
+                }
+            }
+            0
+        }
+        Cmd::Inner { env, group, skip } => {
+            let env = match env::InnerEnv::load(&env) {
+                Ok(e) => e,
+                Err(e) => {
+                    eprintln!("real-guest inner: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let Some(group) = catalogue::group(&group) else {
+                eprintln!("real-guest inner: no group {group:?}");
+                return ExitCode::from(2);
+            };
+            let skip: Vec<String> = skip
+                .split(',')
+                .filter(|s| !s.is_empty())
+                .map(String::from)
+                .collect();
+            inner::run(env, group, &skip)
+        }
+    };
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
+}
