@@ -104,6 +104,27 @@ pub fn order_msrs(msrs: &mut [kvm_msr_entry]) {
     msrs.sort_by_key(|m| (m.index == MSR_IA32_TSC_DEADLINE, m.index));
 }
 
+/// kvmclock's wall-clock MSRs (old and new numbering). Writing one is not
+/// state but a request: KVM writes the current wall-clock time into the
+/// guest page it names, at once. Linux writes it whenever it reads the wall
+/// clock (at boot and resume), so the value has no use after a restore, and
+/// replaying it would change guest memory before the guest runs.
+const MSR_KVM_WALL_CLOCK: u32 = 0x11;
+const MSR_KVM_WALL_CLOCK_NEW: u32 = 0x4b56_4d00;
+
+/// The saved MSRs to give back to KVM, in restore order: all but the
+/// wall-clock requests, so a restored VM's memory is the snapshot's until
+/// it runs.
+pub fn msrs_to_restore(saved: &[kvm_msr_entry]) -> Vec<kvm_msr_entry> {
+    let mut msrs: Vec<kvm_msr_entry> = saved
+        .iter()
+        .filter(|m| m.index != MSR_KVM_WALL_CLOCK && m.index != MSR_KVM_WALL_CLOCK_NEW)
+        .copied()
+        .collect();
+    order_msrs(&mut msrs);
+    msrs
+}
+
 /// Reads every MSR in `indices` that KVM lets us read, skipping ones it refuses.
 fn read_msrs(
     fd: &VcpuFd,
@@ -236,8 +257,7 @@ pub fn restore(fd: &VcpuFd, state: &VcpuState) -> Result<(), VcpuStateError> {
         .map_err(ioctl(index, "KVM_SET_DEBUGREGS"))?;
     fd.set_lapic(&state.lapic)
         .map_err(ioctl(index, "KVM_SET_LAPIC"))?;
-    let mut msrs = state.msrs.clone();
-    order_msrs(&mut msrs);
+    let msrs = msrs_to_restore(&state.msrs);
     let kvm_msrs = Msrs::from_entries(&msrs).map_err(|e| VcpuStateError::Invalid {
         index,
         reason: format!("MSR list: {e:?}"),
@@ -272,5 +292,22 @@ mod tests {
         order_msrs(&mut msrs);
         let order: Vec<u32> = msrs.iter().map(|m| m.index).collect();
         assert_eq!(order, vec![0x10, 0x174, 0xc000_0080, 0x6e0]);
+    }
+
+    #[test]
+    fn the_wall_clock_requests_are_not_replayed_on_restore() {
+        // Replaying them made KVM rewrite the guest's pvclock_wall_clock
+        // page during restore (seen with a real Linux guest: one 12-byte
+        // change, so memory_checksum never matched the snapshot's).
+        let saved: Vec<kvm_msr_entry> = [0x4b56_4d01, 0x11, 0x6e0, 0x4b56_4d00, 0x10]
+            .iter()
+            .map(|&index| kvm_msr_entry {
+                index,
+                data: 0x1000,
+                ..Default::default()
+            })
+            .collect();
+        let order: Vec<u32> = msrs_to_restore(&saved).iter().map(|m| m.index).collect();
+        assert_eq!(order, vec![0x10, 0x4b56_4d01, 0x6e0]);
     }
 }

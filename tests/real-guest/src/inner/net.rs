@@ -41,6 +41,9 @@ impl Tap {
     pub fn create(name: &str) -> Result<Tap, String> {
         let _ = ip(&["link", "del", name]);
         ip(&["tuntap", "add", "dev", name, "mode", "tap"])?;
+        // No IPv6 chatter (router and neighbour solicitations) from the
+        // outer VM's side: nothing should reach a paused guest unasked.
+        let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6"), "1");
         ip(&["addr", "add", &format!("{HOST_IP}/30"), "dev", name])?;
         ip(&["link", "set", name, "up"])?;
         Ok(Tap {
