@@ -277,7 +277,7 @@ impl Machine {
             Some(path) => Some(loader::load_initrd(&memory, path, &kernel)?),
             None => None,
         };
-        loader::write_boot_params(&memory, &kernel, &cmdline, initrd)?;
+        loader::write_boot_params(&memory, &kernel, &cmdline, initrd, None)?;
         mptable::write(&memory, config.vcpus)?;
         tracing::info!(
             kernel = %config.kernel.display(),
