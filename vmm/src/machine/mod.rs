@@ -318,7 +318,13 @@ impl Machine {
         // given the local APICs and the IOAPIC (mpparse.c), it costs a few
         // microseconds and 1 KiB of the EBDA (see the README), and it keeps
         // SMP for a kernel booted with `acpi=off`.
+        let mptable_started = std::time::Instant::now();
         mptable::write(&memory, config.vcpus)?;
+        tracing::info!(
+            target: "vmm::mptable",
+            build_us = (mptable_started.elapsed().as_nanos() / 100) as f64 / 10.0,
+            "MP table written"
+        );
         tracing::info!(
             kernel = %config.kernel.display(),
             format = ?kernel.format,
