@@ -16,6 +16,9 @@
 //!                          If (Local1 == 1) { Notify (\_SB.VGEN, 0x80) } } }
 //! ```
 //!
+//! Every other name here is a four-character constant (acpi_tables' `Path`
+//! and `EISAName` assert their shape), so building the AML cannot fail.
+//!
 //! Interrupts use the extended descriptor (edge-triggered, active high,
 //! exclusive), which is what the irqfds deliver; Linux then takes trigger
 //! and polarity from `_CRS` rather than from ISA defaults.
@@ -73,6 +76,8 @@ fn virtio(index: usize, device: &VirtioDescription, sink: &mut Vec<u8>) {
     let irq = edge_interrupt(device.gsi);
     let crs = aml::ResourceTemplate::new(vec![&mem, &irq]);
     let uid = index as u64;
+    // `check` caps the devices at MAX_VIRTIO_DEVICES (24), so the name has
+    // four characters, which acpi_tables' Path asserts.
     let name = format!("\\_SB_.V{index:03}");
     aml::Device::new(
         name.as_str().into(),

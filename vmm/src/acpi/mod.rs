@@ -54,6 +54,9 @@ const TABLE_ALIGN: u64 = 8;
 pub const MAX_VCPUS: u8 = 254;
 /// Highest GSI the IOAPIC has (24 pins).
 pub const LAST_GSI: u32 = 23;
+/// Most virtio devices the DSDT describes: each needs its own IOAPIC pin
+/// (and its `Vnnn` name stays four characters).
+pub const MAX_VIRTIO_DEVICES: usize = LAST_GSI as usize + 1;
 /// COM1's interrupt (ISA IRQ 4).
 const COM1_GSI: u32 = 4;
 
@@ -87,6 +90,12 @@ pub enum AcpiError {
     TooManyVcpus {
         /// Requested.
         requested: u8,
+    },
+    /// More virtio devices than the DSDT names (one GSI each).
+    #[error("{count} virtio devices cannot be described in the ACPI DSDT: at most {MAX_VIRTIO_DEVICES}, one IOAPIC pin each")]
+    TooManyDevices {
+        /// Devices asked for.
+        count: usize,
     },
     /// A device the DSDT cannot describe.
     #[error("virtio device at {addr:#x} with GSI {gsi} cannot be described in the ACPI DSDT: its 4 KiB window must lie below 4 GiB and its GSI be one of the IOAPIC's pins 0..={LAST_GSI} that COM1 ({COM1_GSI}) and the event device do not use")]
@@ -158,6 +167,11 @@ fn check(desc: &MachineDescription) -> Result<(), AcpiError> {
     if desc.vcpus > MAX_VCPUS {
         return Err(AcpiError::TooManyVcpus {
             requested: desc.vcpus,
+        });
+    }
+    if desc.virtio.len() > MAX_VIRTIO_DEVICES {
+        return Err(AcpiError::TooManyDevices {
+            count: desc.virtio.len(),
         });
     }
     let window = crate::devices::virtio::mmio::MMIO_WINDOW;

@@ -272,6 +272,16 @@ fn the_largest_machine_fits_and_impossible_ones_are_refused() {
     let err = build(&desc(MAX_VCPUS + 1, &[])).unwrap_err();
     assert!(matches!(err, AcpiError::TooManyVcpus { requested: 255 }));
     assert!(err.to_string().contains("at most 254"), "{err}");
+    let many: Vec<VirtioDescription> = (0..25)
+        .map(|i| VirtioDescription {
+            addr: 0xd000_0000 + i * 0x1000,
+            gsi: 5,
+        })
+        .collect();
+    assert!(matches!(
+        build(&desc(1, &many)),
+        Err(AcpiError::TooManyDevices { count: 25 })
+    ));
     for bad in [
         VirtioDescription {
             addr: 0xd000_0000,

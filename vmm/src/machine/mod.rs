@@ -142,6 +142,7 @@ impl StartError {
             | StartError::MpTable(mptable::MpTableError::TooManyCpus(_))
             | StartError::Acpi(
                 AcpiError::TooManyVcpus { .. }
+                | AcpiError::TooManyDevices { .. }
                 | AcpiError::Device { .. }
                 | AcpiError::TooLarge { .. },
             )
