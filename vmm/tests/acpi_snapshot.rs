@@ -1,8 +1,8 @@
 //! Snapshots and ACPI under real KVM: every restore of one snapshot writes a
 //! new VM generation ID (different from the snapshot's and from every other
-//! restore's), raises the GED event the guest reads, and changes nothing
-//! else in guest memory; format 1.0 and 1.1 snapshots (no ACPI) still
-//! restore exactly as before.
+//! restore's) and raises the GED event the guest reads, when the restored VM
+//! first runs; a VM restored paused keeps the snapshot's memory until then.
+//! Format 1.0 and 1.1 snapshots (no ACPI) still restore exactly as before.
 
 mod common;
 
@@ -119,6 +119,7 @@ fn every_restore_writes_a_new_generation_id_and_raises_the_ged_event() {
     let booted_id = wait_for_line(&origin.log, "vmgenid=", 0);
     let snap = t.path().join("snap");
     pause_and_snapshot(&mut origin, &snap);
+    let at_snapshot = checksum(&mut origin.ctl);
     stop(origin.ctl, origin.child);
     assert_eq!(
         vmgenid_in(&snap),
@@ -131,36 +132,51 @@ fn every_restore_writes_a_new_generation_id_and_raises_the_ged_event() {
         (VMGENID_ADDR, 3, 0)
     );
 
-    // Restore 1, left paused: the new ID is in memory before any guest code
-    // runs, and it is the only change.
+    // Restore 1, paused: its memory is the snapshot's (a paused copy taken
+    // now is identical), until it first runs.
     let mut first = restore(t.path(), "first", &snap, "file", true);
-    let first_snap = t.path().join("first-snap");
-    snapshot(&mut first.ctl, &first_snap, "full");
-    stop(first.ctl, first.child);
-    let first_id = vmgenid_in(&first_snap);
-    assert_ne!(first_id, booted_id);
+    assert_eq!(checksum(&mut first.ctl), at_snapshot);
+    let paused_snap = t.path().join("paused-snap");
+    snapshot(&mut first.ctl, &paused_snap, "full");
+    assert_eq!(differences(&snap, &paused_snap), vec![]);
     assert_eq!(
-        differences(&snap, &first_snap),
-        vec![(VMGENID_ADDR, VMGENID_ADDR + 16)],
-        "a restore changes the generation ID and nothing else"
+        MachineState::load(&paused_snap)
+            .unwrap()
+            .acpi
+            .unwrap()
+            .ged_pending,
+        0
     );
-    let pending = MachineState::load(&first_snap).unwrap().acpi.unwrap();
-    assert_eq!(pending.ged_pending, 1, "the GED event waits for the guest");
+    // Resumed, the guest sees a new ID at once, and the GED's VMGenID event.
+    assert_eq!(first.ctl.send_raw(r#"{"op":"resume"}"#)["ok"], true);
+    let (first_id, ged) = new_id_seen(&first.log);
+    assert_eq!(ged, "1");
+    assert_ne!(first_id, booted_id);
+    let first_snap = t.path().join("first-snap");
+    pause_and_snapshot(&mut first, &first_snap);
+    stop(first.ctl, first.child);
+    assert_eq!(vmgenid_in(&first_snap), first_id);
+    let read = MachineState::load(&first_snap).unwrap().acpi.unwrap();
+    assert_eq!(read.ged_pending, 0, "the guest's read cleared the event");
 
-    // Restore 2, running (uffd backend): the guest sees a third ID and reads
-    // the GED's VMGenID event bit.
+    // Restore 2, running (uffd backend): a third ID.
     let mut second = restore(t.path(), "second", &snap, "uffd", false);
-    let seen = wait_for_line(&second.log, "vmgenid=", 0);
-    let (second_id, ged) = seen.split_once(" ged=").expect("vmgenid=ID ged=N");
-    assert_eq!(ged, "1", "{seen}");
+    let (second_id, ged) = new_id_seen(&second.log);
+    assert_eq!(ged, "1");
     assert_ne!(second_id, booted_id);
     assert_ne!(second_id, first_id);
     let second_snap = t.path().join("second-snap");
     pause_and_snapshot(&mut second, &second_snap);
     stop(second.ctl, second.child);
     assert_eq!(vmgenid_in(&second_snap), second_id);
-    let read = MachineState::load(&second_snap).unwrap().acpi.unwrap();
-    assert_eq!(read.ged_pending, 0, "the guest's read cleared the event");
+}
+
+/// The first `vmgenid=ID ged=N` line the watching guest printed after a
+/// restore: (ID, N).
+fn new_id_seen(log: &Path) -> (String, String) {
+    let seen = wait_for_line(log, "vmgenid=", 0);
+    let (id, ged) = seen.split_once(" ged=").expect("vmgenid=ID ged=N");
+    (id.to_string(), ged.to_string())
 }
 
 /// Rewrites a snapshot directory as a vmm writing format 1.`minor` (0: no

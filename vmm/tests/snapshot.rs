@@ -57,10 +57,7 @@ fn allocated_bytes(path: &Path) -> u64 {
 #[test]
 fn full_plus_three_diffs_restore_to_identical_memory_on_both_backends() {
     let t = tempfile::tempdir().unwrap();
-    // Without ACPI: with it, every restore writes a fresh VM generation ID, so
-    // restored memory differs from the snapshot's in those 16 bytes (see
-    // tests/acpi_snapshot.rs).
-    let mut vm = boot_counter_with(t.path(), "origin", &["--acpi", "off"]);
+    let mut vm = boot_counter(t.path(), "origin");
     wait_for_counts(&vm.log, 1);
     let mut layers = Vec::new();
     for (i, kind) in ["full", "diff", "diff", "diff"].iter().enumerate() {

@@ -118,6 +118,9 @@ pub enum StartError {
     /// The i8042's state could not be restored.
     #[error("cannot restore the i8042: {0}")]
     I8042State(#[from] I8042PersistError),
+    /// The work due right before the vCPUs first run failed.
+    #[error("cannot start the vCPUs: {0}")]
+    FirstRun(#[source] crate::vcpu::coordinator::CoordinatorError),
     /// The ACPI tables cannot describe the VM or be written.
     #[error(transparent)]
     Acpi(#[from] AcpiError),
@@ -399,6 +402,10 @@ impl Machine {
             what: "the vCPU kick signal handler".into(),
             source,
         })?;
+        shared
+            .coordinator
+            .before_start()
+            .map_err(StartError::FirstRun)?;
         let shared = Arc::new(shared);
         let mut threads = Vec::with_capacity(vcpus.len());
         for vcpu in vcpus {

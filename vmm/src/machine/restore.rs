@@ -105,14 +105,21 @@ impl Machine {
             vcpus.push(vcpu);
         }
         // This VM is a new instance of the snapshotted one: a fresh generation
-        // ID, announced now that the LAPICs are restored (the interrupt must
-        // land in a restored LAPIC) and before any vCPU runs guest code.
+        // ID, announced when it first runs (now, or at the first resume of a
+        // paused restore; until then its memory is the snapshot's), after the
+        // LAPICs are restored (the interrupt must land in a restored LAPIC)
+        // and before any vCPU runs guest code.
         if let Some(acpi) = &devices.acpi {
-            acpi.announce_new_generation(vm.memory())?;
-            tracing::info!(
-                vmgenid_addr = acpi.vmgenid().addr(),
-                "new VM generation ID written and announced"
-            );
+            let (acpi, mem) = (acpi.clone(), vm.memory().clone());
+            coordinator.set_first_run(Box::new(move || {
+                acpi.announce_new_generation(&mem)
+                    .map_err(|e| format!("cannot announce the new VM generation: {e}"))?;
+                tracing::info!(
+                    vmgenid_addr = acpi.vmgenid().addr(),
+                    "new VM generation ID written and announced"
+                );
+                Ok(())
+            }));
         }
         tracing::info!(
             snapshot = %top.display(),

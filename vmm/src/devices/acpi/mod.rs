@@ -61,7 +61,8 @@ pub enum AcpiDeviceError {
     InvalidState(String),
 }
 
-/// The ACPI devices of one VM.
+/// The ACPI devices of one VM (a clone shares the same devices).
+#[derive(Clone)]
 pub struct AcpiDevices {
     power: Arc<Mutex<PowerDevice>>,
     ged: Arc<Mutex<Ged>>,
@@ -128,8 +129,9 @@ impl AcpiDevices {
     }
 
     /// Writes a fresh generation ID and notifies the guest through the GED.
-    /// Call on restore once the vCPUs' LAPIC state is in place (so the
-    /// interrupt reaches a restored LAPIC) and before they run guest code.
+    /// Call for a restored VM once the vCPUs' LAPIC state is in place (so
+    /// the interrupt reaches a restored LAPIC) and before they first run
+    /// guest code.
     pub fn announce_new_generation(
         &self,
         mem: &GuestMemoryMmap,
