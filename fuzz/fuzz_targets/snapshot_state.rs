@@ -14,4 +14,11 @@ fuzz_target!(|data: &[u8]| {
         // Anything that decodes must re-encode without panicking.
         let _ = state.encode();
     }
+    // The same bytes as format 1.0 and 1.1 payloads (each decoded with its
+    // version's layout).
+    for minor in [0, 1] {
+        if let Ok(state) = MachineState::decode(&format::encode_minor(data, minor)) {
+            let _ = state.encode();
+        }
+    }
 });

@@ -150,6 +150,11 @@ impl VmProcess {
         &self.what
     }
 
+    /// The stderr seen so far (its first 64 KiB).
+    pub fn stderr_text(&self) -> String {
+        String::from_utf8_lossy(&lock(&self.shared.stderr)).into_owned()
+    }
+
     /// The end of the stderr seen so far.
     pub fn stderr_tail(&self) -> String {
         tail(&lock(&self.shared.stderr))

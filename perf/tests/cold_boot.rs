@@ -42,6 +42,17 @@ fn cold_boot_runs_end_to_end_and_writes_valid_reports() {
             .iter()
             .all(|s| s.as_f64().unwrap() >= 0.0));
     }
+    // The vmm's own breakdown: ACPI and MP table construction, in µs.
+    for id in ["cold-boot.acpi-tables", "cold-boot.mp-table"] {
+        let m = common::metric(&json, "cold-boot", id);
+        assert_eq!(m["unit"], "us");
+        assert_eq!(m["samples"].as_array().unwrap().len(), 2, "{m:#}");
+        assert!(m["samples"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s.as_f64().unwrap() > 0.0));
+    }
     // First output comes before the exit in every run.
     let wall = common::metric(&json, "cold-boot", "cold-boot.wall")["samples"].clone();
     let first = common::metric(&json, "cold-boot", "cold-boot.first-output")["samples"].clone();
@@ -67,7 +78,7 @@ fn cold_boot_runs_end_to_end_and_writes_valid_reports() {
         .descendants()
         .filter(|n| n.has_tag_name("circle"))
         .count();
-    assert_eq!(dots, 6, "one dot per measured sample of the three metrics");
+    assert_eq!(dots, 10, "one dot per measured sample of the five metrics");
     assert!(stdout.contains("wrote"), "{stdout}");
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -7,6 +7,7 @@ use std::str::FromStr;
 use serde::Deserialize;
 
 use crate::arch::x86_64::mptable::MAX_CPUS;
+use crate::devices::virtio::setup::MAX_DEVICES;
 
 /// Guest memory when none is given, in MiB.
 pub const DEFAULT_MEM_MIB: u64 = 128;
@@ -59,6 +60,14 @@ pub struct DeviceConfig {
 }
 
 impl DeviceConfig {
+    /// How many virtio devices this configures.
+    pub fn count(&self) -> usize {
+        self.disks.len()
+            + usize::from(self.vsock.is_some())
+            + usize::from(self.net.is_some())
+            + usize::from(self.rng)
+    }
+
     /// Parses the CLI / config-file forms of every device.
     pub fn parse(
         disks: &[String],
@@ -198,6 +207,14 @@ pub enum ConfigError {
     /// vCPU count out of range.
     #[error("{0} vCPUs requested: the VM needs between 1 and {MAX_CPUS} vCPUs")]
     VcpuCount(u64),
+    /// More virtio devices than interrupt lines (and DSDT entries) for them.
+    #[error(
+        "{0} virtio devices configured: at most {MAX_DEVICES} fit (one IOAPIC interrupt line each)"
+    )]
+    TooManyDevices(usize),
+    /// The ACPI setting is not `on` or `off`.
+    #[error("invalid ACPI setting {0:?}: expected on or off")]
+    Acpi(String),
     /// The config file cannot be read.
     #[error("cannot read config file {path}: {source}")]
     FileUnreadable {
@@ -244,6 +261,9 @@ pub struct ConfigFile {
     pub net: Option<String>,
     /// virtio-rng.
     pub rng: Option<bool>,
+    /// ACPI tables (default true); false keeps the MP table and
+    /// `virtio_mmio.device=` command-line entries only, for kernels without ACPI.
+    pub acpi: Option<bool>,
 }
 
 impl ConfigFile {
@@ -273,6 +293,7 @@ impl ConfigFile {
             vsock: overrides.vsock.or(self.vsock),
             net: overrides.net.or(self.net),
             rng: overrides.rng.or(self.rng),
+            acpi: overrides.acpi.or(self.acpi),
         }
     }
 }
@@ -296,6 +317,18 @@ pub struct VmConfig {
     pub control_socket: Option<PathBuf>,
     /// The virtio devices and their back ends.
     pub devices: DeviceConfig,
+    /// ACPI tables, VMGenID and the ACPI power device; when false the
+    /// virtio devices are announced on the kernel command line instead.
+    pub acpi: bool,
+}
+
+/// Parses the CLI form of the ACPI setting: `on` or `off`.
+pub fn parse_acpi(s: &str) -> Result<bool, ConfigError> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(ConfigError::Acpi(other.to_string())),
+    }
 }
 
 impl TryFrom<ConfigFile> for VmConfig {
@@ -318,6 +351,9 @@ impl TryFrom<ConfigFile> for VmConfig {
             f.net.as_deref(),
             f.rng.unwrap_or(false),
         )?;
+        if devices.count() > MAX_DEVICES {
+            return Err(ConfigError::TooManyDevices(devices.count()));
+        }
         Ok(VmConfig {
             kernel,
             initrd: f.initrd,
@@ -327,6 +363,7 @@ impl TryFrom<ConfigFile> for VmConfig {
             serial,
             control_socket: f.control_socket,
             devices,
+            acpi: f.acpi.unwrap_or(true),
         })
     }
 }
@@ -404,6 +441,15 @@ mod tests {
         assert_eq!(cfg.vcpus, 2);
         assert_eq!(cfg.cmdline, DEFAULT_CMDLINE);
         assert_eq!(cfg.serial, SerialConfig::Stdout);
+        assert!(cfg.acpi, "ACPI is on by default");
+        let off: ConfigFile = serde_json::from_str(r#"{"kernel":"/k","acpi":false}"#).unwrap();
+        assert!(!VmConfig::try_from(off).unwrap().acpi);
+        assert!(parse_acpi("on").unwrap());
+        assert!(!parse_acpi("off").unwrap());
+        assert_eq!(
+            parse_acpi("yes").unwrap_err().to_string(),
+            "invalid ACPI setting \"yes\": expected on or off"
+        );
     }
 
     #[test]
@@ -431,5 +477,19 @@ mod tests {
             Err(ConfigError::VcpuCount(300))
         ));
         assert!(serde_json::from_str::<ConfigFile>(r#"{"kernal":"/k"}"#).is_err());
+        let disks = ConfigFile {
+            kernel: Some("/k".into()),
+            disk: Some((0..MAX_DEVICES).map(|i| format!("/d{i}")).collect()),
+            rng: Some(true),
+            ..Default::default()
+        };
+        let err = VmConfig::try_from(disks).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "{} virtio devices configured: at most {MAX_DEVICES} fit (one IOAPIC interrupt line each)",
+                MAX_DEVICES + 1
+            )
+        );
     }
 }

@@ -1,8 +1,9 @@
 //! Why a VM ended, and the process exit code each reason maps to.
 //!
 //! Exit codes are part of the CLI's documented interface (see the README):
-//! `0` for a guest reset or poweroff and for a requested stop, `1` for a guest
-//! or VM failure, `2` for bad usage or bad input.
+//! `0` for a guest reset or poweroff (i8042, ACPI or a KVM system event) and
+//! for a requested stop, `1` for a guest or VM failure, `2` for bad usage or
+//! bad input.
 
 use std::fmt;
 
@@ -20,6 +21,10 @@ pub enum ExitReason {
     GuestReset,
     /// The guest asked KVM to power off or reset through a system event.
     GuestPoweroff,
+    /// The guest powered off through the ACPI sleep control register (S5).
+    AcpiPoweroff,
+    /// The guest reset through the ACPI reset register.
+    AcpiReset,
     /// A stop was requested through the control socket.
     StopRequested,
     /// The vCPU executed HLT with nothing left to wake it (KVM_EXIT_HLT).
@@ -43,6 +48,8 @@ impl ExitReason {
         match self {
             ExitReason::GuestReset
             | ExitReason::GuestPoweroff
+            | ExitReason::AcpiPoweroff
+            | ExitReason::AcpiReset
             | ExitReason::StopRequested
             | ExitReason::GuestHalted { .. } => EXIT_OK,
             _ => EXIT_VM_FAILURE,
@@ -54,6 +61,8 @@ impl ExitReason {
         match self {
             ExitReason::GuestReset => "guest_reset",
             ExitReason::GuestPoweroff => "guest_poweroff",
+            ExitReason::AcpiPoweroff => "acpi_poweroff",
+            ExitReason::AcpiReset => "acpi_reset",
             ExitReason::StopRequested => "stop_requested",
             ExitReason::GuestHalted { .. } => "guest_halted",
             ExitReason::TripleFault { .. } => "triple_fault",
@@ -80,6 +89,11 @@ impl fmt::Display for ExitReason {
         match self {
             ExitReason::GuestReset => write!(f, "guest reset through the i8042 controller"),
             ExitReason::GuestPoweroff => write!(f, "guest powered off"),
+            ExitReason::AcpiPoweroff => write!(
+                f,
+                "guest powered off through the ACPI sleep control register (S5)"
+            ),
+            ExitReason::AcpiReset => write!(f, "guest reset through the ACPI reset register"),
             ExitReason::StopRequested => write!(f, "stop requested on the control socket"),
             ExitReason::GuestHalted { vcpu } => write!(f, "vCPU {vcpu} halted"),
             ExitReason::TripleFault { vcpu } => write!(f, "vCPU {vcpu} triple-faulted"),
@@ -112,6 +126,8 @@ mod tests {
     fn clean_reasons_map_to_zero_and_failures_to_one() {
         assert_eq!(ExitReason::GuestReset.exit_code(), 0);
         assert_eq!(ExitReason::GuestPoweroff.exit_code(), 0);
+        assert_eq!(ExitReason::AcpiPoweroff.exit_code(), 0);
+        assert_eq!(ExitReason::AcpiReset.exit_code(), 0);
         assert_eq!(ExitReason::StopRequested.exit_code(), 0);
         assert_eq!(ExitReason::TripleFault { vcpu: 0 }.exit_code(), 1);
         let internal = ExitReason::KvmInternalError {

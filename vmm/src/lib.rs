@@ -3,6 +3,7 @@
 //! 8250 serial console, an i8042 for guest reset, and a JSON-lines control
 //! socket.
 
+pub mod acpi;
 pub mod arch;
 pub mod config;
 pub mod control;

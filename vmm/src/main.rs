@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use vmm::config::{ConfigFile, DeviceConfig, SerialConfig, VmConfig};
+use vmm::config::{parse_acpi, ConfigFile, DeviceConfig, SerialConfig, VmConfig};
 use vmm::control::server::ControlServer;
 use vmm::exit::{EXIT_BAD_INPUT, EXIT_VM_FAILURE};
 use vmm::jail::cgroup::{parse_cpu_max, parse_size, CgroupLimits};
@@ -142,8 +142,8 @@ struct RestoreArgs {
 #[derive(clap::Args)]
 struct RunArgs {
     /// JSON file with the same fields as the flags (kernel, initrd, cmdline, mem_mib,
-    /// vcpus, serial, control_socket, disk (a list), vsock, net, rng); flags given on
-    /// the command line win.
+    /// vcpus, serial, control_socket, disk (a list), vsock, net, rng, acpi (true or
+    /// false)); flags given on the command line win.
     #[arg(long)]
     config: Option<PathBuf>,
     /// Kernel: ELF vmlinux (PVH entry used when present) or bzImage.
@@ -179,6 +179,12 @@ struct RunArgs {
     /// virtio-rng fed by the host's getrandom.
     #[arg(long)]
     rng: bool,
+    /// ACPI tables (RSDP, XSDT, FADT, MADT, DSDT), the VM generation ID and ACPI
+    /// power-off/reset [default: on]. `off` is for kernels built without ACPI: the
+    /// virtio devices are then announced as `virtio_mmio.device=` on the kernel
+    /// command line, and the MP table alone describes the CPUs.
+    #[arg(long, value_name = "on|off")]
+    acpi: Option<String>,
 }
 
 fn init_logging(format: LogFormat, level: &str) {
@@ -212,6 +218,12 @@ fn run(args: RunArgs) -> Result<i32, (i32, String)> {
         vsock: args.vsock,
         net: args.net,
         rng: args.rng.then_some(true),
+        acpi: args
+            .acpi
+            .as_deref()
+            .map(parse_acpi)
+            .transpose()
+            .map_err(|e| bad(&e))?,
     };
     let config = VmConfig::try_from(file.overridden_by(flags)).map_err(|e| bad(&e))?;
     let blocked = signals::block_termination_signals().map_err(|e| {

@@ -18,6 +18,7 @@ const GUESTS: &[&str] = &[
     "virtio_vsock",
     "i8042_probe",
     "serial_fifo",
+    "acpi",
 ];
 
 const FLAGS: &[&str] = &[

@@ -82,7 +82,7 @@ fn bzimage_loads_with_64bit_entry_and_a_complete_zero_page() {
     assert_eq!(initrd.addr % 4096, 0);
     assert!(initrd.addr >= kernel.kernel_end);
     assert!(initrd.addr + initrd.size <= 256 << 20);
-    loader::write_boot_params(&mem, &kernel, &cmdline, Some(initrd)).unwrap();
+    loader::write_boot_params(&mem, &kernel, &cmdline, Some(initrd), Some(0xe_0000)).unwrap();
 
     let mut zp = vec![0u8; 4096];
     mem.read_slice(&mut zp, GuestAddress(ZERO_PAGE_START))
@@ -96,6 +96,7 @@ fn bzimage_loads_with_64bit_entry_and_a_complete_zero_page() {
     assert_eq!(u32_at(&zp, 0x238), text.len() as u32);
     assert_eq!(u32_at(&zp, 0x218), initrd.addr as u32, "ramdisk_image");
     assert_eq!(u32_at(&zp, 0x21c), initrd.size as u32, "ramdisk_size");
+    assert_eq!(u64_at(&zp, 0x70), 0xe_0000, "acpi_rsdp_addr");
     let mut cl = vec![0u8; text.len() + 1];
     mem.read_slice(&mut cl, GuestAddress(CMDLINE_START))
         .unwrap();
@@ -153,12 +154,13 @@ fn vmlinux_loads_with_its_pvh_entry_and_start_info() {
     assert!(entry.0 < 1 << 32, "PVH entry is 32-bit");
 
     let cmdline = loader::build_cmdline("console=ttyS0", loader::cmdline_limit(&kernel)).unwrap();
-    loader::write_boot_params(&mem, &kernel, &cmdline, None).unwrap();
+    loader::write_boot_params(&mem, &kernel, &cmdline, None, Some(0xe_0000)).unwrap();
     let info: hvm_start_info = mem.read_obj(GuestAddress(PVH_INFO_START)).unwrap();
     assert_eq!({ info.magic }, 0x336e_c578);
     assert_eq!({ info.version }, 1);
     assert_eq!({ info.cmdline_paddr }, CMDLINE_START);
     assert_eq!({ info.nr_modules }, 0);
+    assert_eq!({ info.rsdp_paddr }, 0xe_0000);
     assert_eq!({ info.memmap_entries }, 3);
     let last: hvm_memmap_table_entry = mem
         .read_obj(GuestAddress(info.memmap_paddr + 2 * 24))

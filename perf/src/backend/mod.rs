@@ -56,6 +56,9 @@ pub struct BootSpec {
     /// Whether the harness will pause, snapshot or stop the VM (needs the
     /// control socket; Firecracker always has its API socket).
     pub control: bool,
+    /// Ask the VMM to log the setup steps it times itself (our vmm: the
+    /// ACPI tables and the MP table, JSON on stderr; Firecracker: nothing).
+    pub setup_timings: bool,
 }
 
 /// Where a VM's control endpoint is.

@@ -14,6 +14,20 @@ use crate::process::VmProcess;
 
 /// The message scenarios report when the vmm cannot restore.
 pub const NO_RESTORE: &str = "skipped: vmm has no restore";
+/// Log target of the vmm's "ACPI tables written" event (field `build_us`).
+pub const ACPI_TIMING_TARGET: &str = "vmm::acpi";
+/// Log target of the vmm's "MP table written" event (field `build_us`).
+pub const MPTABLE_TIMING_TARGET: &str = "vmm::mptable";
+
+/// The `build_us` field of the first JSON log line with `target` in the
+/// vmm's stderr: a setup step the vmm timed itself, in microseconds.
+pub fn logged_build_us(stderr: &str, target: &str) -> Option<f64> {
+    stderr
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .find(|event| event["target"] == target)
+        .and_then(|event| event["fields"]["build_us"].as_f64())
+}
 
 /// Our vmm binary.
 pub struct VmmBackend {
@@ -97,6 +111,13 @@ impl Backend for VmmBackend {
             args.push("--control-socket".into());
             args.push(s.display().to_string());
         }
+        if spec.setup_timings {
+            // Only the timing events are logged at info: two short JSON lines.
+            args.extend(["--log-format".into(), "json".into(), "--log-level".into()]);
+            args.push(format!(
+                "warn,{ACPI_TIMING_TARGET}=info,{MPTABLE_TIMING_TARGET}=info"
+            ));
+        }
         let process = VmProcess::spawn("vmm run", &self.binary, &args)?;
         Self::connect(process, socket, timeout)
     }
@@ -144,5 +165,25 @@ impl Backend for VmmBackend {
         let start = Instant::now();
         client.request(&request)?;
         Ok(start.elapsed())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timings_are_read_from_the_json_log_lines_of_their_target() {
+        let stderr = concat!(
+            "not json\n",
+            r#"{"timestamp":"t","level":"INFO","fields":{"message":"ACPI tables written","build_us":21.5,"bytes":716},"target":"vmm::acpi"}"#,
+            "\n",
+            r#"{"timestamp":"t","level":"INFO","fields":{"message":"MP table written","build_us":1.2},"target":"vmm::mptable"}"#,
+            "\n",
+        );
+        assert_eq!(logged_build_us(stderr, ACPI_TIMING_TARGET), Some(21.5));
+        assert_eq!(logged_build_us(stderr, MPTABLE_TIMING_TARGET), Some(1.2));
+        assert_eq!(logged_build_us(stderr, "vmm::other"), None);
+        assert_eq!(logged_build_us("", ACPI_TIMING_TARGET), None);
     }
 }

@@ -81,6 +81,7 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
                 cmdline: guests::COUNTER_CMDLINE.into(),
                 mem_mib,
                 control: false,
+                setup_timings: false,
             };
             ctx.repeat(runs(ctx), |warmup| {
                 let dir = ctx.scratch()?;

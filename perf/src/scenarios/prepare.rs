@@ -33,6 +33,7 @@ pub fn counter_snapshot(
         cmdline: guests::COUNTER_CMDLINE.into(),
         mem_mib,
         control: true,
+        setup_timings: false,
     };
     let mut vm = backend.boot(&spec, vm_dir.path(), ctx.timeout())?;
     let (_, end) = vm.process.wait_for("count=", 0, ctx.timeout())?;

@@ -83,6 +83,7 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
                     cmdline: format!("permille={permille}"),
                     mem_mib,
                     control: true,
+                    setup_timings: false,
                 };
                 let vm_dir = ctx.scratch()?;
                 let mut vm = backend.boot(&spec, vm_dir.path(), ctx.timeout())?;

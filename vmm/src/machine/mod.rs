@@ -2,6 +2,7 @@
 //! (restore): KVM, memory, devices on the buses, vCPUs; starts it, serves
 //! snapshot requests, and waits for it to end.
 
+mod acpi;
 mod restore;
 mod snapshot;
 
@@ -16,8 +17,12 @@ use std::thread::JoinHandle;
 
 use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
 
+use crate::acpi::AcpiError;
+use crate::arch::x86_64::layout::ACPI_VMGENID_START;
 use crate::arch::x86_64::{loader, mptable};
 use crate::config::{SerialConfig, VmConfig};
+use crate::devices::acpi::vmgenid::VmGenIdError;
+use crate::devices::acpi::{AcpiDeviceError, AcpiDevices};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::irq::IrqLine;
 use crate::devices::legacy::i8042::persist::I8042PersistError;
@@ -113,6 +118,15 @@ pub enum StartError {
     /// The i8042's state could not be restored.
     #[error("cannot restore the i8042: {0}")]
     I8042State(#[from] I8042PersistError),
+    /// The work due right before the vCPUs first run failed.
+    #[error("cannot start the vCPUs: {0}")]
+    FirstRun(#[source] crate::vcpu::coordinator::CoordinatorError),
+    /// The ACPI tables cannot describe the VM or be written.
+    #[error(transparent)]
+    Acpi(#[from] AcpiError),
+    /// The ACPI devices could not be set up or restored.
+    #[error(transparent)]
+    AcpiDevices(#[from] AcpiDeviceError),
 }
 
 impl StartError {
@@ -128,7 +142,17 @@ impl StartError {
             | StartError::I8042State(I8042PersistError::Invalid(_))
             | StartError::TooManyVcpus { .. }
             | StartError::SerialFile { .. }
-            | StartError::MpTable(mptable::MpTableError::TooManyCpus(_)) => EXIT_BAD_INPUT,
+            | StartError::MpTable(mptable::MpTableError::TooManyCpus(_))
+            | StartError::Acpi(
+                AcpiError::TooManyVcpus { .. }
+                | AcpiError::TooManyDevices { .. }
+                | AcpiError::Device { .. }
+                | AcpiError::TooLarge { .. },
+            )
+            | StartError::AcpiDevices(
+                AcpiDeviceError::InvalidState(_)
+                | AcpiDeviceError::VmGenId(VmGenIdError::Misplaced { .. }),
+            ) => EXIT_BAD_INPUT,
             StartError::Virtio(
                 SetupError::Block(_)
                 | SetupError::Net(_)
@@ -164,6 +188,8 @@ pub struct MachineShared {
     pending_dirty: Mutex<Vec<Vec<u64>>>,
     /// The virtio devices and their event thread.
     virtio: VirtioRuntime,
+    /// The ACPI devices, when the VM has ACPI tables.
+    acpi: Option<AcpiDevices>,
 }
 
 /// The devices and buses of a VM, before its vCPUs exist.
@@ -172,15 +198,18 @@ struct Devices {
     serial: Arc<Mutex<SerialDevice>>,
     i8042: Arc<Mutex<I8042>>,
     virtio: VirtioRuntime,
+    acpi: Option<AcpiDevices>,
 }
 
-/// Puts the serial console and the i8042 (its IRQ 1 and 12 registered as
-/// irqfds) on the port-I/O bus and the virtio devices on the MMIO bus.
+/// Puts the serial console, the i8042 (its IRQ 1 and 12 registered as
+/// irqfds) and the ACPI registers (if any) on the port-I/O bus and the virtio
+/// devices on the MMIO bus.
 fn build_devices(
     vm: &Vm,
     serial: SerialDevice,
     i8042: I8042,
     virtio_devices: Vec<PlannedDevice>,
+    acpi: Option<AcpiDevices>,
 ) -> Result<Devices, StartError> {
     vm.fd()
         .register_irqfd(serial.irq().eventfd(), serial.irq().gsi())
@@ -201,6 +230,9 @@ fn build_devices(
     let mut io = Bus::new();
     io.insert(serial.clone(), COM1_PORT_BASE, COM1_PORT_LEN)?;
     io.insert(i8042.clone(), I8042_PORT_BASE, I8042_PORT_LEN)?;
+    if let Some(acpi) = &acpi {
+        acpi.attach(vm.fd(), &mut io)?;
+    }
     let mut mmio = Bus::new();
     let virtio = virtio_setup::attach(vm.fd(), vm.memory(), &mut mmio, virtio_devices)?;
     Ok(Devices {
@@ -211,6 +243,7 @@ fn build_devices(
         serial,
         i8042,
         virtio,
+        acpi,
     })
 }
 
@@ -268,7 +301,9 @@ impl Machine {
         let kernel = loader::load_kernel(&memory, &config.kernel)?;
         let virtio_devices = virtio_setup::create_devices(&config.devices)?;
         let mut cmdline_text = config.cmdline.clone();
-        if !virtio_devices.is_empty() {
+        // With ACPI the DSDT describes the devices; a kernel that also had
+        // them on the command line would probe each one twice.
+        if !config.acpi && !virtio_devices.is_empty() {
             cmdline_text.push(' ');
             cmdline_text.push_str(&virtio_setup::cmdline_params(&virtio_devices));
         }
@@ -277,14 +312,30 @@ impl Machine {
             Some(path) => Some(loader::load_initrd(&memory, path, &kernel)?),
             None => None,
         };
-        loader::write_boot_params(&memory, &kernel, &cmdline, initrd)?;
+        let rsdp = if config.acpi {
+            Some(acpi::write_tables(&memory, config.vcpus, &virtio_devices)?)
+        } else {
+            None
+        };
+        loader::write_boot_params(&memory, &kernel, &cmdline, initrd, rsdp)?;
+        // The MP table stays with ACPI on: Linux ignores it once the MADT has
+        // given the local APICs and the IOAPIC (mpparse.c), it costs a few
+        // microseconds and 1 KiB of the EBDA (see the README), and it keeps
+        // SMP for a kernel booted with `acpi=off`.
+        let mptable_started = std::time::Instant::now();
         mptable::write(&memory, config.vcpus)?;
+        tracing::info!(
+            target: "vmm::mptable",
+            build_us = (mptable_started.elapsed().as_nanos() / 100) as f64 / 10.0,
+            "MP table written"
+        );
         tracing::info!(
             kernel = %config.kernel.display(),
             format = ?kernel.format,
             entry = ?kernel.entry,
             mem_mib = config.mem_mib,
             vcpus = config.vcpus,
+            acpi = config.acpi,
             "kernel loaded"
         );
 
@@ -296,7 +347,18 @@ impl Machine {
                 what: "the i8042 interrupts".into(),
                 source,
             })?;
-        let devices = build_devices(&vm, serial, i8042, virtio_devices)?;
+        let acpi = if config.acpi {
+            let devices = AcpiDevices::new(
+                ACPI_VMGENID_START,
+                vm.memory(),
+                acpi::power_handler(&coordinator),
+            )?;
+            devices.write_first_generation(vm.memory())?;
+            Some(devices)
+        } else {
+            None
+        };
+        let devices = build_devices(&vm, serial, i8042, virtio_devices, acpi)?;
 
         let supported = kvm
             .kvm()
@@ -319,6 +381,7 @@ impl Machine {
             last_snapshot: Mutex::new(None),
             pending_dirty: Mutex::new(Vec::new()),
             virtio: devices.virtio,
+            acpi: devices.acpi,
         };
         Self::launch(shared, vcpus, &config.serial)
     }
@@ -339,6 +402,10 @@ impl Machine {
             what: "the vCPU kick signal handler".into(),
             source,
         })?;
+        shared
+            .coordinator
+            .before_start()
+            .map_err(StartError::FirstRun)?;
         let shared = Arc::new(shared);
         let mut threads = Vec::with_capacity(vcpus.len());
         for vcpu in vcpus {

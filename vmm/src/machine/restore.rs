@@ -4,12 +4,16 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use super::{
-    build_devices, reset_trigger, serial_irq, serial_output, Machine, MachineShared, StartError,
+    acpi, build_devices, reset_trigger, serial_irq, serial_output, Machine, MachineShared,
+    StartError,
 };
 use crate::config::{DeviceConfig, SerialConfig};
-use crate::devices::legacy::i8042::I8042;
+use crate::devices::acpi::persist::AcpiRestoreArgs;
+use crate::devices::acpi::AcpiDevices;
+use crate::devices::legacy::i8042::{AUX_IRQ, I8042, KBD_IRQ};
 use crate::devices::legacy::serial::persist::SerialRestoreArgs;
 use crate::devices::legacy::serial::SerialDevice;
+use crate::devices::legacy::serial::COM1_IRQ;
 use crate::devices::virtio::setup as virtio_setup;
 use crate::kvm::KvmHandle;
 use crate::snapshot::manifest::resolve_chain;
@@ -75,12 +79,47 @@ impl Machine {
         let virtio_devices =
             virtio_setup::restore_devices(&config.devices, vm.memory(), &state.virtio)?;
         let i8042 = I8042::restore(reset_trigger(&coordinator), &state.i8042)?;
-        let devices = build_devices(&vm, serial, i8042, virtio_devices)?;
+        // A snapshot without ACPI state (ACPI off, or format 1.0 or 1.1)
+        // restores without ACPI devices, exactly as before they existed.
+        let acpi = match &state.acpi {
+            Some(acpi_state) => {
+                // The PIT, the i8042, COM1 and the virtio devices.
+                let taken_gsis = [0, KBD_IRQ, AUX_IRQ, COM1_IRQ]
+                    .into_iter()
+                    .chain(state.virtio.slots.iter().map(|s| s.gsi))
+                    .collect();
+                let args = AcpiRestoreArgs {
+                    mem: vm.memory().clone(),
+                    on_request: acpi::power_handler(&coordinator),
+                    taken_gsis,
+                };
+                Some(AcpiDevices::restore(args, acpi_state)?)
+            }
+            None => None,
+        };
+        let devices = build_devices(&vm, serial, i8042, virtio_devices, acpi)?;
         let mut vcpus = Vec::with_capacity(count);
         for vstate in &state.vcpus {
             let vcpu = Vcpu::new(vm.fd(), vstate.index, devices.buses.clone())?;
             vcpu_persist::restore(&lock_fd(&vcpu.fd()), vstate)?;
             vcpus.push(vcpu);
+        }
+        // This VM is a new instance of the snapshotted one: a fresh generation
+        // ID, announced when it first runs (now, or at the first resume of a
+        // paused restore; until then its memory is the snapshot's), after the
+        // LAPICs are restored (the interrupt must land in a restored LAPIC)
+        // and before any vCPU runs guest code.
+        if let Some(acpi) = &devices.acpi {
+            let (acpi, mem) = (acpi.clone(), vm.memory().clone());
+            coordinator.set_first_run(Box::new(move || {
+                acpi.announce_new_generation(&mem)
+                    .map_err(|e| format!("cannot announce the new VM generation: {e}"))?;
+                tracing::info!(
+                    vmgenid_addr = acpi.vmgenid().addr(),
+                    "new VM generation ID written and announced"
+                );
+                Ok(())
+            }));
         }
         tracing::info!(
             snapshot = %top.display(),
@@ -100,6 +139,7 @@ impl Machine {
             last_snapshot: Mutex::new(Some(top)),
             pending_dirty: Mutex::new(Vec::new()),
             virtio: devices.virtio,
+            acpi: devices.acpi,
         };
         Self::launch(shared, vcpus, &config.serial)
     }

@@ -67,6 +67,12 @@ impl MachineShared {
             serial: lock(&self.serial).save().map_err(|e| state_err(&e))?,
             virtio,
             i8042: lock(&self.i8042).save().map_err(|e| state_err(&e))?,
+            acpi: self
+                .acpi
+                .as_ref()
+                .map(Persist::save)
+                .transpose()
+                .map_err(|e| state_err(&e))?,
         })
     }
 

@@ -17,7 +17,8 @@
 //! only appends fields, which older readers ignore and newer readers fill in
 //! for older files (see `state`).
 //!
-//! Minor versions: 1.0 the first; 1.1 appends the i8042's state.
+//! Minor versions: 1.0 the first; 1.1 appends the i8042's state; 1.2 appends
+//! the ACPI devices' state (`None` for a VM without ACPI).
 
 use crc::{Crc, CRC_64_XZ};
 
@@ -26,7 +27,7 @@ pub const MAGIC: &[u8; 8] = b"AGVMSNAP";
 /// Major version written by this build.
 pub const FORMAT_MAJOR: u16 = 1;
 /// Minor version written by this build.
-pub const FORMAT_MINOR: u16 = 1;
+pub const FORMAT_MINOR: u16 = 2;
 /// Largest payload accepted (the state of 32 vCPUs and all devices is far below this).
 pub const MAX_PAYLOAD_LEN: u64 = 16 << 20;
 const HEADER_LEN: usize = 24;
@@ -93,7 +94,7 @@ pub fn encode(payload: &[u8]) -> Vec<u8> {
 }
 
 /// Wraps `payload` in a container of minor version `minor` (tests write older files).
-pub(crate) fn encode_minor(payload: &[u8], minor: u16) -> Vec<u8> {
+pub fn encode_minor(payload: &[u8], minor: u16) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + CRC_LEN);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&FORMAT_MAJOR.to_le_bytes());

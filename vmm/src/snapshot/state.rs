@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::format::{self, FormatError, MAX_PAYLOAD_LEN};
 use super::manifest::STATE_FILE;
 use crate::arch::x86_64::mptable::MAX_CPUS;
+use crate::devices::acpi::persist::AcpiState;
 use crate::devices::legacy::i8042::persist::I8042State;
 use crate::devices::legacy::serial::persist::SerialSnapshot;
 use crate::devices::virtio::setup::VirtioState;
@@ -30,6 +31,9 @@ pub struct MachineState {
     pub virtio: VirtioState,
     /// The i8042 (format 1.1; a 1.0 file restores a power-on controller).
     pub i8042: I8042State,
+    /// The ACPI devices (format 1.2); `None` for a VM booted with ACPI off
+    /// and for 1.0 and 1.1 files.
+    pub acpi: Option<AcpiState>,
 }
 
 /// A format 1.0 payload: `MachineState` without the fields 1.1 appended.
@@ -51,6 +55,32 @@ impl From<MachineStateV1_0> for MachineState {
             serial: old.serial,
             virtio: old.virtio,
             i8042: I8042State::power_on(),
+            acpi: None,
+        }
+    }
+}
+
+/// A format 1.1 payload: `MachineState` without the fields 1.2 appended.
+#[derive(Deserialize)]
+struct MachineStateV1_1 {
+    mem_mib: u64,
+    vm: VmState,
+    vcpus: Vec<VcpuState>,
+    serial: SerialSnapshot,
+    virtio: VirtioState,
+    i8042: I8042State,
+}
+
+impl From<MachineStateV1_1> for MachineState {
+    fn from(old: MachineStateV1_1) -> Self {
+        MachineState {
+            mem_mib: old.mem_mib,
+            vm: old.vm,
+            vcpus: old.vcpus,
+            serial: old.serial,
+            virtio: old.virtio,
+            i8042: old.i8042,
+            acpi: None,
         }
     }
 }
@@ -121,12 +151,15 @@ impl MachineState {
     pub fn decode(bytes: &[u8]) -> Result<MachineState, DecodeError> {
         let (minor, payload) = format::decode_versioned(bytes).map_err(DecodeError::Format)?;
         let invalid = |e: postcard::Error| DecodeError::Invalid(e.to_string());
-        let state: MachineState = if minor == 0 {
-            postcard::from_bytes::<MachineStateV1_0>(payload)
+        let state: MachineState = match minor {
+            0 => postcard::from_bytes::<MachineStateV1_0>(payload)
                 .map_err(invalid)?
-                .into()
-        } else {
-            postcard::from_bytes(payload).map_err(invalid)?
+                .into(),
+            1 => postcard::from_bytes::<MachineStateV1_1>(payload)
+                .map_err(invalid)?
+                .into(),
+            // 1.2, or a newer minor whose appended fields are ignored.
+            _ => postcard::from_bytes(payload).map_err(invalid)?,
         };
         state.validate().map_err(DecodeError::Invalid)?;
         Ok(state)
@@ -196,6 +229,11 @@ mod tests {
             serial: serial.save().unwrap(),
             virtio: VirtioState { slots: Vec::new() },
             i8042,
+            acpi: Some(AcpiState {
+                vmgenid_addr: 0xe0040,
+                ged_gsi: 3,
+                ged_pending: 1,
+            }),
         }
     }
 
@@ -205,6 +243,48 @@ mod tests {
         let decoded = MachineState::decode(&state.encode().unwrap()).unwrap();
         assert_eq!(decoded.i8042, state.i8042);
         assert_eq!(decoded.mem_mib, 128);
+    }
+
+    #[test]
+    fn the_acpi_state_round_trips_and_older_readers_ignore_it() {
+        let state = sample();
+        let bytes = state.encode().unwrap();
+        let decoded = MachineState::decode(&bytes).unwrap();
+        assert_eq!(decoded.acpi, state.acpi);
+        // A 1.1 reader decodes the same payload and ignores the appended field.
+        let as_1_1: MachineStateV1_1 =
+            postcard::from_bytes(format::decode(&bytes).unwrap()).unwrap();
+        assert_eq!(as_1_1.i8042, state.i8042);
+        let without = MachineState {
+            acpi: None,
+            ..sample()
+        };
+        let decoded = MachineState::decode(&without.encode().unwrap()).unwrap();
+        assert_eq!(decoded.acpi, None);
+    }
+
+    #[test]
+    fn a_format_1_1_file_restores_without_acpi() {
+        let state = sample();
+        let legacy = (
+            state.mem_mib,
+            &state.vm,
+            &state.vcpus,
+            &state.serial,
+            &state.virtio,
+            &state.i8042,
+        );
+        let bytes = format::encode_minor(&postcard::to_stdvec(&legacy).unwrap(), 1);
+        let decoded = MachineState::decode(&bytes).unwrap();
+        assert_eq!(decoded.acpi, None);
+        assert_eq!(decoded.i8042, state.i8042);
+        assert_eq!(decoded.serial, state.serial);
+        // The same 1.1 payload labelled as this version lacks the ACPI field.
+        let mislabelled = format::encode(&postcard::to_stdvec(&legacy).unwrap());
+        assert!(matches!(
+            MachineState::decode(&mislabelled),
+            Err(DecodeError::Invalid(_))
+        ));
     }
 
     #[test]
@@ -220,9 +300,10 @@ mod tests {
         let bytes = format::encode_minor(&postcard::to_stdvec(&legacy).unwrap(), 0);
         let decoded = MachineState::decode(&bytes).unwrap();
         assert_eq!(decoded.i8042, I8042State::power_on());
+        assert_eq!(decoded.acpi, None);
         assert_eq!(decoded.mem_mib, 128);
         assert_eq!(decoded.serial, state.serial);
-        // The same 1.0 payload labelled 1.1 lacks the i8042 and is refused.
+        // The same 1.0 payload labelled as this version lacks the i8042 and is refused.
         let mislabelled = format::encode(&postcard::to_stdvec(&legacy).unwrap());
         assert!(matches!(
             MachineState::decode(&mislabelled),

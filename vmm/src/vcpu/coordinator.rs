@@ -4,6 +4,11 @@
 //! A request is recorded under a mutex first and the vCPU threads are then
 //! kicked out of KVM_RUN with a signal (see `kick`), so a vCPU either sees the
 //! request before entering the guest or is interrupted inside it.
+//!
+//! A VM may also have one piece of work that must happen right before its
+//! vCPUs first run guest code (a restored VM announcing its new generation
+//! ID): it runs when a VM that starts running is launched, or on the first
+//! resume of a VM restored paused, and no vCPU runs before it has finished.
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 
@@ -60,7 +65,13 @@ pub enum CoordinatorError {
     /// Pause on a VM that is already paused.
     #[error("the VM is already paused")]
     AlreadyPaused,
+    /// The work before the first run failed; the VM is ending.
+    #[error("the VM is ending: {0}")]
+    FirstRun(String),
 }
+
+/// Work to do once, right before the vCPUs first run guest code.
+pub type FirstRunHook = Box<dyn FnOnce() -> Result<(), String> + Send>;
 
 struct Inner {
     request: Request,
@@ -68,6 +79,7 @@ struct Inner {
     exited: usize,
     exit: Option<ExitReason>,
     threads: Vec<libc::pthread_t>,
+    first_run: Option<FirstRunHook>,
 }
 
 /// Shared by the vCPU threads, the control socket and the main thread.
@@ -88,6 +100,7 @@ impl Coordinator {
                 exited: 0,
                 exit: None,
                 threads: Vec::with_capacity(vcpus),
+                first_run: None,
             }),
             changed: Condvar::new(),
         }
@@ -202,13 +215,51 @@ impl Coordinator {
         }
     }
 
-    /// Lets paused vCPUs run again.
+    /// Sets the work to do right before the vCPUs first run guest code.
+    /// Call before the vCPU threads start.
+    pub fn set_first_run(&self, hook: FirstRunHook) {
+        self.lock().first_run = Some(hook);
+    }
+
+    /// Runs the first-run work, if it has not run yet, while `inner` is
+    /// locked (so no vCPU can be released before it has finished). A
+    /// failure ends the VM.
+    fn first_run(&self, inner: &mut Inner) -> Result<(), CoordinatorError> {
+        let Some(hook) = inner.first_run.take() else {
+            return Ok(());
+        };
+        hook().map_err(|message| {
+            if inner.exit.is_none() {
+                inner.exit = Some(ExitReason::VmmError {
+                    vcpu: None,
+                    message: message.clone(),
+                });
+            }
+            inner.request = Request::Stop;
+            self.kick_all(inner);
+            self.changed.notify_all();
+            CoordinatorError::FirstRun(message)
+        })
+    }
+
+    /// For a VM about to start running (not paused): runs the first-run
+    /// work. Call before the vCPU threads start.
+    pub fn before_start(&self) -> Result<(), CoordinatorError> {
+        let mut inner = self.lock();
+        if inner.request == Request::Run {
+            self.first_run(&mut inner)?;
+        }
+        Ok(())
+    }
+
+    /// Lets paused vCPUs run again (after the first-run work, the first time).
     pub fn resume(&self) -> Result<(), CoordinatorError> {
         let mut inner = self.lock();
         match inner.request {
             Request::Stop => Err(CoordinatorError::Stopping),
             Request::Run => Err(CoordinatorError::NotPaused),
             Request::Pause => {
+                self.first_run(&mut inner)?;
                 inner.request = Request::Run;
                 self.changed.notify_all();
                 Ok(())
@@ -275,5 +326,58 @@ mod tests {
             h.join().unwrap();
         }
         assert_eq!(coord.pause(), Err(CoordinatorError::Stopping));
+    }
+
+    fn counting_hook(count: &Arc<std::sync::atomic::AtomicUsize>) -> FirstRunHook {
+        let count = count.clone();
+        Box::new(move || {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(())
+        })
+    }
+
+    #[test]
+    fn the_first_run_work_runs_once_before_a_paused_vm_first_resumes() {
+        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let coord = Coordinator::new_paused(0);
+        coord.set_first_run(counting_hook(&count));
+        coord.before_start().unwrap();
+        assert_eq!(
+            count.load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "paused: not yet"
+        );
+        coord.resume().unwrap();
+        assert_eq!(count.load(std::sync::atomic::Ordering::SeqCst), 1);
+        coord.pause().unwrap();
+        coord.resume().unwrap();
+        assert_eq!(
+            count.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "only once"
+        );
+
+        let running = Coordinator::new(0);
+        running.set_first_run(counting_hook(&count));
+        running.before_start().unwrap();
+        assert_eq!(count.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn failed_first_run_work_ends_the_vm() {
+        let coord = Coordinator::new_paused(0);
+        coord.set_first_run(Box::new(|| Err("no entropy".into())));
+        assert_eq!(
+            coord.resume(),
+            Err(CoordinatorError::FirstRun("no entropy".into()))
+        );
+        assert_eq!(coord.state(), VmState::Stopping);
+        assert_eq!(
+            coord.wait_for_exit(),
+            ExitReason::VmmError {
+                vcpu: None,
+                message: "no entropy".into()
+            }
+        );
     }
 }

@@ -1,10 +1,12 @@
 /* A polling virtio-mmio (version 2) driver for test guests: maps the MMIO
  * hole, finds a device announced on the command line
- * (virtio_mmio.device=4K@0xADDR:GSI), negotiates VERSION_1, sets up split
- * queues in guest memory and polls the used ring (no interrupts). */
+ * (virtio_mmio.device=4K@0xADDR:GSI, with --acpi off) or in the ACPI DSDT
+ * (the default), negotiates VERSION_1, sets up split queues in guest memory
+ * and polls the used ring (no interrupts). */
 #ifndef VIRTIO_H
 #define VIRTIO_H
 
+#include "acpi.h"
 #include "guest.h"
 
 #define VIRTIO_MAGIC 0x000
@@ -90,7 +92,29 @@ static inline u64 hex_digit(char c) {
     return (u64)(c - 'A' + 10);
 }
 
-/* Returns the base of the first announced virtio-mmio device with `device_id`, or 0. */
+/* Whether a virtio-mmio version 2 device with `device_id` answers at `addr`. */
+static inline int virtio_is(u64 addr, u32 device_id) {
+    return mmio_r32(addr + VIRTIO_MAGIC) == 0x74726976 && mmio_r32(addr + VIRTIO_VERSION) == 2 &&
+           mmio_r32(addr + VIRTIO_DEVICE_ID) == device_id;
+}
+
+/* The first device with `device_id` the DSDT describes, or 0. */
+static inline u64 virtio_find_acpi(const u8 *zp, u32 device_id) {
+    const u8 *rsdp = acpi_rsdp_from_zero_page(zp);
+    if (!rsdp) return 0;
+    const u8 *fadt = acpi_find(rsdp, "FACP");
+    if (!fadt) return 0;
+    const u8 *dsdt = acpi_dsdt(fadt);
+    if (!acpi_table_ok(dsdt)) return 0;
+    u32 cursor = 36, gsi;
+    u64 addr;
+    while (acpi_next_virtio(dsdt, &cursor, &addr, &gsi))
+        if (virtio_is(addr, device_id)) return addr;
+    return 0;
+}
+
+/* Returns the base of the first announced virtio-mmio device with `device_id`
+ * (command line first, then ACPI), or 0. */
 static inline u64 virtio_find(const u8 *zp, u32 device_id) {
     static int mapped = 0;
     if (!mapped) { map_mmio_hole(); mapped = 1; }
@@ -104,11 +128,9 @@ static inline u64 virtio_find(const u8 *zp, u32 device_id) {
         q += 3;
         u64 addr = 0;
         while (is_hex(*q)) addr = addr * 16 + hex_digit(*q++);
-        if (mmio_r32(addr + VIRTIO_MAGIC) != 0x74726976) continue;
-        if (mmio_r32(addr + VIRTIO_VERSION) != 2) continue;
-        if (mmio_r32(addr + VIRTIO_DEVICE_ID) == device_id) return addr;
+        if (virtio_is(addr, device_id)) return addr;
     }
-    return 0;
+    return virtio_find_acpi(zp, device_id);
 }
 
 /* Reset, ACK, DRIVER, features (VERSION_1 plus the offered ones in `want_lo`), FEATURES_OK.

@@ -15,6 +15,10 @@
 //! * `virtio_hostile`: a misbehaving virtio-blk driver (bad sizes, buffers, chains).
 //! * `i8042_probe`: runs Linux's i8042 probe sequence by polling and reports what it read.
 //! * `serial_fifo`: resets the UART's receive FIFO once input arrived, then echoes the next line.
+//! * `acpi`: walks the ACPI tables from the RSDP, checks their checksums and
+//!   contents, and reports them; with `action=1` powers off through the FADT's
+//!   sleep control register, `action=2` resets through its reset register,
+//!   `action=3` prints the VM generation ID whenever it changes.
 
 use std::path::PathBuf;
 
@@ -33,6 +37,7 @@ pub const ALL: &[&str] = &[
     "virtio_vsock",
     "i8042_probe",
     "serial_fifo",
+    "acpi",
 ];
 
 /// Path of the ELF image of test guest `name`, or `None` for an unknown name.

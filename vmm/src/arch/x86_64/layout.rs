@@ -24,6 +24,19 @@ pub const CMDLINE_START: u64 = 0x20000;
 pub const CMDLINE_MAX_SIZE: usize = 2048;
 /// Start of the extended BIOS data area, where the MP table goes; RAM below it is usable.
 pub const EBDA_START: u64 = 0x9fc00;
+/// The ACPI area: the legacy BIOS range 0xe0000..0x100000 (128 KiB) inside the
+/// reserved e820 range above the EBDA. It holds the RSDP (where Linux also
+/// finds it by scanning 16-byte boundaries), the VM generation ID and the
+/// tables; nothing else is placed there.
+pub const ACPI_AREA_START: u64 = 0xe_0000;
+/// End (exclusive) of the ACPI area.
+pub const ACPI_AREA_END: u64 = 0x10_0000;
+/// The RSDP, at the start of the ACPI area (16-byte aligned, as the scan needs).
+pub const ACPI_RSDP_START: u64 = ACPI_AREA_START;
+/// The 16-byte VM generation ID (8-byte aligned, as the VMGenID spec asks).
+pub const ACPI_VMGENID_START: u64 = ACPI_AREA_START + 0x40;
+/// The first ACPI table (DSDT); the others follow it, 8-byte aligned.
+pub const ACPI_TABLES_START: u64 = ACPI_AREA_START + 0x80;
 /// Start of high memory: kernels load here or above.
 pub const HIMEM_START: u64 = 0x10_0000;
 /// KVM's TSS (three pages) inside the MMIO hole.

@@ -319,12 +319,16 @@ pub fn load_initrd(
     Ok(LoadedInitrd { addr, size })
 }
 
-/// Writes the command line and the boot parameters the kernel's entry expects.
+/// Writes the command line and the boot parameters the kernel's entry
+/// expects. `rsdp` is the ACPI RSDP's address, when the VM has ACPI tables:
+/// it goes into the zero page's `acpi_rsdp_addr` or the PVH start info's
+/// `rsdp_paddr`.
 pub fn write_boot_params(
     mem: &GuestMemoryMmap,
     kernel: &LoadedKernel,
     cmdline: &Cmdline,
     initrd: Option<LoadedInitrd>,
+    rsdp: Option<u64>,
 ) -> Result<(), LoaderError> {
     let err = |e: &dyn std::fmt::Display| LoaderError::BootParams(e.to_string());
     load_cmdline(mem, GuestAddress(CMDLINE_START), cmdline).map_err(|e| err(&e))?;
@@ -332,7 +336,8 @@ pub fn write_boot_params(
     let map = e820::entries(mem);
     match kernel.entry {
         BootEntry::Linux64(_) => {
-            let params = zero_page(kernel, cmdline_len, initrd, &map).map_err(|e| err(&e))?;
+            let mut params = zero_page(kernel, cmdline_len, initrd, &map).map_err(|e| err(&e))?;
+            params.acpi_rsdp_addr = rsdp.unwrap_or(0);
             LinuxBootConfigurator::write_bootparams(
                 &BootParams::new(&params, GuestAddress(ZERO_PAGE_START)),
                 mem,
@@ -357,6 +362,7 @@ pub fn write_boot_params(
                 cmdline_paddr: CMDLINE_START,
                 memmap_paddr: PVH_MEMMAP_START,
                 memmap_entries: memmap.len() as u32,
+                rsdp_paddr: rsdp.unwrap_or(0),
                 ..Default::default()
             };
             if initrd.is_some() {

@@ -33,6 +33,8 @@ pub const VIRTIO_MMIO_BASE: u64 = 0xd000_0000;
 pub const VIRTIO_FIRST_GSI: u32 = 5;
 /// Highest GSI the IOAPIC has (24 pins).
 pub const VIRTIO_LAST_GSI: u32 = 23;
+/// Most virtio devices a VM can have: one GSI each.
+pub const MAX_DEVICES: usize = (VIRTIO_LAST_GSI - VIRTIO_FIRST_GSI + 1) as usize;
 
 /// Errors setting up virtio devices.
 #[derive(Debug, thiserror::Error)]
@@ -50,7 +52,7 @@ pub enum SetupError {
     #[error(transparent)]
     Vsock(#[from] VsockError),
     /// More devices than interrupt lines.
-    #[error("{0} virtio devices configured but at most {max} fit (GSIs {VIRTIO_FIRST_GSI}..={VIRTIO_LAST_GSI})", max = VIRTIO_LAST_GSI - VIRTIO_FIRST_GSI + 1)]
+    #[error("{0} virtio devices configured but at most {MAX_DEVICES} fit (GSIs {VIRTIO_FIRST_GSI}..={VIRTIO_LAST_GSI})")]
     TooMany(usize),
     /// An eventfd could not be created.
     #[error("cannot create the interrupt eventfd of {what}: {source}")]
@@ -193,7 +195,7 @@ fn new_interrupt(name: &str, gsi: u32) -> Result<Arc<Interrupt>, SetupError> {
 }
 
 fn check_count(n: usize) -> Result<(), SetupError> {
-    if n > (VIRTIO_LAST_GSI - VIRTIO_FIRST_GSI + 1) as usize {
+    if n > MAX_DEVICES {
         return Err(SetupError::TooMany(n));
     }
     Ok(())
