@@ -54,6 +54,8 @@ fn checked_in_config_survives_olddefconfig_and_is_cached() {
         "CONFIG_EXT4_FS=y",
         "CONFIG_NF_TABLES_INET=y",
         "CONFIG_VMGENID=y",
+        "CONFIG_ACPI=y",
+        "CONFIG_PNPACPI=y",
         "# CONFIG_MODULES is not set",
     ] {
         assert!(

@@ -1,10 +1,11 @@
 //! The DSDT's AML: the `\_S5_` sleep state Linux needs to power off, COM1,
-//! every virtio-mmio device, the VM generation ID device and the Generic
-//! Event Device that notifies it.
+//! the keyboard controller, every virtio-mmio device, the VM generation ID
+//! device and the Generic Event Device that notifies it.
 //!
 //! ```text
 //! Name (\_S5, Package (4) { 5, 0, 0, 0 })
 //! Device (\_SB.COM1) { _HID PNP0501, _UID 0, _CRS { IO 0x3f8/8, Interrupt 4 } }
+//! Device (\_SB.PS2K) { _HID PNP0303, _CRS { IO 0x60/1, IO 0x64/1, Interrupt 1 } }
 //! Device (\_SB.Vnnn) { _HID "LNRO0005", _UID n, _CCA 1,
 //!                      _CRS { Memory32Fixed (addr, 4 KiB), Interrupt gsi } }
 //! Device (\_SB.VGEN) { _HID "VMGENCTR", _CID "VM_Gen_Counter", _DDN "VM_Gen_Counter",
@@ -30,6 +31,7 @@ use super::{MachineDescription, VirtioDescription, COM1_GSI, OEM_ID, OEM_REVISIO
 use crate::devices::acpi::ged::EVENT_VMGENID_CHANGED;
 use crate::devices::acpi::power::S5_SLEEP_TYPE;
 use crate::devices::acpi::GED_PORT;
+use crate::devices::legacy::i8042::KBD_IRQ;
 use crate::devices::legacy::serial::{COM1_PORT_BASE, COM1_PORT_LEN};
 use crate::devices::virtio::mmio::MMIO_WINDOW;
 
@@ -63,6 +65,28 @@ fn serial(sink: &mut Vec<u8>) {
         "\\_SB_.COM1".into(),
         vec![
             &aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0501")),
+            &aml::Name::new("_UID".into(), &aml::ZERO),
+            &aml::Name::new("_CRS".into(), &crs),
+        ],
+    )
+    .to_aml_bytes(sink);
+}
+
+/// The i8042's keyboard interface. Without it, Linux probes the controller
+/// at its fixed ports (the FADT says an 8042 is present) but then asks for
+/// ISA IRQ 1, which an ACPI machine without legacy PICs does not map, and
+/// the probe fails with EINVAL (seen with Debian's kernels). Described
+/// here, the keyboard gets its interrupt through `_CRS` like every other
+/// device. The AUX port is left out, so Linux does not use it.
+fn keyboard_controller(sink: &mut Vec<u8>) {
+    let data = aml::IO::new(0x60, 0x60, 1, 1);
+    let command = aml::IO::new(0x64, 0x64, 1, 1);
+    let irq = edge_interrupt(KBD_IRQ);
+    let crs = aml::ResourceTemplate::new(vec![&data, &command, &irq]);
+    aml::Device::new(
+        "\\_SB_.PS2K".into(),
+        vec![
+            &aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0303")),
             &aml::Name::new("_UID".into(), &aml::ZERO),
             &aml::Name::new("_CRS".into(), &crs),
         ],
@@ -160,6 +184,7 @@ pub(super) fn build(desc: &MachineDescription) -> Vec<u8> {
     let mut body = Vec::with_capacity(256 + desc.virtio.len() * 64);
     sleep_states(&mut body);
     serial(&mut body);
+    keyboard_controller(&mut body);
     for (index, device) in desc.virtio.iter().enumerate() {
         virtio(index, device, &mut body);
     }

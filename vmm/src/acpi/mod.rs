@@ -177,7 +177,14 @@ fn check(desc: &MachineDescription) -> Result<(), AcpiError> {
     let window = crate::devices::virtio::mmio::MMIO_WINDOW;
     for d in desc.virtio {
         let below_4g = d.addr.checked_add(window).is_some_and(|end| end <= 1 << 32);
-        let gsi_free = d.gsi <= LAST_GSI && d.gsi != COM1_GSI && d.gsi != desc.ged_gsi;
+        let gsi_free = d.gsi <= LAST_GSI
+            && ![
+                COM1_GSI,
+                desc.ged_gsi,
+                crate::devices::legacy::i8042::KBD_IRQ,
+                crate::devices::legacy::i8042::AUX_IRQ,
+            ]
+            .contains(&d.gsi);
         if !below_4g || !gsi_free {
             return Err(AcpiError::Device {
                 addr: d.addr,

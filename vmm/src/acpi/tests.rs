@@ -22,7 +22,7 @@ fn virtio(n: u32) -> Vec<VirtioDescription> {
     (0..n)
         .map(|i| VirtioDescription {
             addr: 0xd000_0000 + u64::from(i) * 0x1000,
-            gsi: 5 + i,
+            gsi: crate::devices::virtio::setup::virtio_gsi(i as usize).unwrap(),
         })
         .collect()
 }
@@ -202,6 +202,14 @@ fn the_dsdt_has_s5_com1_and_every_virtio_device() {
     assert!(find(com1, b"\x47\x01\xf8\x03\xf8\x03\x01\x08").is_some());
     assert!(find(com1, b"\x89\x06\x00\x03\x01\x04\x00\x00\x00").is_some());
 
+    // The keyboard controller: EISAID("PNP0303") = 0x0303d041, IO 0x60 and
+    // 0x64 (one port each) and Interrupt {1}, so Linux maps its IRQ.
+    let kbd = device(d, b"PS2K");
+    assert!(find(kbd, b"_HID\x0c\x41\xd0\x03\x03").is_some());
+    assert!(find(kbd, b"\x47\x01\x60\x00\x60\x00\x01\x01").is_some());
+    assert!(find(kbd, b"\x47\x01\x64\x00\x64\x00\x01\x01").is_some());
+    assert!(find(kbd, b"\x89\x06\x00\x03\x01\x01\x00\x00\x00").is_some());
+
     for (i, dev) in devices.iter().enumerate() {
         let name = format!("V{i:03}");
         let body = device(d, name.as_bytes().try_into().unwrap());
@@ -259,7 +267,10 @@ fn the_dsdt_has_the_vmgenid_device_and_the_ged_that_notifies_it() {
 
 #[test]
 fn the_largest_machine_fits_and_impossible_ones_are_refused() {
-    let t = tables(MAX_VCPUS, &virtio(19));
+    let t = tables(
+        MAX_VCPUS,
+        &virtio(crate::devices::virtio::setup::MAX_DEVICES as u32),
+    );
     assert!(t.tables_len() < ACPI_AREA_END - ACPI_TABLES_START);
     fn desc(vcpus: u8, virtio: &[VirtioDescription]) -> MachineDescription<'_> {
         MachineDescription {
@@ -294,6 +305,10 @@ fn the_largest_machine_fits_and_impossible_ones_are_refused() {
         VirtioDescription {
             addr: 0xd000_0000,
             gsi: 3,
+        },
+        VirtioDescription {
+            addr: 0xd000_0000,
+            gsi: 12,
         },
         VirtioDescription {
             addr: 0xffff_f001,

@@ -29,12 +29,22 @@ use crate::snapshot::persist::Persist;
 
 /// MMIO address of the first virtio device; each next one is `MMIO_WINDOW` higher.
 pub const VIRTIO_MMIO_BASE: u64 = 0xd000_0000;
-/// GSI of the first virtio device; each next one uses the next GSI.
+/// GSI of the first virtio device; each next one uses the next free GSI.
 pub const VIRTIO_FIRST_GSI: u32 = 5;
 /// Highest GSI the IOAPIC has (24 pins).
 pub const VIRTIO_LAST_GSI: u32 = 23;
-/// Most virtio devices a VM can have: one GSI each.
-pub const MAX_DEVICES: usize = (VIRTIO_LAST_GSI - VIRTIO_FIRST_GSI + 1) as usize;
+/// Most virtio devices a VM can have: one GSI each, from
+/// `VIRTIO_FIRST_GSI` to `VIRTIO_LAST_GSI` except the i8042's AUX line.
+pub const MAX_DEVICES: usize = (VIRTIO_LAST_GSI - VIRTIO_FIRST_GSI) as usize;
+
+/// The GSI of the `i`-th virtio device: the pins from `VIRTIO_FIRST_GSI`
+/// up, skipping the i8042's AUX interrupt (12), which that device raises
+/// whenever a guest enables it. `None` past the last pin.
+pub fn virtio_gsi(i: usize) -> Option<u32> {
+    (VIRTIO_FIRST_GSI..=VIRTIO_LAST_GSI)
+        .filter(|g| *g != crate::devices::legacy::i8042::AUX_IRQ)
+        .nth(i)
+}
 
 /// Errors setting up virtio devices.
 #[derive(Debug, thiserror::Error)]
@@ -52,7 +62,7 @@ pub enum SetupError {
     #[error(transparent)]
     Vsock(#[from] VsockError),
     /// More devices than interrupt lines.
-    #[error("{0} virtio devices configured but at most {MAX_DEVICES} fit (GSIs {VIRTIO_FIRST_GSI}..={VIRTIO_LAST_GSI})")]
+    #[error("{0} virtio devices configured but at most {MAX_DEVICES} fit (one interrupt each: GSIs {VIRTIO_FIRST_GSI}..={VIRTIO_LAST_GSI} but 12, the keyboard controller's)")]
     TooMany(usize),
     /// An eventfd could not be created.
     #[error("cannot create the interrupt eventfd of {what}: {source}")]
@@ -179,10 +189,12 @@ fn kinds(config: &DeviceConfig) -> Vec<(String, Kind<'_>)> {
     kinds
 }
 
+/// The MMIO window and GSI of the `i`-th device (`i < MAX_DEVICES`, which
+/// `create_devices` checks first).
 fn slot(i: usize) -> (u64, u32) {
     (
         VIRTIO_MMIO_BASE + i as u64 * MMIO_WINDOW,
-        VIRTIO_FIRST_GSI + i as u32,
+        virtio_gsi(i).unwrap_or(VIRTIO_LAST_GSI),
     )
 }
 

@@ -79,8 +79,8 @@ pub fn boot_vcpus(ctx: &mut Ctx, name: &str, vcpus: u8) -> Check {
         // Every CPU takes local APIC timer interrupts.
         let loc = lines
             .iter()
-            .find_map(|l| l.split_once("RG-IRQ: ").map(|(_, r)| r.trim()))
-            .filter(|r| r.starts_with("LOC:"));
+            .filter_map(|l| l.split_once("RG-IRQ: ").map(|(_, r)| r.trim()))
+            .find(|r| r.starts_with("LOC:"));
         match loc {
             Some(r) => {
                 let counts: Vec<u64> = r

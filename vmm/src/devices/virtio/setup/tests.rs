@@ -103,3 +103,13 @@ fn quiesced_devices_block_the_event_thread_until_released() {
     assert!(rng.try_lock().is_ok());
     assert_eq!(runtime.save().unwrap(), state);
 }
+
+#[test]
+fn virtio_interrupts_skip_the_keyboard_controllers_aux_line() {
+    let gsis: Vec<u32> = (0..MAX_DEVICES).map(|i| virtio_gsi(i).unwrap()).collect();
+    assert_eq!(gsis.len(), 18);
+    assert_eq!(gsis[..8], [5, 6, 7, 8, 9, 10, 11, 13]);
+    assert_eq!(*gsis.last().unwrap(), VIRTIO_LAST_GSI);
+    assert!(!gsis.contains(&crate::devices::legacy::i8042::AUX_IRQ));
+    assert_eq!(virtio_gsi(MAX_DEVICES), None);
+}
