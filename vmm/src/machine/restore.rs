@@ -109,9 +109,14 @@ impl Machine {
         // paused restore; until then its memory is the snapshot's), after the
         // LAPICs are restored (the interrupt must land in a restored LAPIC)
         // and before any vCPU runs guest code.
+        let announce = devices.virtio.restore_announcement();
+        coordinator.add_first_run(Box::new(move || {
+            announce();
+            Ok(())
+        }));
         if let Some(acpi) = &devices.acpi {
             let (acpi, mem) = (acpi.clone(), vm.memory().clone());
-            coordinator.set_first_run(Box::new(move || {
+            coordinator.add_first_run(Box::new(move || {
                 acpi.announce_new_generation(&mem)
                     .map_err(|e| format!("cannot announce the new VM generation: {e}"))?;
                 tracing::info!(

@@ -79,7 +79,8 @@ struct Inner {
     exited: usize,
     exit: Option<ExitReason>,
     threads: Vec<libc::pthread_t>,
-    first_run: Option<FirstRunHook>,
+    /// Work to do right before the vCPUs first run, in the order added.
+    first_run: Vec<FirstRunHook>,
 }
 
 /// Shared by the vCPU threads, the control socket and the main thread.
@@ -100,7 +101,7 @@ impl Coordinator {
                 exited: 0,
                 exit: None,
                 threads: Vec::with_capacity(vcpus),
-                first_run: None,
+                first_run: Vec::new(),
             }),
             changed: Condvar::new(),
         }
@@ -215,31 +216,31 @@ impl Coordinator {
         }
     }
 
-    /// Sets the work to do right before the vCPUs first run guest code.
-    /// Call before the vCPU threads start.
-    pub fn set_first_run(&self, hook: FirstRunHook) {
-        self.lock().first_run = Some(hook);
+    /// Adds work to do right before the vCPUs first run guest code (after
+    /// what was added before). Call before the vCPU threads start.
+    pub fn add_first_run(&self, hook: FirstRunHook) {
+        self.lock().first_run.push(hook);
     }
 
     /// Runs the first-run work, if it has not run yet, while `inner` is
     /// locked (so no vCPU can be released before it has finished). A
     /// failure ends the VM.
     fn first_run(&self, inner: &mut Inner) -> Result<(), CoordinatorError> {
-        let Some(hook) = inner.first_run.take() else {
-            return Ok(());
-        };
-        hook().map_err(|message| {
-            if inner.exit.is_none() {
-                inner.exit = Some(ExitReason::VmmError {
-                    vcpu: None,
-                    message: message.clone(),
-                });
-            }
-            inner.request = Request::Stop;
-            self.kick_all(inner);
-            self.changed.notify_all();
-            CoordinatorError::FirstRun(message)
-        })
+        for hook in std::mem::take(&mut inner.first_run) {
+            hook().map_err(|message| {
+                if inner.exit.is_none() {
+                    inner.exit = Some(ExitReason::VmmError {
+                        vcpu: None,
+                        message: message.clone(),
+                    });
+                }
+                inner.request = Request::Stop;
+                self.kick_all(inner);
+                self.changed.notify_all();
+                CoordinatorError::FirstRun(message)
+            })?;
+        }
+        Ok(())
     }
 
     /// For a VM about to start running (not paused): runs the first-run
@@ -340,7 +341,7 @@ mod tests {
     fn the_first_run_work_runs_once_before_a_paused_vm_first_resumes() {
         let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let coord = Coordinator::new_paused(0);
-        coord.set_first_run(counting_hook(&count));
+        coord.add_first_run(counting_hook(&count));
         coord.before_start().unwrap();
         assert_eq!(
             count.load(std::sync::atomic::Ordering::SeqCst),
@@ -358,15 +359,30 @@ mod tests {
         );
 
         let running = Coordinator::new(0);
-        running.set_first_run(counting_hook(&count));
+        running.add_first_run(counting_hook(&count));
         running.before_start().unwrap();
         assert_eq!(count.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 
     #[test]
+    fn every_piece_of_first_run_work_runs_in_the_order_added() {
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let coord = Coordinator::new_paused(0);
+        for i in 0..3 {
+            let order = order.clone();
+            coord.add_first_run(Box::new(move || {
+                order.lock().unwrap().push(i);
+                Ok(())
+            }));
+        }
+        coord.resume().unwrap();
+        assert_eq!(*order.lock().unwrap(), [0, 1, 2]);
+    }
+
+    #[test]
     fn failed_first_run_work_ends_the_vm() {
         let coord = Coordinator::new_paused(0);
-        coord.set_first_run(Box::new(|| Err("no entropy".into())));
+        coord.add_first_run(Box::new(|| Err("no entropy".into())));
         assert_eq!(
             coord.resume(),
             Err(CoordinatorError::FirstRun("no entropy".into()))

@@ -2,7 +2,10 @@
  * 1. connects to host port `vsock_port=` (command line), sends "ping from
  *    guest", prints the reply, shuts down and waits for the reset;
  * 2. prints "vsock: listening" and accepts one host-initiated connection to
- *    port `vsock_listen=`, prints what the host sends and answers it. */
+ *    port `vsock_listen=`, prints what the host sends and answers it;
+ * 3. with `vsock_idle=1`, prints "vsock: idle" and spins forever, printing
+ *    "vsock: transport reset event" whenever the device uses the event
+ *    buffer (what a restored device owes the guest once it runs). */
 #include "virtio.h"
 
 #define HOST_CID 2
@@ -91,6 +94,8 @@ void guest_main(const u8 *zp) {
     cmdline_u64(cl, "vsock_port", &port);
     cmdline_u64(cl, "vsock_listen", &listen);
     cmdline_u64(cl, "vsock_spins", &wait_spins);
+    u64 idle = 0;
+    cmdline_u64(cl, "vsock_idle", &idle);
     struct hdr h;
     char data[260];
 
@@ -126,6 +131,20 @@ void guest_main(const u8 *zp) {
         }
         send(OP_RW, (u32)listen, hport, 0, "hello host\n");
         send(OP_RST, (u32)listen, hport, 0, 0);
+    }
+    if (idle) {
+        puts("vsock: idle\n");
+        for (;;) {
+            barrier();
+            u16 used = *(volatile u16 *)&evq.used.idx;
+            if (used != evq.last_used) {
+                evq.last_used = used;
+                kv_dec("vsock.event", *(volatile u32 *)evbuf);
+                puts("vsock: transport reset event\n");
+                vq_offer(&evq, 0);
+                vq_notify(base, 2);
+            }
+        }
     }
     puts("vsock: end\n");
     reset();

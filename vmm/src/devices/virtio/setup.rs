@@ -394,6 +394,26 @@ pub struct VirtioRuntime {
 }
 
 impl VirtioRuntime {
+    /// What a restored VM's devices do when it first runs: those that owe
+    /// the guest an event for having been restored deliver it (the vsock
+    /// transport reset). Called then, not at restore, so that until the VM
+    /// runs its memory is the snapshot's.
+    pub fn restore_announcement(&self) -> impl FnOnce() + Send + 'static {
+        let vsocks: Vec<Arc<Mutex<Vsock>>> = self
+            .devices
+            .iter()
+            .filter_map(|d| match &d.handle {
+                DeviceHandle::Vsock(v) => Some(v.clone()),
+                _ => None,
+            })
+            .collect();
+        move || {
+            for v in vsocks {
+                locked(&v).announce_restore();
+            }
+        }
+    }
+
     /// The transports, in device order.
     pub fn transports(&self) -> Vec<Arc<Mutex<MmioTransport>>> {
         self.devices.iter().map(|d| d.transport.clone()).collect()

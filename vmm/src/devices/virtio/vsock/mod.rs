@@ -114,8 +114,12 @@ pub struct Vsock {
     /// Connections the guest opened whose sockets are not watched yet.
     new_fds: Vec<Key>,
     next_local_port: u32,
-    /// A transport-reset event must be sent (after a snapshot restore).
+    /// A transport-reset event must be sent (a restored VM has run).
     reset_event_pending: bool,
+    /// A restored device owes the guest a transport-reset event once the
+    /// VM first runs ([`Vsock::announce_restore`]); until then it writes
+    /// nothing into guest memory.
+    reset_event_owed: bool,
     scratch: Vec<u8>,
     stats: VsockStats,
 }
@@ -198,6 +202,7 @@ impl Vsock {
             new_fds: Vec::new(),
             next_local_port: FIRST_LOCAL_PORT,
             reset_event_pending: false,
+            reset_event_owed: false,
             scratch: vec![0; MAX_PKT_PAYLOAD],
             stats: VsockStats::default(),
         })
@@ -221,6 +226,17 @@ impl Vsock {
     /// Bytes of guest data held on the host side, over all connections.
     pub fn buffered_bytes(&self) -> usize {
         self.conns.values().map(|c| c.tx_buf.len()).sum()
+    }
+
+    /// Tells the guest, once its restored VM runs, that every connection it
+    /// had is gone (the transport-reset event); the event thread delivers it
+    /// as soon as the guest has an event buffer posted. A device that was
+    /// not restored owes nothing.
+    pub fn announce_restore(&mut self) {
+        if std::mem::take(&mut self.reset_event_owed) {
+            self.reset_event_pending = true;
+            self.kick();
+        }
     }
 
     fn kick(&self) {
@@ -803,6 +819,7 @@ impl VirtioDevice for Vsock {
         }
         self.rx_control.clear();
         self.reset_event_pending = false;
+        self.reset_event_owed = false;
         self.kick();
     }
 }

@@ -58,7 +58,9 @@ impl Persist for Vsock {
             .map_err(|e| VirtioPersistError::Mismatch(e.to_string()))?;
         vsock.common.restore_state(&state.common, &args.mem)?;
         if state.common.activated {
-            vsock.reset_event_pending = true;
+            // Delivered when the VM first runs, not now: until then a
+            // restored VM's memory is the snapshot's.
+            vsock.reset_event_owed = true;
             vsock.activate(args.mem, args.interrupt)?;
         }
         Ok(vsock)
