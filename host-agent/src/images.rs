@@ -180,6 +180,9 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
         vmm.control(json!({"op":"pause"})).await?;
         vmm.control(json!({"op":"snapshot","dir":golden,"kind":"full"}))
             .await?;
+        // The boot's console goes with the snapshot, for whoever has to
+        // find out what the golden guest did.
+        let _ = std::fs::rename(build.join("serial.log"), golden.join("console.log"));
         if !image.rootfs.is_empty() {
             std::fs::rename(&build_disk, golden.join(GOLDEN_DISK)).map_err(|e| {
                 Error::io(

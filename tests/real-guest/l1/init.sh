@@ -23,7 +23,7 @@ mount -t proc proc $H/proc
 mount -t sysfs sys $H/sys
 mount -t devtmpfs dev $H/dev
 mkdir -p /dev/pts 2>/dev/null; mount -t devpts devpts $H/dev/pts 2>/dev/null
-for d in tmp run var/tmp; do mount -t tmpfs -o mode=1777 tmpfs "$H/$d" || echo "L1: FAIL tmpfs /$d"; done
+for d in tmp run var/tmp; do mount -t tmpfs -o mode=1777,size=90% tmpfs "$H/$d" || echo "L1: FAIL tmpfs /$d"; done
 mount -t cgroup2 cgroup2 $H/sys/fs/cgroup 2>/dev/null
 mount -t debugfs debugfs $H/sys/kernel/debug 2>/dev/null
 mount -t tracefs tracefs $H/sys/kernel/tracing 2>/dev/null

@@ -151,6 +151,10 @@ const EVENTS: &[i64] = &[
     libc::SYS_epoll_wait,
     libc::SYS_epoll_pwait,
     libc::SYS_eventfd2,
+    // The vsock device's reset-hold timer is armed from the control thread
+    // (a paused restore's first resume) and cleared on the event thread.
+    libc::SYS_timerfd_settime,
+    libc::SYS_timerfd_gettime,
     libc::SYS_poll,
     libc::SYS_ppoll,
     libc::SYS_rt_sigtimedwait,

@@ -48,6 +48,9 @@ const ROOTFS_MODULES: &[&str] = &[
     "virtio-rng",
     "vmw_vsock_virtio_transport",
     "nf_tables",
+    // `counter name X` (guest-init's denied counter); built into nf_tables
+    // since Linux 6.2, a module of its own in Debian's 6.1.
+    "nft_objref",
     "nft_ct",
     "nft_log",
     "nf_log_syslog",

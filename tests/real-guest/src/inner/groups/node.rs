@@ -48,8 +48,16 @@ impl HostAgent {
         let config = ctx.scratch.join("host-agent.json");
         std::fs::write(&config, r#"{"guest_ready_timeout_seconds": 900}"#)
             .map_err(|e| e.to_string())?;
-        let log =
-            std::fs::File::create(ctx.scratch.join("host-agent.log")).map_err(|e| e.to_string())?;
+        // One log per start (pool-timing restarts it on the same state).
+        let starts = std::fs::read_dir(&ctx.scratch)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("host-agent-"))
+                    .count()
+            })
+            .unwrap_or(0);
+        let log_name = format!("host-agent-{}.log", starts + 1);
+        let log = std::fs::File::create(ctx.scratch.join(&log_name)).map_err(|e| e.to_string())?;
         let mut child = Command::new(&ctx.env.host_agent)
             .arg("serve")
             .arg("--config")
@@ -77,7 +85,7 @@ impl HostAgent {
         let addr = line
             .trim()
             .strip_prefix("host-agent listening on ")
-            .ok_or_else(|| format!("host-agent said {line:?} (log: host-agent.log)"))?
+            .ok_or_else(|| format!("host-agent said {line:?} (log: {log_name})"))?
             .to_string();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -237,20 +245,42 @@ fn register_and_build(ctx: &mut Ctx) -> Result<(), String> {
     Ok(())
 }
 
-/// Copies what the host-agent and its VMs logged into the shared logs.
+/// Copies what host-agent and its VMs logged (its own log, the golden
+/// boot's console, each session's console and vmm log) into the shared logs.
 fn keep_logs(ctx: &Ctx) {
-    let _ = std::fs::copy(
-        ctx.scratch.join("host-agent.log"),
-        ctx.out.join("host-agent.log"),
-    );
-    let images = ctx.scratch.join("host-agent/images").join(IMAGE);
-    if let Ok(entries) = std::fs::read_dir(&images) {
-        for e in entries.flatten() {
-            for f in ["serial.log", "vmm.log"] {
-                let p = e.path().join(f);
-                if p.exists() {
-                    let _ = std::fs::copy(&p, ctx.out.join(format!("golden-{f}")));
-                }
+    for e in std::fs::read_dir(&ctx.scratch)
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("host-agent-") && name.ends_with(".log") {
+            let _ = std::fs::copy(e.path(), ctx.out.join(&name));
+        }
+    }
+    let state = ctx.scratch.join("host-agent");
+    let dirs = |sub: &str| {
+        std::fs::read_dir(state.join(sub))
+            .map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>())
+            .unwrap_or_default()
+    };
+    for golden in dirs(&format!("images/{IMAGE}")) {
+        let p = golden.join("console.log");
+        if p.exists() {
+            let _ = std::fs::copy(&p, ctx.out.join("golden-console.log"));
+        }
+    }
+    for session in dirs("sessions") {
+        let id = session
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("session")
+            .to_string();
+        for f in ["serial.log", "vmm.log", "jail/run/serial.log"] {
+            let p = session.join(f);
+            if p.exists() {
+                let name = f.rsplit('/').next().unwrap_or(f);
+                let _ = std::fs::copy(&p, ctx.out.join(format!("session-{id}-{name}")));
             }
         }
     }
@@ -600,6 +630,12 @@ fn median(v: &mut [f64]) -> f64 {
 /// five from the golden snapshot; the medians are printed (nothing is
 /// asserted about speed).
 pub fn pool_timing(ctx: &mut Ctx, name: &str) -> Check {
+    let result = pool_timing_runs(ctx, name);
+    keep_logs(ctx);
+    result
+}
+
+fn pool_timing_runs(ctx: &mut Ctx, name: &str) -> Check {
     let repo = repository(ctx)?;
     agent(ctx)?;
     let mut results = Vec::new();
@@ -674,7 +710,6 @@ pub fn pool_timing(ctx: &mut Ctx, name: &str) -> Check {
         results.push(format!("from a {label} median {m:.2} s"));
         ctx.fixtures.agent = Some(a);
     }
-    keep_logs(ctx);
     Ok(format!(
         "CreateSession to READY (5 each, nested emulation): {}",
         results.join(", ")

@@ -20,6 +20,7 @@
 pub mod conn;
 pub mod packet;
 pub mod persist;
+pub mod reset_hold;
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
@@ -74,6 +75,9 @@ pub enum VsockError {
     /// An eventfd could not be created.
     #[error("cannot create the virtio-vsock eventfds: {0}")]
     Eventfd(#[source] io::Error),
+    /// The reset-hold timer could not be created.
+    #[error("cannot create the virtio-vsock reset timer (timerfd): {0}")]
+    Timer(#[source] io::Error),
 }
 
 /// A host socket that connected to `uds_path` and has not finished its CONNECT line.
@@ -120,6 +124,8 @@ pub struct Vsock {
     /// VM first runs ([`Vsock::announce_restore`]); until then it writes
     /// nothing into guest memory.
     reset_event_owed: bool,
+    /// Host connections wait while the guest handles that event.
+    reset_hold: reset_hold::ResetHold,
     scratch: Vec<u8>,
     stats: VsockStats,
 }
@@ -203,6 +209,7 @@ impl Vsock {
             next_local_port: FIRST_LOCAL_PORT,
             reset_event_pending: false,
             reset_event_owed: false,
+            reset_hold: reset_hold::ResetHold::new().map_err(VsockError::Timer)?,
             scratch: vec![0; MAX_PKT_PAYLOAD],
             stats: VsockStats::default(),
         })
@@ -235,6 +242,7 @@ impl Vsock {
     pub fn announce_restore(&mut self) {
         if std::mem::take(&mut self.reset_event_owed) {
             self.reset_event_pending = true;
+            self.reset_hold.announced();
             self.kick();
         }
     }
@@ -623,12 +631,18 @@ impl Vsock {
             .is_ok()
         {
             self.reset_event_pending = false;
+            self.reset_hold.delivered();
             self.common.signal_used_queue(EVENT_QUEUE);
         }
     }
 
     /// Accepts host connections on the Unix socket until none is waiting.
     fn accept_host_connections(&mut self, ops: &mut EventOps) {
+        // Until a restored guest has taken its transport reset, connections
+        // wait in the listen backlog (see `reset_hold`).
+        if self.reset_hold.holding() {
+            return;
+        }
         loop {
             let stream = match self.listener.accept() {
                 Ok((s, _)) => s,
@@ -820,6 +834,7 @@ impl VirtioDevice for Vsock {
         self.rx_control.clear();
         self.reset_event_pending = false;
         self.reset_event_owed = false;
+        self.reset_hold.release();
         self.kick();
     }
 }
@@ -835,6 +850,13 @@ impl MutEventSubscriber for Vsock {
             self.process_tx();
         } else if fd == evts[EVENT_QUEUE].as_raw_fd() {
             let _ = evts[EVENT_QUEUE].read();
+            if self.reset_hold.guest_notified() && self.is_activated() {
+                self.accept_host_connections(ops);
+            }
+        } else if fd == self.reset_hold.timer.as_raw_fd() {
+            if self.reset_hold.timed_out() && self.is_activated() {
+                self.accept_host_connections(ops);
+            }
         } else if fd == self.kick_evt.as_raw_fd() {
             let _ = self.kick_evt.read();
             // Host connections that arrived before the guest started the device
@@ -866,6 +888,10 @@ impl MutEventSubscriber for Vsock {
             }
         };
         add(Events::new(&self.kick_evt, EventSet::IN), "kick eventfd");
+        add(
+            Events::new(&self.reset_hold.timer, EventSet::IN),
+            "reset hold timer",
+        );
         add(
             Events::new(&self.listener, EventSet::IN | EventSet::EDGE_TRIGGERED),
             "host socket",

@@ -637,3 +637,33 @@ fn a_host_listener_that_never_accepts_does_not_stall_the_device() {
         dev.connection_count()
     );
 }
+
+#[test]
+fn host_connections_wait_until_a_restored_guest_has_taken_its_transport_reset() {
+    let mut h = Harness::new();
+    h.post_rx(NRX);
+    // As restored: the device owes the guest a transport reset.
+    h.dev.lock().unwrap().reset_event_owed = true;
+    add_chain(&h.ev, 0, &[(0x30_0000, 4, true)]);
+    h.dev.lock().unwrap().announce_restore();
+    h.pump();
+    assert_eq!(used_idx(&h.ev), 1, "the reset event is delivered");
+    // A host connection now would be reset by the guest's handling of the
+    // event (a real guest did that): it waits in the backlog.
+    let mut host = UnixStream::connect(&h.uds).unwrap();
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    host.write_all(b"CONNECT 52\n").unwrap();
+    h.pump();
+    assert!(
+        h.recv().is_none(),
+        "no REQUEST while the guest handles the reset"
+    );
+    // The guest handled it and posts a new event buffer.
+    add_chain(&h.ev, 1, &[(0x30_0010, 4, true)]);
+    h.dev.lock().unwrap().common.queue_evts[EVENT_QUEUE]
+        .write(1)
+        .unwrap();
+    h.pump();
+    let (req, _) = h.recv().expect("the held connection reaches the guest");
+    assert_eq!((req.op, req.dst_port), (OP_REQUEST, 52));
+}
