@@ -81,6 +81,7 @@ serial)
 	done
 	;;
 virtio)
+	say "RG-FACT cmdline $(cat /proc/cmdline)"
 	load_modules 5
 	# Block, read-write: the host's ext4 image on /dev/vda.
 	mkdir -p /tmp/mnt

@@ -26,6 +26,7 @@ pub const GROUPS: &[Group] = &[
             "boot-1-vcpu",
             "boot-2-vcpus",
             "boot-bzimage",
+            "boot-mp-table",
             "poweroff",
             "serial-input",
         ],

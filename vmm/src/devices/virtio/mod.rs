@@ -205,6 +205,35 @@ impl DeviceCommon {
         }
     }
 
+    /// Asks the driver to notify queue `q` when it next adds a buffer, even
+    /// though buffers are still available: with EVENT_IDX, `avail_event` is
+    /// set to the driver's current `avail.idx`. (virtio-queue does this
+    /// only for a queue it has emptied, so it is written here: the avail
+    /// index at `avail_ring + 2`, `avail_event` after the used ring's
+    /// `size` elements of 8 bytes and 4-byte header.) Without EVENT_IDX the
+    /// driver notifies on every buffer anyway. Best effort: a queue whose
+    /// rings are not in guest memory is left alone.
+    pub fn notify_on_next_buffer(&mut self, q: usize) {
+        let (Some(mem), Some(queue)) = (&self.mem, self.queues.get(q)) else {
+            return;
+        };
+        if !queue.event_idx_enabled() {
+            return;
+        }
+        use vm_memory::{Bytes, GuestAddress};
+        let avail_idx = queue
+            .avail_ring()
+            .checked_add(2)
+            .and_then(|a| mem.read_obj::<u16>(GuestAddress(a)).ok());
+        let avail_event_at = queue
+            .used_ring()
+            .checked_add(4 + 8 * u64::from(queue.size()));
+        if let (Some(idx), Some(at)) = (avail_idx, avail_event_at) {
+            std::sync::atomic::fence(Ordering::SeqCst);
+            let _ = mem.write_obj(idx, GuestAddress(at));
+        }
+    }
+
     /// Takes the next available chain of queue `q`. When the queue is empty it
     /// asks the driver to notify on the next buffer (EVENT_IDX: `avail_event`)
     /// and looks once more, so a buffer added in between is not missed.

@@ -52,7 +52,8 @@ pub fn boot_vcpus(ctx: &mut Ctx, name: &str, vcpus: u8) -> Check {
     let (cmdline, booted) = meta.split_once('|').unwrap_or((&meta, ""));
     let mut problems = Vec::new();
     let seen_cmdline = fact(&lines, "cmdline").unwrap_or_default();
-    if !seen_cmdline.starts_with(cmdline) {
+    // Exactly: with ACPI the vmm appends nothing (no virtio_mmio.device=).
+    if seen_cmdline != cmdline {
         problems.push(format!(
             "/proc/cmdline is {seen_cmdline:?}, the vmm was given {cmdline:?}"
         ));
@@ -109,6 +110,33 @@ pub fn boot_vcpus(ctx: &mut Ctx, name: &str, vcpus: u8) -> Check {
     } else {
         Err(problems.join("; "))
     }
+}
+
+/// `--acpi off`: no ACPI tables, the MP table alone describes the CPUs; the
+/// generic kernel (which parses it) sees both vCPUs.
+pub fn mptable(ctx: &mut Ctx, name: &str) -> Check {
+    let kernel = ctx.env.generic.bzimage.clone();
+    let cmdline = format!("{BASE_CMDLINE} rg.mode=boot");
+    let mut a = args(&kernel, &ctx.env.generic.probe_initrd, 2, &cmdline);
+    a.extend(["--acpi".into(), "off".into()]);
+    let mut g = Guest::start(ctx, name, &a)?;
+    g.wait_for("RG-DONE", BOOT_LIMIT)?;
+    g.expect_clean_exit(Duration::from_secs(120))?;
+    let lines = g.lines();
+    let nproc = fact(&lines, "nproc").unwrap_or_default();
+    if nproc != "2" {
+        return Err(format!(
+            "the guest sees {nproc:?} CPUs from the MP table, not 2"
+        ));
+    }
+    let acpi: Vec<&String> = lines.iter().filter(|l| l.starts_with("RG-ACPI")).collect();
+    if !acpi.is_empty() {
+        return Err(format!("ACPI devices with --acpi off: {acpi:?}"));
+    }
+    Ok(format!(
+        "{nproc} CPUs from the MP table, no ACPI ({})",
+        ctx.env.generic.version
+    ))
 }
 
 /// The bzImage of the same kernel (64-bit boot protocol entry) boots too.

@@ -54,6 +54,7 @@ pub fn run(ctx: &mut Ctx, name: &str) -> Check {
         "boot-2-vcpus" => boot::boot_vcpus(ctx, name, 2),
         "boot-bzimage" => boot::bzimage(ctx, name),
         "poweroff" => boot::poweroff(ctx, name),
+        "boot-mp-table" => boot::mptable(ctx, name),
         "serial-input" => boot::serial_input(ctx, name),
         "virtio-blk" => virtio::blk(ctx, name),
         "virtio-blk-read-only" => virtio::blk_read_only(ctx, name),

@@ -167,6 +167,13 @@ fn bound(run: &VirtioRun, device_id: u32, driver: &str) -> Result<(), String> {
 pub fn blk(ctx: &mut Ctx, _name: &str) -> Check {
     let run = judged(ctx)?;
     bound(run, 2, "virtio_blk")?;
+    // Found through the ACPI DSDT: nothing on the command line.
+    let cmdline = super::checks::fact(&run.lines, "cmdline").unwrap_or_default();
+    if cmdline.contains("virtio_mmio.device") {
+        return Err(format!(
+            "the devices were announced on the command line: {cmdline}"
+        ));
+    }
     let read = said(run, "RG-BLK-READ");
     if !read.contains("hello from an ext4 image made on the host") {
         return Err(format!("the guest read {read:?} from hello.txt"));

@@ -575,10 +575,15 @@ impl Vsock {
             .min(self.scratch.len());
         match (&c.stream).read(&mut self.scratch[..room]) {
             Ok(0) => {
-                // The host closed its side: tell the guest nothing more comes.
+                // The host shut its write side: tell the guest nothing more
+                // comes. Only that: the host may still read (a half close),
+                // and if it closed altogether, the guest's next write to it
+                // fails and resets the connection. (Saying "nor receive" too
+                // made Linux reset a connection whose host still waited for
+                // the guest's answer; seen with a real guest.)
                 c.host_eof = true;
                 hdr.op = OP_SHUTDOWN;
-                hdr.flags = SHUTDOWN_RCV | SHUTDOWN_SEND;
+                hdr.flags = SHUTDOWN_SEND;
                 hdr.fwd_cnt = c.announce_fwd_cnt();
                 writer.write_obj(hdr).ok()?;
                 Some(HEADER_LEN as u32)
@@ -632,6 +637,9 @@ impl Vsock {
         {
             self.reset_event_pending = false;
             self.reset_hold.delivered();
+            // The guest re-posting a buffer after handling the event ends
+            // the hold on host connections: ask it to say so.
+            self.common.notify_on_next_buffer(EVENT_QUEUE);
             self.common.signal_used_queue(EVENT_QUEUE);
         }
     }
