@@ -109,7 +109,7 @@ impl Machine {
         // paused restore; until then its memory is the snapshot's), after the
         // LAPICs are restored (the interrupt must land in a restored LAPIC)
         // and before any vCPU runs guest code.
-        let announce = devices.virtio.restore_announcement();
+        let announce = devices.virtio.first_run_work()?;
         coordinator.add_first_run(Box::new(move || {
             announce();
             Ok(())

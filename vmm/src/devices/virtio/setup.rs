@@ -73,6 +73,15 @@ pub enum SetupError {
         #[source]
         source: std::io::Error,
     },
+    /// A queue's notification eventfd could not be duplicated.
+    #[error("cannot duplicate the queue eventfds of the virtio device at {addr:#x} (to serve requests queued before the snapshot): {source}")]
+    QueueKicker {
+        /// The device's MMIO address.
+        addr: u64,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// KVM refused an irqfd or ioeventfd.
     #[error("cannot register the {kind} of {what} with KVM: {source}")]
     Kvm {
@@ -120,7 +129,7 @@ pub enum DeviceHandle {
     Rng(Arc<Mutex<Rng>>),
 }
 
-fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+fn locked<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -394,24 +403,50 @@ pub struct VirtioRuntime {
 }
 
 impl VirtioRuntime {
-    /// What a restored VM's devices do when it first runs: those that owe
-    /// the guest an event for having been restored deliver it (the vsock
-    /// transport reset). Called then, not at restore, so that until the VM
-    /// runs its memory is the snapshot's.
-    pub fn restore_announcement(&self) -> impl FnOnce() + Send + 'static {
-        let vsocks: Vec<Arc<Mutex<Vsock>>> = self
-            .devices
-            .iter()
-            .filter_map(|d| match &d.handle {
-                DeviceHandle::Vsock(v) => Some(v.clone()),
-                _ => None,
-            })
-            .collect();
-        move || {
+    /// What a restored VM's devices do when it first runs. Every queue is
+    /// kicked once, as if the guest had written QueueNotify: a request the
+    /// guest queued and notified just before the snapshot reached the old
+    /// process's eventfd, which the new process does not have, so without the
+    /// kick a restored Linux waits on it forever (a `sync` hung for good in
+    /// the real-guest snapshot scenarios). Devices that owe the guest an event
+    /// for having been restored then deliver it (the vsock transport reset),
+    /// and an interrupt the driver has not acknowledged is raised again
+    /// (`Interrupt::resend_pending`).
+    /// Called when the VM first runs, not at restore, so that until then its
+    /// memory is the snapshot's.
+    pub fn first_run_work(&self) -> Result<impl FnOnce() + Send + 'static, SetupError> {
+        let mut kickers = Vec::new();
+        let mut interrupts: Vec<Arc<Interrupt>> = Vec::new();
+        let mut vsocks: Vec<Arc<Mutex<Vsock>>> = Vec::new();
+        for d in &self.devices {
+            let shared = d.handle.shared();
+            let evts = locked(&shared).common().queue_kickers().map_err(|source| {
+                SetupError::QueueKicker {
+                    addr: d.addr,
+                    source,
+                }
+            })?;
+            kickers.extend(evts.into_iter().map(|e| (d.addr, e)));
+            if let Some(irq) = &locked(&shared).common().interrupt {
+                interrupts.push(irq.clone());
+            }
+            if let DeviceHandle::Vsock(v) = &d.handle {
+                vsocks.push(v.clone());
+            }
+        }
+        Ok(move || {
+            for (addr, evt) in kickers {
+                if let Err(e) = evt.write(1) {
+                    tracing::warn!(device = addr, error = %e, "cannot kick a restored queue");
+                }
+            }
+            for irq in interrupts {
+                irq.resend_pending();
+            }
             for v in vsocks {
                 locked(&v).announce_restore();
             }
-        }
+        })
     }
 
     /// The transports, in device order.

@@ -1,6 +1,7 @@
 use std::path::PathBuf;
 
-use vm_memory::GuestAddress;
+use virtio_bindings::virtio_ring::VRING_DESC_F_WRITE;
+use vm_memory::{Bytes, GuestAddress};
 
 use super::*;
 use crate::config::DiskConfig;
@@ -31,6 +32,34 @@ fn devices_get_consecutive_windows_and_gsis_and_are_announced() {
     );
 }
 
+/// Where the tests' rng driver puts its queue.
+const RNG_DESC: u64 = 0x1000;
+const RNG_AVAIL: u64 = 0x2000;
+const RNG_USED: u64 = 0x3000;
+
+/// Drives the rng (slot 1) through its transport to DRIVER_OK, with a
+/// 16-entry queue at `RNG_DESC`, `RNG_AVAIL` and `RNG_USED`.
+fn drive_rng_to_driver_ok(bus: &Bus) {
+    let rng_base = 0xd000_1000u64;
+    let w = |off: u64, v: u32| assert!(bus.write(rng_base + off, &v.to_le_bytes()));
+    w(0x70, 1);
+    w(0x70, 3);
+    w(0x24, 1);
+    w(0x20, 1);
+    w(0x70, 11);
+    w(0x38, 16);
+    w(0x80, RNG_DESC as u32);
+    w(0x90, RNG_AVAIL as u32);
+    w(0xa0, RNG_USED as u32);
+    w(0x44, 1);
+    w(0x70, 15);
+}
+
+/// The rng's used index, as the guest reads it.
+fn rng_used_idx(mem: &GuestMemoryMmap) -> u16 {
+    mem.read_obj(GuestAddress(RNG_USED + 2)).unwrap()
+}
+
 #[test]
 fn a_whole_device_set_round_trips_through_its_state_and_mismatches_are_refused() {
     let kvm = kvm_ioctls::Kvm::new().unwrap();
@@ -41,20 +70,8 @@ fn a_whole_device_set_round_trips_through_its_state_and_mismatches_are_refused()
     let mem = memory(4);
     let mut bus = Bus::new();
     let runtime = attach(&vm, &mem, &mut bus, create_devices(&cfg).unwrap()).unwrap();
-    // Drive the rng through its transport to DRIVER_OK.
     let rng_base = 0xd000_1000u64;
-    let w = |off: u64, v: u32| assert!(bus.write(rng_base + off, &v.to_le_bytes()));
-    w(0x70, 1);
-    w(0x70, 3);
-    w(0x24, 1);
-    w(0x20, 1);
-    w(0x70, 11);
-    w(0x38, 16);
-    w(0x80, 0x1000);
-    w(0x90, 0x2000);
-    w(0xa0, 0x3000);
-    w(0x44, 1);
-    w(0x70, 15);
+    drive_rng_to_driver_ok(&bus);
     let state = runtime.save().unwrap();
     let json = serde_json::to_string(&state).unwrap();
     let state: VirtioState = serde_json::from_str(&json).unwrap();
@@ -112,4 +129,52 @@ fn virtio_interrupts_skip_the_keyboard_controllers_aux_line() {
     assert_eq!(*gsis.last().unwrap(), VIRTIO_LAST_GSI);
     assert!(!gsis.contains(&crate::devices::legacy::i8042::AUX_IRQ));
     assert_eq!(virtio_gsi(MAX_DEVICES), None);
+}
+
+/// A request the guest made available (and notified, in the old process)
+/// before the snapshot is served by the restored device once the VM first
+/// runs, and not before: the new process never saw the old one's kick.
+#[test]
+fn a_restored_device_serves_requests_queued_before_the_snapshot_at_first_run() {
+    let kvm = kvm_ioctls::Kvm::new().unwrap();
+    let vm = kvm.create_vm().unwrap();
+    vm.create_irq_chip().unwrap();
+    let disk = crate::devices::virtio::block::tests::TempDisk::new(8);
+    let cfg = config(disk.0.clone(), true);
+    let mem = memory(4);
+    let mut bus = Bus::new();
+    let runtime = attach(&vm, &mem, &mut bus, create_devices(&cfg).unwrap()).unwrap();
+    drive_rng_to_driver_ok(&bus);
+    // One device-writable 16-byte buffer, made available; the kick that
+    // would follow is lost with the old process.
+    let desc = [0x8000u64.to_le_bytes(), 0u64.to_le_bytes()].concat();
+    mem.write_slice(&desc[..8], GuestAddress(RNG_DESC)).unwrap();
+    mem.write_obj(16u32, GuestAddress(RNG_DESC + 8)).unwrap();
+    mem.write_obj(VRING_DESC_F_WRITE as u16, GuestAddress(RNG_DESC + 12))
+        .unwrap();
+    mem.write_obj(0u16, GuestAddress(RNG_AVAIL + 4)).unwrap();
+    mem.write_obj(1u16, GuestAddress(RNG_AVAIL + 2)).unwrap();
+    let state = runtime.quiesce().save().unwrap();
+    drop(runtime);
+    assert_eq!(rng_used_idx(&mem), 0);
+
+    let vm2 = kvm.create_vm().unwrap();
+    vm2.create_irq_chip().unwrap();
+    let mut bus2 = Bus::new();
+    let restored = restore_devices(&cfg, &mem, &state).unwrap();
+    let runtime2 = attach(&vm2, &mem, &mut bus2, restored).unwrap();
+    let first_run = runtime2.first_run_work().unwrap();
+    // Until the VM runs, nothing is served (its memory stays the snapshot's).
+    assert_eq!(rng_used_idx(&mem), 0);
+    first_run();
+    let start = std::time::Instant::now();
+    while rng_used_idx(&mem) != 1 {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(10),
+            "the request queued before the snapshot was never served"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let len: u32 = mem.read_obj(GuestAddress(RNG_USED + 8)).unwrap();
+    assert_eq!(len, 16, "the rng filled the whole buffer");
 }
