@@ -32,6 +32,39 @@ fn devices_get_consecutive_windows_and_gsis_and_are_announced() {
     );
 }
 
+/// A KVM VM with a disk and an rng attached on `bus`, over 4 MiB of memory.
+struct Rig {
+    kvm: kvm_ioctls::Kvm,
+    _vm: kvm_ioctls::VmFd,
+    _disk: crate::devices::virtio::block::tests::TempDisk,
+    cfg: DeviceConfig,
+    mem: GuestMemoryMmap,
+    bus: Bus,
+    runtime: VirtioRuntime,
+}
+
+impl Rig {
+    fn new() -> Rig {
+        let kvm = kvm_ioctls::Kvm::new().unwrap();
+        let vm = kvm.create_vm().unwrap();
+        vm.create_irq_chip().unwrap();
+        let disk = crate::devices::virtio::block::tests::TempDisk::new(8);
+        let cfg = config(disk.0.clone(), true);
+        let mem = memory(4);
+        let mut bus = Bus::new();
+        let runtime = attach(&vm, &mem, &mut bus, create_devices(&cfg).unwrap()).unwrap();
+        Rig {
+            kvm,
+            _vm: vm,
+            _disk: disk,
+            cfg,
+            mem,
+            bus,
+            runtime,
+        }
+    }
+}
+
 /// Where the tests' rng driver puts its queue.
 const RNG_DESC: u64 = 0x1000;
 const RNG_AVAIL: u64 = 0x2000;
@@ -62,14 +95,15 @@ fn rng_used_idx(mem: &GuestMemoryMmap) -> u16 {
 
 #[test]
 fn a_whole_device_set_round_trips_through_its_state_and_mismatches_are_refused() {
-    let kvm = kvm_ioctls::Kvm::new().unwrap();
-    let vm = kvm.create_vm().unwrap();
-    vm.create_irq_chip().unwrap();
-    let disk = crate::devices::virtio::block::tests::TempDisk::new(8);
-    let cfg = config(disk.0.clone(), true);
-    let mem = memory(4);
-    let mut bus = Bus::new();
-    let runtime = attach(&vm, &mem, &mut bus, create_devices(&cfg).unwrap()).unwrap();
+    let Rig {
+        kvm,
+        _vm,
+        _disk,
+        cfg,
+        mem,
+        bus,
+        runtime,
+    } = Rig::new();
     let rng_base = 0xd000_1000u64;
     drive_rng_to_driver_ok(&bus);
     let state = runtime.save().unwrap();
@@ -90,7 +124,7 @@ fn a_whole_device_set_round_trips_through_its_state_and_mismatches_are_refused()
     assert_eq!(runtime2.save().unwrap(), state);
 
     // A configuration without the rng does not fit the snapshot.
-    assert!(restore_devices(&config(disk.0.clone(), false), &mem, &state).is_err());
+    assert!(restore_devices(&config(_disk.0.clone(), false), &mem, &state).is_err());
     // Nor does a snapshot whose slots were swapped.
     let mut swapped = state.clone();
     swapped.slots.swap(0, 1);
@@ -100,14 +134,12 @@ fn a_whole_device_set_round_trips_through_its_state_and_mismatches_are_refused()
 
 #[test]
 fn quiesced_devices_block_the_event_thread_until_released() {
-    let kvm = kvm_ioctls::Kvm::new().unwrap();
-    let vm = kvm.create_vm().unwrap();
-    vm.create_irq_chip().unwrap();
-    let disk = crate::devices::virtio::block::tests::TempDisk::new(8);
-    let cfg = config(disk.0.clone(), true);
-    let mem = memory(4);
-    let mut bus = Bus::new();
-    let runtime = attach(&vm, &mem, &mut bus, create_devices(&cfg).unwrap()).unwrap();
+    let Rig {
+        _vm,
+        _disk,
+        runtime,
+        ..
+    } = Rig::new();
     let quiesced = runtime.quiesce();
     // A device lock is held: nothing else can reach the device.
     let DeviceHandle::Rng(rng) = &runtime.devices[1].handle else {
@@ -136,14 +168,15 @@ fn virtio_interrupts_skip_the_keyboard_controllers_aux_line() {
 /// runs, and not before: the new process never saw the old one's kick.
 #[test]
 fn a_restored_device_serves_requests_queued_before_the_snapshot_at_first_run() {
-    let kvm = kvm_ioctls::Kvm::new().unwrap();
-    let vm = kvm.create_vm().unwrap();
-    vm.create_irq_chip().unwrap();
-    let disk = crate::devices::virtio::block::tests::TempDisk::new(8);
-    let cfg = config(disk.0.clone(), true);
-    let mem = memory(4);
-    let mut bus = Bus::new();
-    let runtime = attach(&vm, &mem, &mut bus, create_devices(&cfg).unwrap()).unwrap();
+    let Rig {
+        kvm,
+        _vm,
+        _disk,
+        cfg,
+        mem,
+        bus,
+        runtime,
+    } = Rig::new();
     drive_rng_to_driver_ok(&bus);
     // One device-writable 16-byte buffer, made available; the kick that
     // would follow is lost with the old process.
