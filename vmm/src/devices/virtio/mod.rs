@@ -225,6 +225,16 @@ impl DeviceCommon {
         }
     }
 
+    /// Queue `q`'s available index as the driver last wrote it in guest
+    /// memory (not the device's own position); `None` before activation or
+    /// when the ring is outside memory.
+    pub fn avail_idx(&self, q: usize) -> Option<u16> {
+        use vm_memory::{Bytes, GuestAddress};
+        let (mem, queue) = (self.mem.as_ref()?, self.queues.get(q)?);
+        let at = queue.avail_ring().checked_add(2)?;
+        mem.read_obj::<u16>(GuestAddress(at)).ok()
+    }
+
     /// Asks the driver to notify queue `q` when it next adds a buffer, even
     /// though buffers are still available: with EVENT_IDX, `avail_event` is
     /// set to the driver's current `avail.idx`. (virtio-queue does this
@@ -241,10 +251,7 @@ impl DeviceCommon {
             return;
         }
         use vm_memory::{Bytes, GuestAddress};
-        let avail_idx = queue
-            .avail_ring()
-            .checked_add(2)
-            .and_then(|a| mem.read_obj::<u16>(GuestAddress(a)).ok());
+        let avail_idx = self.avail_idx(q);
         let avail_event_at = queue
             .used_ring()
             .checked_add(4 + 8 * u64::from(queue.size()));

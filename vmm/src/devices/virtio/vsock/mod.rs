@@ -636,7 +636,8 @@ impl Vsock {
             .is_ok()
         {
             self.reset_event_pending = false;
-            self.reset_hold.delivered();
+            self.reset_hold
+                .delivered(self.common.avail_idx(EVENT_QUEUE).unwrap_or(0));
             // The guest re-posting a buffer after handling the event ends
             // the hold on host connections: ask it to say so.
             self.common.notify_on_next_buffer(EVENT_QUEUE);
@@ -858,7 +859,8 @@ impl MutEventSubscriber for Vsock {
             self.process_tx();
         } else if fd == evts[EVENT_QUEUE].as_raw_fd() {
             let _ = evts[EVENT_QUEUE].read();
-            if self.reset_hold.guest_notified() && self.is_activated() {
+            let avail = self.common.avail_idx(EVENT_QUEUE).unwrap_or(0);
+            if self.reset_hold.guest_notified(avail) && self.is_activated() {
                 self.accept_host_connections(ops);
             }
         } else if fd == self.reset_hold.timer.as_raw_fd() {

@@ -26,8 +26,13 @@ enum Phase {
     Open,
     /// The event is owed or queued but not yet in the guest's event buffer.
     Announced,
-    /// The event is in the guest's buffer; waiting for the guest to post another.
-    Delivered,
+    /// The event is in the guest's buffer; waiting for the guest to post
+    /// another, i.e. for the event queue's available index to move from
+    /// the value it had then.
+    Delivered {
+        /// The available index when the event was delivered.
+        avail_at: u16,
+    },
 }
 
 /// The hold on host connections after a restore.
@@ -75,21 +80,29 @@ impl ResetHold {
         }
     }
 
-    /// The event went into the guest's event buffer.
-    pub fn delivered(&mut self) {
+    /// The event went into the guest's event buffer; `avail_idx` is the
+    /// event queue's available index (in guest memory) at that moment.
+    pub fn delivered(&mut self, avail_idx: u16) {
         if self.phase == Phase::Announced {
-            self.phase = Phase::Delivered;
+            self.phase = Phase::Delivered {
+                avail_at: avail_idx,
+            };
         }
     }
 
-    /// The guest notified its event queue. Returns true when that ends the
-    /// hold (the guest posted a new buffer after taking the event).
-    pub fn guest_notified(&mut self) -> bool {
-        if self.phase == Phase::Delivered {
-            self.release();
-            return true;
+    /// The event queue was notified and its available index is now
+    /// `avail_idx`. Returns true when that ends the hold: the guest posted
+    /// a new buffer after taking the event. A notification that added no
+    /// buffer ends nothing (the vmm itself kicks every queue of a restored
+    /// VM once when it first runs, and that kick must not open the gate).
+    pub fn guest_notified(&mut self, avail_idx: u16) -> bool {
+        match self.phase {
+            Phase::Delivered { avail_at } if avail_at != avail_idx => {
+                self.release();
+                true
+            }
+            _ => false,
         }
-        false
     }
 
     /// The timer fired (its fd is readable). Returns true when that ends a
@@ -127,20 +140,23 @@ mod tests {
         assert!(h.holding());
         assert!(h.timer.is_armed().unwrap());
         // A notification before the event reached the guest ends nothing.
-        assert!(!h.guest_notified());
+        assert!(!h.guest_notified(7));
         assert!(h.holding());
-        h.delivered();
-        assert!(h.guest_notified());
+        h.delivered(7);
+        // Nor one that added no buffer (the first-run kick).
+        assert!(!h.guest_notified(7));
+        assert!(h.holding());
+        assert!(h.guest_notified(8));
         assert!(!h.holding());
         assert!(!h.timer.is_armed().unwrap());
-        assert!(!h.guest_notified(), "once");
+        assert!(!h.guest_notified(9), "once");
     }
 
     #[test]
     fn a_hold_ends_on_time_if_the_guest_never_answers() {
         let mut h = ResetHold::new().unwrap();
         h.announced();
-        h.delivered();
+        h.delivered(0);
         // What the event loop does when the timer fd becomes readable.
         h.timer.reset(Duration::from_millis(1), None).unwrap();
         std::thread::sleep(Duration::from_millis(5));
