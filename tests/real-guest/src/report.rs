@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! RGH START <scenario>
-//! RGH RESULT <scenario> PASS|FAIL <seconds> <detail or reason>
+//! RGH RESULT <scenario> PASS|FAIL|INFRA <seconds> <detail or reason>
 //! RGH INFO <scenario> <text>
 //! ```
 
@@ -22,6 +22,10 @@ pub enum Status {
     Pass,
     /// Something it checks did not hold (in a healthy outer VM).
     Fail,
+    /// The outer VM's emulation failed under it in a way the runner
+    /// recognises (see `inner::hang::emulation_stall`): retried like an
+    /// outer VM that froze.
+    Infra,
 }
 
 /// One scenario's result.
@@ -69,6 +73,7 @@ impl Outcome {
         let status = match self.status {
             Status::Pass => "PASS",
             Status::Fail => "FAIL",
+            Status::Infra => "INFRA",
         };
         format!(
             "{PREFIX}RESULT {} {status} {:.1} {}",
@@ -85,6 +90,7 @@ impl fmt::Display for Outcome {
         match self.status {
             Status::Pass => write!(f, "PASS {} ({:.0} s)", self.name, self.secs)?,
             Status::Fail => write!(f, "FAIL {}: {}", self.name, self.detail)?,
+            Status::Infra => write!(f, "INFRA {}: {}", self.name, self.detail)?,
         }
         if self.status == Status::Pass && !self.detail.is_empty() {
             write!(f, ": {}", self.detail)?;
@@ -111,6 +117,7 @@ pub fn parse(line: &str) -> Option<Line> {
             let status = match parts.next()? {
                 "PASS" => Status::Pass,
                 "FAIL" => Status::Fail,
+                "INFRA" => Status::Infra,
                 _ => return None,
             };
             let secs = parts.next()?.parse().ok()?;
@@ -158,5 +165,10 @@ mod tests {
         assert_eq!(parse("RGH RESULT x MAYBE 1.0 y"), None);
         assert_eq!(parse("RGH RESULT x PASS notanumber"), None);
         assert_eq!(parse("RGH START a"), Some(Line::Start("a".into())));
+        let Some(Line::Result(o)) = parse("RGH RESULT virtio-net INFRA 61.0 stalled") else {
+            panic!("an INFRA result is a result");
+        };
+        assert_eq!(o.status, Status::Infra);
+        assert_eq!(o.to_string(), "INFRA virtio-net: stalled");
     }
 }

@@ -18,6 +18,12 @@ use crate::report::{self, Outcome, Status};
 /// A scenario's verdict: what it showed, or why it failed.
 pub type Check = Result<String, String>;
 
+/// Starts a failure reason that is the outer VM's fault, not the product's
+/// (a recognised emulation stall). Reasons are plain strings passed up
+/// through `?` and wrapped with context on the way, so the runner looks for
+/// the mark anywhere in the reason.
+pub const INFRA_MARK: &str = "[outer-VM emulation] ";
+
 /// What scenarios of one group share.
 pub struct Ctx {
     /// The prepared paths.
@@ -62,10 +68,10 @@ pub fn run(env: InnerEnv, group: &Group, skip: &[String]) -> i32 {
         let result = groups::run(&mut ctx, name);
         let outcome = Outcome {
             name: name.to_string(),
-            status: if result.is_ok() {
-                Status::Pass
-            } else {
-                Status::Fail
+            status: match &result {
+                Ok(_) => Status::Pass,
+                Err(e) if e.contains(INFRA_MARK) => Status::Infra,
+                Err(_) => Status::Fail,
             },
             secs: t0.elapsed().as_secs_f64(),
             detail: result.unwrap_or_else(|e| e),

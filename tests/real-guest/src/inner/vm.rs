@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use images::vmm_control::VmmControl;
 use serde_json::Value;
 
-use super::{Check, Ctx};
+use super::{Check, Ctx, INFRA_MARK};
 
 /// Console lines seen so far, and whether the stream has ended.
 #[derive(Default)]
@@ -36,7 +36,13 @@ pub struct Guest {
     pub run_dir: PathBuf,
     /// Where they are copied when it ends (the shared logs directory).
     pub log_dir: PathBuf,
+    /// Its RAM, when the arguments say (`--mem-mib`; a restore takes the snapshot's).
+    ram_bytes: Option<u64>,
 }
+
+/// Console silence after which a wait checks for the outer VM's emulation
+/// stall (`hang::emulation_stall`), and again after each further stretch.
+const QUIET_CHECK: Duration = Duration::from_secs(40);
 
 impl Guest {
     /// Starts `vmm <args>` with the console on stdout (captured) and a
@@ -93,6 +99,12 @@ impl Guest {
             });
         }
         let stdin = child.stdin.take();
+        let ram_bytes = args
+            .iter()
+            .position(|a| a == "--mem-mib")
+            .and_then(|i| args.get(i + 1))
+            .and_then(|m| m.parse::<u64>().ok())
+            .map(|mib| mib << 20);
         Ok(Guest {
             name: name.to_string(),
             child,
@@ -101,6 +113,7 @@ impl Guest {
             control_path,
             run_dir,
             log_dir: ctx.out.clone(),
+            ram_bytes,
         })
     }
 
@@ -130,6 +143,8 @@ impl Guest {
     /// Waits for a console line at index `from` or later containing
     /// `needle`; returns it with its index. On timeout (or if the console
     /// ends first) the vmm is recorded and killed and the error says why.
+    /// A console silent for [`QUIET_CHECK`] is checked for the outer VM's
+    /// emulation stall, which fails the wait at once with [`INFRA_MARK`].
     pub fn wait_from(
         &mut self,
         from: usize,
@@ -138,6 +153,7 @@ impl Guest {
     ) -> Result<(usize, String), String> {
         let deadline = Instant::now() + timeout;
         let mut g = self.console.lines.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut seen, mut quiet_since) = (g.0.len(), Instant::now());
         loop {
             if let Some((i, l)) =
                 g.0.iter()
@@ -163,10 +179,24 @@ impl Guest {
                 };
                 return Err(self.fail(&why));
             }
+            if g.0.len() != seen {
+                (seen, quiet_since) = (g.0.len(), now);
+            } else if now - quiet_since >= QUIET_CHECK {
+                drop(g);
+                if let Some(why) = super::hang::emulation_stall(self.ram_bytes) {
+                    return Err(
+                        self.fail(&format!("{INFRA_MARK}{why} while waiting for {needle:?}"))
+                    );
+                }
+                quiet_since = Instant::now();
+                g = self.console.lines.lock().unwrap_or_else(|p| p.into_inner());
+                continue;
+            }
+            let wake = deadline.min(quiet_since + QUIET_CHECK);
             g = self
                 .console
                 .grew
-                .wait_timeout(g, deadline - now)
+                .wait_timeout(g, wake.saturating_duration_since(now))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }

@@ -7,7 +7,9 @@
 //! the scenarios do; a scenario whose guest hangs is failed by the runner's
 //! own watchdog while the heartbeats go on. So: no heartbeat for
 //! [`HEARTBEAT_LIMIT`] means L1 froze (infrastructure); a group that runs
-//! past its limit with heartbeats flowing is a scenario failure.
+//! past its limit with heartbeats flowing is a scenario failure. A scenario
+//! the runner reports as `INFRA` (a recognised emulation stall of the outer
+//! VM under a guest) is retried in the next attempt's fresh outer VM too.
 
 pub mod qemu;
 
@@ -78,6 +80,8 @@ pub fn run(opts: &RunOptions, groups: &[&Group]) -> Summary {
 fn run_group(opts: &RunOptions, group: &Group, summary: &mut Summary) {
     let mut results: BTreeMap<String, Outcome> = BTreeMap::new();
     let mut last_infra = String::new();
+    // Scenarios reported INFRA in the latest attempt.
+    let mut stalled: BTreeMap<String, Outcome> = BTreeMap::new();
     for attempt in 1..=opts.attempts {
         let pending: Vec<&str> = group
             .scenarios
@@ -92,15 +96,40 @@ fn run_group(opts: &RunOptions, group: &Group, summary: &mut Summary) {
             "== group {} (attempt {attempt}/{}): {}",
             group.name, opts.attempts, group.about
         );
-        let (end, current) = match session(opts, group, attempt, &mut results) {
+        stalled.clear();
+        let (end, current) = match session(opts, group, attempt, &mut results, &mut stalled) {
             Ok(x) => x,
             Err(e) => (End::Infrastructure(format!("cannot start QEMU: {e}")), None),
         };
+        for o in stalled.values() {
+            let msg = format!(
+                "group {} attempt {attempt}: {}: {}{}",
+                group.name,
+                o.name,
+                o.detail,
+                if attempt < opts.attempts {
+                    "; retrying in a fresh outer VM"
+                } else {
+                    "; no attempts left"
+                }
+            );
+            summary.infrastructure.push(msg);
+            last_infra = o.detail.clone();
+        }
         match end {
+            End::Finished if !stalled.is_empty() && attempt < opts.attempts => {
+                println!(
+                    "INFRASTRUCTURE group {} attempt {attempt}: the outer VM stalled under {}; \
+                     retrying them in a fresh outer VM",
+                    group.name,
+                    stalled.keys().cloned().collect::<Vec<_>>().join(", ")
+                );
+            }
             End::Finished => {
-                // A runner that ended without reporting a scenario failed it.
+                // A runner that ended without reporting a scenario failed it
+                // (one that stalled on the last attempt could not run).
                 for s in group.scenarios {
-                    if !results.contains_key(*s) {
+                    if !results.contains_key(*s) && !stalled.contains_key(*s) {
                         let o = Outcome {
                             name: s.to_string(),
                             status: Status::Fail,
@@ -158,7 +187,7 @@ fn run_group(opts: &RunOptions, group: &Group, summary: &mut Summary) {
                     summary.not_run.push((
                         s.to_string(),
                         format!(
-                            "the outer VM failed {} time(s); last: {last_infra}",
+                            "it could not run in {} outer VM(s); last: {last_infra}",
                             opts.attempts
                         ),
                     ));
@@ -175,6 +204,7 @@ fn session(
     group: &Group,
     attempt: u32,
     results: &mut BTreeMap<String, Outcome>,
+    stalled: &mut BTreeMap<String, Outcome>,
 ) -> std::io::Result<(End, Option<String>)> {
     let logs = opts.work.join("logs");
     std::fs::create_dir_all(&logs)?;
@@ -244,7 +274,11 @@ fn session(
                     Some(Line::Result(o)) => {
                         println!("{o}");
                         current = None;
-                        results.insert(o.name.clone(), o);
+                        if o.status == Status::Infra {
+                            stalled.insert(o.name.clone(), o);
+                        } else {
+                            results.insert(o.name.clone(), o);
+                        }
                     }
                     None => {}
                 }

@@ -368,10 +368,9 @@ pub fn session(ctx: &mut Ctx, name: &str) -> Check {
     result
 }
 
-fn session_flow(ctx: &mut Ctx, name: &str, repo: &Path) -> Check {
-    let guest_init = ctx.env.vmm.with_file_name("guest-init");
-    let a = agent(ctx)?;
-    let ch = a.channel()?;
+/// CreateSession on `repo` for agent `coder` at `main`; the session (which
+/// must be RUNNING) and how long the call took.
+fn create_running(a: &HostAgent, ch: &Channel, repo: &Path) -> Result<(pb::Session, f64), String> {
     let t0 = Instant::now();
     let s = a.block_on(async {
         pb::sessions_client::SessionsClient::new(ch.clone())
@@ -386,10 +385,17 @@ fn session_flow(ctx: &mut Ctx, name: &str, repo: &Path) -> Check {
             .map(|r| r.into_inner())
             .map_err(|e| format!("CreateSession: {}", e.message()))
     })?;
-    let create_secs = t0.elapsed().as_secs_f64();
     if s.state != pb::SessionState::Running as i32 {
         return Err(format!("the new session is not RUNNING: {s:?}"));
     }
+    Ok((s, t0.elapsed().as_secs_f64()))
+}
+
+fn session_flow(ctx: &mut Ctx, name: &str, repo: &Path) -> Check {
+    let guest_init = ctx.env.vmm.with_file_name("guest-init");
+    let a = agent(ctx)?;
+    let ch = a.channel()?;
+    let (s, create_secs) = create_running(a, &ch, repo)?;
     let branch = format!("session/{}", s.session_id);
     let main_before = git(repo, &["rev-parse", "refs/heads/main"])?;
     let mut notes = vec![format!("READY in {create_secs:.1} s")];
@@ -665,24 +671,9 @@ fn pool_timing_runs(ctx: &mut Ctx, name: &str) -> Check {
                     std::thread::sleep(Duration::from_millis(500));
                 }
             }
-            let t0 = Instant::now();
-            let s = a.block_on(async {
-                pb::sessions_client::SessionsClient::new(ch.clone())
-                    .create_session(pb::CreateSessionRequest {
-                        image_id: IMAGE.into(),
-                        repository_path: repo.display().to_string(),
-                        agent: "coder".into(),
-                        base_ref: "main".into(),
-                        ..Default::default()
-                    })
-                    .await
-                    .map(|r| r.into_inner())
-                    .map_err(|e| format!("CreateSession {i}: {}", e.message()))
-            })?;
-            times.push(t0.elapsed().as_secs_f64());
-            if s.state != pb::SessionState::Running as i32 {
-                return Err(format!("create {i} ended {s:?}"));
-            }
+            let (s, secs) =
+                create_running(&a, &ch, &repo).map_err(|e| format!("create {i}: {e}"))?;
+            times.push(secs);
             a.block_on(async {
                 let mut c = pb::sessions_client::SessionsClient::new(ch.clone());
                 let call = pb::SessionCall {
