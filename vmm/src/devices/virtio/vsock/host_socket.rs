@@ -1,0 +1,181 @@
+//! The host side: the Unix socket host processes connect to (`CONNECT
+//! <port>` lines), and the event-loop registration of every connection's
+//! socket.
+
+use super::*;
+
+impl Vsock {
+    /// A host process finished its `CONNECT <port>` line: ask the guest.
+    pub(super) fn host_connect(&mut self, stream: UnixStream, peer_port: u32) -> Key {
+        let local = self.alloc_local_port();
+        let key = (local, peer_port);
+        self.conns
+            .insert(key, Conn::new(stream, ConnState::AwaitingResponse));
+        let req = self.header(local, peer_port, OP_REQUEST);
+        self.push_control(req);
+        key
+    }
+
+    /// Accepts host connections on the Unix socket until none is waiting.
+    pub(super) fn accept_host_connections(&mut self, ops: &mut EventOps) {
+        // Until a restored guest has taken its transport reset, connections
+        // wait in the listen backlog (see `reset_hold`).
+        if self.reset_hold.holding() {
+            return;
+        }
+        loop {
+            let stream = match self.listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "vsock: accept failed");
+                    return;
+                }
+            };
+            if !self.connection_budget_left() || stream.set_nonblocking(true).is_err() {
+                tracing::debug!("vsock: host connection refused (too many connections)");
+                continue;
+            }
+            let fd = stream.as_raw_fd();
+            if ops
+                .add(Events::new(
+                    &stream,
+                    EventSet::IN | EventSet::EDGE_TRIGGERED,
+                ))
+                .is_err()
+            {
+                continue;
+            }
+            self.pending_hosts.insert(
+                fd,
+                PendingHost {
+                    stream,
+                    line: Vec::with_capacity(MAX_CONNECT_LINE),
+                    dead: false,
+                },
+            );
+            self.read_connect_line(fd, ops);
+        }
+    }
+
+    /// Reads what a host socket has sent of its `CONNECT <port>\n` line.
+    pub(super) fn read_connect_line(&mut self, fd: RawFd, ops: &mut EventOps) {
+        let activated = self.is_activated();
+        let Some(p) = self.pending_hosts.get_mut(&fd) else {
+            return;
+        };
+        let mut byte = [0u8; 1];
+        // Byte by byte, so nothing after the newline is consumed.
+        loop {
+            match (&p.stream).read(&mut byte) {
+                Ok(0) => {
+                    p.dead = true;
+                    return;
+                }
+                Ok(_) if byte[0] == b'\n' => break,
+                Ok(_) if p.line.len() < MAX_CONNECT_LINE => p.line.push(byte[0]),
+                Ok(_) => {
+                    p.dead = true;
+                    return;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(_) => {
+                    p.dead = true;
+                    return;
+                }
+            }
+        }
+        let port = std::str::from_utf8(&p.line)
+            .ok()
+            .and_then(|l| l.strip_prefix("CONNECT "))
+            .and_then(|p| p.trim().parse::<u32>().ok());
+        match port {
+            Some(port) if activated => {
+                if let Some(p) = self.pending_hosts.remove(&fd) {
+                    let key = self.host_connect(p.stream, port);
+                    // Same fd, now a connection: also watch for room to write.
+                    if let Some(c) = self.conns.get(&key) {
+                        let events = Events::new(
+                            &c.stream,
+                            EventSet::IN | EventSet::OUT | EventSet::EDGE_TRIGGERED,
+                        );
+                        if ops.modify(events).is_ok() {
+                            self.conn_fds.insert(fd, key);
+                        } else {
+                            self.kill(key, true);
+                        }
+                    }
+                }
+            }
+            _ => {
+                tracing::debug!(activated, "vsock: bad CONNECT line or device not started");
+                p.dead = true;
+            }
+        }
+    }
+
+    /// Watches the sockets of connections the guest opened.
+    pub(super) fn watch_new_connections(&mut self, ops: &mut EventOps) {
+        for key in std::mem::take(&mut self.new_fds) {
+            let Some(c) = self.conns.get(&key) else {
+                continue;
+            };
+            let fd = c.stream.as_raw_fd();
+            let events = Events::new(
+                &c.stream,
+                EventSet::IN | EventSet::OUT | EventSet::EDGE_TRIGGERED,
+            );
+            if ops.add(events).is_ok() {
+                self.conn_fds.insert(fd, key);
+            } else {
+                self.kill(key, true);
+            }
+        }
+    }
+
+    /// Unregisters and closes ended connections and host sockets.
+    pub(super) fn reap(&mut self, ops: &mut EventOps) {
+        let dead_hosts: Vec<RawFd> = self
+            .pending_hosts
+            .iter()
+            .filter(|(_, p)| p.dead)
+            .map(|(fd, _)| *fd)
+            .collect();
+        for fd in dead_hosts {
+            if let Some(p) = self.pending_hosts.remove(&fd) {
+                let _ = ops.remove(Events::new(&p.stream, EventSet::IN));
+            }
+        }
+        let dead: Vec<Key> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.dead)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in dead {
+            if let Some(c) = self.conns.remove(&key) {
+                let fd = c.stream.as_raw_fd();
+                if self.conn_fds.remove(&fd).is_some() {
+                    let _ = ops.remove(Events::new(&c.stream, EventSet::IN));
+                }
+            }
+        }
+    }
+
+    pub(super) fn on_connection_event(&mut self, fd: RawFd, set: EventSet) {
+        let Some(&key) = self.conn_fds.get(&fd) else {
+            return;
+        };
+        let Some(c) = self.conns.get_mut(&key) else {
+            return;
+        };
+        if set
+            .intersects(EventSet::IN | EventSet::HANG_UP | EventSet::READ_HANG_UP | EventSet::ERROR)
+        {
+            c.readable = true;
+        }
+        if set.contains(EventSet::OUT) && c.flush_tx().is_err() {
+            self.kill(key, true);
+        }
+    }
+}
