@@ -96,10 +96,12 @@ impl Vsock {
     ) -> Option<u32> {
         let mut hdr = self.header(key.0, key.1, OP_RW);
         let c = self.conns.get_mut(&key)?;
+        // A buffer with room for a header only carries no data: reading
+        // zero bytes into it would look like the host's end of stream.
         let mut writer = match Writer::new(mem, chain) {
-            Ok(w) if w.available_bytes() >= HEADER_LEN => w,
+            Ok(w) if w.available_bytes() > HEADER_LEN => w,
             _ => {
-                tracing::debug!("vsock rx buffer missing or smaller than a header: skipped");
+                tracing::debug!("vsock rx buffer has no room for data after the header: skipped");
                 return Some(0);
             }
         };

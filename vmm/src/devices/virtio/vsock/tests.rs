@@ -230,6 +230,40 @@ fn guest_connection_carries_data_both_ways() {
     assert_eq!(h.dev.lock().unwrap().connection_count(), 0);
 }
 
+/// A receive buffer with room for a header and no data is skipped; it used
+/// to be read into with length 0, and the read's 0 was taken for the host's
+/// end of stream (the guest was told SHUTDOWN and the data never came).
+#[test]
+fn a_header_only_receive_buffer_is_not_taken_for_the_hosts_end_of_stream() {
+    let mut h = Harness::new();
+    h.post_rx(1);
+    let (_l, mut host) = connect(&mut h, 64 * 1024);
+    let i = h.rx_posted % NRX;
+    add_chain(
+        &h.rx,
+        i,
+        &[(RX_BUFS + u64::from(i) * 0x2000, HEADER_LEN as u32, true)],
+    );
+    h.rx_posted += 1;
+    host.write_all(b"data").unwrap();
+    h.dev.lock().unwrap().common.queue_evts[RX_QUEUE]
+        .write(1)
+        .unwrap();
+    h.pump();
+    assert_eq!(
+        used_idx(&h.rx),
+        h.rx_seen + 1,
+        "the small buffer is returned"
+    );
+    let (_, len) = used(&h.rx, usize::from(h.rx_seen % 16));
+    assert_eq!(len, 0, "nothing is written where no data fits");
+    h.rx_seen += 1;
+    h.post_rx(1);
+    let (hdr, payload) = h.recv().expect("the data, in the next buffer");
+    assert_eq!((hdr.op, payload.as_slice()), (OP_RW, &b"data"[..]));
+    assert!(h.recv().is_none(), "and no SHUTDOWN");
+}
+
 #[test]
 fn a_host_that_shuts_its_write_side_still_gets_the_guests_answer() {
     let mut h = Harness::new();
