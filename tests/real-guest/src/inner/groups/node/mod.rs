@@ -4,9 +4,8 @@
 //! a commit, the branch fetched back at Stop, the audit chain, usage), and
 //! how long CreateSession takes from a warm VM and from the golden snapshot.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use proto::hostagent as pb;
@@ -16,6 +15,12 @@ use sha2::{Digest, Sha256};
 use tonic::transport::Channel;
 
 use crate::inner::{Check, Ctx};
+
+mod host_agent;
+mod records;
+
+pub use host_agent::HostAgent;
+use records::{audit_agrees, usage_covers};
 
 const IMAGE: &str = "real";
 const RULES: &str = r#"---
@@ -31,108 +36,6 @@ permission:
 "#;
 /// Creates timed per path in `pool-timing`.
 const TIMED_CREATES: usize = 5;
-
-/// A host-agent process in the outer VM, stopped (sessions with it) on drop.
-pub struct HostAgent {
-    child: Child,
-    addr: String,
-    rt: tokio::runtime::Runtime,
-}
-
-impl HostAgent {
-    fn start(ctx: &Ctx, warm_pool: u32) -> Result<HostAgent, String> {
-        let state = ctx.scratch.join("host-agent");
-        std::fs::create_dir_all(&state).map_err(|e| e.to_string())?;
-        // A real guest booting under nested emulation takes far longer
-        // than on hardware to answer: wait for it generously.
-        let config = ctx.scratch.join("host-agent.json");
-        std::fs::write(&config, r#"{"guest_ready_timeout_seconds": 900}"#)
-            .map_err(|e| e.to_string())?;
-        // One log per start (pool-timing restarts it on the same state).
-        let starts = std::fs::read_dir(&ctx.scratch)
-            .map(|d| {
-                d.flatten()
-                    .filter(|e| e.file_name().to_string_lossy().starts_with("host-agent-"))
-                    .count()
-            })
-            .unwrap_or(0);
-        let log_name = format!("host-agent-{}.log", starts + 1);
-        let log = std::fs::File::create(ctx.scratch.join(&log_name)).map_err(|e| e.to_string())?;
-        let mut child = Command::new(&ctx.env.host_agent)
-            .arg("serve")
-            .arg("--config")
-            .arg(&config)
-            .arg("--listen")
-            .arg("127.0.0.1:0")
-            .arg("--state-dir")
-            .arg(&state)
-            .arg("--vmm")
-            .arg(&ctx.env.vmm)
-            .arg("--warm-pool")
-            .arg(warm_pool.to_string())
-            .arg("--stop-sessions-on-shutdown")
-            .env("RUST_LOG", "host_agent=debug,info")
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .map_err(|e| format!("starting host-agent: {e}"))?;
-        let mut line = String::new();
-        if let Some(out) = child.stdout.take() {
-            BufReader::new(out)
-                .read_line(&mut line)
-                .map_err(|e| format!("reading host-agent's first line: {e}"))?;
-        }
-        let addr = line
-            .trim()
-            .strip_prefix("host-agent listening on ")
-            .ok_or_else(|| format!("host-agent said {line:?} (log: {log_name})"))?
-            .to_string();
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?;
-        Ok(HostAgent {
-            child,
-            addr: format!("http://{addr}"),
-            rt,
-        })
-    }
-
-    fn channel(&self) -> Result<Channel, String> {
-        let addr = self.addr.clone();
-        self.rt.block_on(async move {
-            Channel::from_shared(addr)
-                .map_err(|e| e.to_string())?
-                .connect()
-                .await
-                .map_err(|e| format!("connecting to host-agent: {e}"))
-        })
-    }
-
-    fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
-        self.rt.block_on(f)
-    }
-
-    fn stop(&mut self) {
-        // SAFETY: kill(2) has no memory-safety preconditions.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for HostAgent {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
 
 fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
     let out = Command::new("git")
@@ -520,111 +423,6 @@ fn session_flow(ctx: &mut Ctx, name: &str, repo: &Path) -> Check {
     notes.push(usage_covers(ctx, &stopped)?);
     ctx.info(name, &notes.join("; "));
     Ok(notes.join("; "))
-}
-
-/// The host's audit records chain (sha256(prev || json)), the guest's own
-/// chain inside them verifies with `guest-init audit verify`, and the guest
-/// sequence numbers run from 1 without a gap.
-fn audit_agrees(ctx: &Ctx, s: &pb::Session, guest_init: &Path) -> Check {
-    let a = ctx.fixtures.agent.as_ref().ok_or("no host-agent")?;
-    let ch = a.channel()?;
-    let records = a.block_on(async {
-        pb::approvals_client::ApprovalsClient::new(ch)
-            .list_audit(pb::ListAuditRequest {
-                session_id: s.session_id.clone(),
-                since_guest_seq: 0,
-            })
-            .await
-            .map(|r| r.into_inner().records)
-            .map_err(|e| format!("ListAudit: {}", e.message()))
-    })?;
-    let mut prev = String::new();
-    for (i, r) in records.iter().enumerate() {
-        let mut h = Sha256::new();
-        h.update(prev.as_bytes());
-        h.update(r.json.as_bytes());
-        if r.host_hash != hex::encode(h.finalize()) {
-            return Err(format!(
-                "the host's audit chain breaks at guest seq {}",
-                r.guest_seq
-            ));
-        }
-        if r.guest_seq != i as u64 + 1 {
-            return Err(format!("audit record {i} has guest seq {}", r.guest_seq));
-        }
-        prev = r.host_hash.clone();
-    }
-    if !records.iter().any(|r| r.json.contains("git push")) {
-        return Err("the denied git push is not in the audit log".into());
-    }
-    let file = ctx.scratch.join(format!("audit-{}.jsonl", s.session_id));
-    let text: String = records.iter().map(|r| format!("{}\n", r.json)).collect();
-    std::fs::write(&file, text).map_err(|e| e.to_string())?;
-    let out = Command::new(guest_init)
-        .args(["audit", "verify"])
-        .arg(&file)
-        .output()
-        .map_err(|e| format!("{}: {e}", guest_init.display()))?;
-    if !out.status.success() {
-        return Err(format!(
-            "guest-init audit verify on the guest's records: {}{}",
-            String::from_utf8_lossy(&out.stdout).trim(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(format!(
-        "{} audit records: guest chain verified, host chain holds",
-        records.len()
-    ))
-}
-
-/// Usage records of the stopped session: one chain, ending in a final
-/// record, billing at least the one-second minimum and no more than its life.
-fn usage_covers(ctx: &Ctx, stopped: &pb::Session) -> Check {
-    let a = ctx.fixtures.agent.as_ref().ok_or("no host-agent")?;
-    let ch = a.channel()?;
-    let recs = a.block_on(async {
-        pb::usage_client::UsageClient::new(ch)
-            .list_usage(pb::ListUsageRequest {
-                session_id: stopped.session_id.clone(),
-                limit: 10_000,
-                ..Default::default()
-            })
-            .await
-            .map(|r| r.into_inner().records)
-            .map_err(|e| format!("ListUsage: {}", e.message()))
-    })?;
-    let last = recs.last().ok_or("no usage records")?;
-    for w in recs.windows(2) {
-        if w[1].interval_start != w[0].interval_end || w[1].billed_seconds < w[0].billed_seconds {
-            return Err(format!(
-                "usage records do not chain: {:?} then {:?}",
-                w[0], w[1]
-            ));
-        }
-    }
-    if !last.r#final {
-        return Err(format!("the last usage record is not final: {last:?}"));
-    }
-    let life = (stopped.ended_at - stopped.ready_at) as f64 / 1000.0;
-    if last.billed_seconds < 1.0 || last.billed_seconds > life.max(1.0) + 1.0 {
-        return Err(format!(
-            "billed {} s for a session READY for {life:.1} s",
-            last.billed_seconds
-        ));
-    }
-    if recs[0].interval_start < stopped.ready_at || last.interval_end > stopped.ended_at + 1000 {
-        return Err(format!(
-            "usage covers {}..{}, the session was READY {}..{}",
-            recs[0].interval_start, last.interval_end, stopped.ready_at, stopped.ended_at
-        ));
-    }
-    Ok(format!(
-        "{} usage records, {:.1} s billed, {:.2} vCPU s",
-        recs.len(),
-        last.billed_seconds,
-        last.vcpu_seconds
-    ))
 }
 
 fn median(v: &mut [f64]) -> f64 {

@@ -1,0 +1,113 @@
+//! A host-agent process in the outer VM for the `node` scenarios: started
+//! on the group's scratch state with a generous guest-ready timeout, one log
+//! per start, a gRPC channel and a runtime to drive it, stopped on drop.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tonic::transport::Channel;
+
+use crate::inner::Ctx;
+
+/// A host-agent process in the outer VM, stopped (sessions with it) on drop.
+pub struct HostAgent {
+    child: Child,
+    addr: String,
+    rt: tokio::runtime::Runtime,
+}
+
+impl HostAgent {
+    pub fn start(ctx: &Ctx, warm_pool: u32) -> Result<HostAgent, String> {
+        let state = ctx.scratch.join("host-agent");
+        std::fs::create_dir_all(&state).map_err(|e| e.to_string())?;
+        // A real guest booting under nested emulation takes far longer
+        // than on hardware to answer: wait for it generously.
+        let config = ctx.scratch.join("host-agent.json");
+        std::fs::write(&config, r#"{"guest_ready_timeout_seconds": 900}"#)
+            .map_err(|e| e.to_string())?;
+        // One log per start (pool-timing restarts it on the same state).
+        let starts = std::fs::read_dir(&ctx.scratch)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("host-agent-"))
+                    .count()
+            })
+            .unwrap_or(0);
+        let log_name = format!("host-agent-{}.log", starts + 1);
+        let log = std::fs::File::create(ctx.scratch.join(&log_name)).map_err(|e| e.to_string())?;
+        let mut child = Command::new(&ctx.env.host_agent)
+            .arg("serve")
+            .arg("--config")
+            .arg(&config)
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--vmm")
+            .arg(&ctx.env.vmm)
+            .arg("--warm-pool")
+            .arg(warm_pool.to_string())
+            .arg("--stop-sessions-on-shutdown")
+            .env("RUST_LOG", "host_agent=debug,info")
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("starting host-agent: {e}"))?;
+        let mut line = String::new();
+        if let Some(out) = child.stdout.take() {
+            BufReader::new(out)
+                .read_line(&mut line)
+                .map_err(|e| format!("reading host-agent's first line: {e}"))?;
+        }
+        let addr = line
+            .trim()
+            .strip_prefix("host-agent listening on ")
+            .ok_or_else(|| format!("host-agent said {line:?} (log: {log_name})"))?
+            .to_string();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        Ok(HostAgent {
+            child,
+            addr: format!("http://{addr}"),
+            rt,
+        })
+    }
+
+    pub fn channel(&self) -> Result<Channel, String> {
+        let addr = self.addr.clone();
+        self.rt.block_on(async move {
+            Channel::from_shared(addr)
+                .map_err(|e| e.to_string())?
+                .connect()
+                .await
+                .map_err(|e| format!("connecting to host-agent: {e}"))
+        })
+    }
+
+    pub fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+
+    pub fn stop(&mut self) {
+        // SAFETY: kill(2) has no memory-safety preconditions.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for HostAgent {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
