@@ -13,17 +13,36 @@ echo "L1: init started, uptime $(cut -d' ' -f1 /proc/uptime)s"
 for m in $(cat /mods/order); do insmod "/mods/$m" 2>&1 | sed "s/^/L1: insmod $m: /"; done
 arg() { sed -n "s/.*[[:space:]]$1=\([^[:space:]]*\).*/\1/p" /proc/cmdline | head -n 1; }
 work=$(arg l1.work)
+keep=$(arg l1.keep | tr ',' ' ')
 cmd=$(arg l1.cmd)
 H=/host
 mkdir -p $H /work
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose host $H || echo "L1: FAIL mount 9p host"
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 work /work || echo "L1: FAIL mount 9p work"
-mount --bind /work "$H$work" || echo "L1: FAIL bind $work"
 mount -t proc proc $H/proc
 mount -t sysfs sys $H/sys
 mount -t devtmpfs dev $H/dev
 mkdir -p /dev/pts 2>/dev/null; mount -t devpts devpts $H/dev/pts 2>/dev/null
+# L1's own /tmp, /run and /var/tmp (scratch in its memory) replace the
+# host's. Host directories the runner needs (l1.keep: the checkout, the
+# cache) that lie in one of them are set aside first and put back after.
+i=0
+for p in $keep; do
+	case "$p" in /tmp/* | /run/* | /var/tmp/*)
+		mkdir -p /keep/$i && mount --bind "$H$p" /keep/$i || echo "L1: FAIL keep $p"
+		i=$((i + 1)) ;;
+	esac
+done
 for d in tmp run var/tmp; do mount -t tmpfs -o mode=1777,size=90% tmpfs "$H/$d" || echo "L1: FAIL tmpfs /$d"; done
+i=0
+for p in $keep; do
+	case "$p" in /tmp/* | /run/* | /var/tmp/*)
+		mkdir -p "$H$p" && mount --bind /keep/$i "$H$p" || echo "L1: FAIL put back $p"
+		i=$((i + 1)) ;;
+	esac
+done
+mkdir -p "$H$work" 2>/dev/null
+mount --bind /work "$H$work" || echo "L1: FAIL bind $work"
 mount -t cgroup2 cgroup2 $H/sys/fs/cgroup 2>/dev/null
 mount -t debugfs debugfs $H/sys/kernel/debug 2>/dev/null
 mount -t tracefs tracefs $H/sys/kernel/tracing 2>/dev/null

@@ -130,6 +130,11 @@ fn run(args: RunArgs) -> Result<i32, String> {
         .ok_or("the runner binary has no directory")?
         .to_path_buf();
     let cache = args.cache.unwrap_or_else(default_cache);
+    std::fs::create_dir_all(&cache).map_err(|e| format!("{}: {e}", cache.display()))?;
+    let keep = [root.clone(), bin_dir.clone(), cache.clone()]
+        .into_iter()
+        .map(|p| std::fs::canonicalize(&p).map_err(|e| format!("{}: {e}", p.display())))
+        .collect::<Result<Vec<_>, _>>()?;
     let prepared = prepare::prepare(&prepare::PrepareOptions {
         cache,
         bin_dir,
@@ -152,6 +157,7 @@ fn run(args: RunArgs) -> Result<i32, String> {
         kernel: prepared.l1_kernel,
         initrd: prepared.l1_initrd,
         work,
+        keep,
         runner,
     };
     let summary = outer::run(&opts, &groups);

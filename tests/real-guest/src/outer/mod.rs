@@ -49,6 +49,9 @@ pub struct RunOptions {
     pub initrd: PathBuf,
     /// Scratch directory shared with the outer VM (holds `env.json`).
     pub work: PathBuf,
+    /// Host directories the runner in the outer VM reads (the checkout with
+    /// its binaries, the cache), kept visible there even under /tmp or /run.
+    pub keep: Vec<PathBuf>,
     /// The runner binary (run inside the outer VM, from the host's tree).
     pub runner: PathBuf,
 }
@@ -228,6 +231,7 @@ fn session(
         &opts.kernel,
         &opts.initrd,
         &opts.work,
+        &opts.keep,
         &script,
         &log,
     )?;

@@ -33,18 +33,37 @@ pub struct L1 {
 impl L1 {
     /// Starts QEMU with `kernel`, `initrd`, the host's / shared read-only
     /// and `work` shared read-write; L1's init runs `script` (a path under
-    /// `work`). The console is copied to `log`.
+    /// `work`). L1 puts its own memory-backed /tmp, /run and /var/tmp over
+    /// the host's; the host directories in `keep` (the checkout, the cache)
+    /// stay visible wherever they are. The console is copied to `log`.
     pub fn start(
         opts: &L1Options,
         kernel: &Path,
         initrd: &Path,
         work: &Path,
+        keep: &[PathBuf],
         script: &Path,
         log: &Path,
     ) -> std::io::Result<L1> {
+        for p in keep.iter().map(|p| p.as_path()).chain([work, script]) {
+            if p.to_str()
+                .is_none_or(|s| s.contains(char::is_whitespace) || s.contains(','))
+            {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!(
+                        "{}: the outer VM gets host paths on its kernel command line, \
+                         so they must be UTF-8 without spaces or commas",
+                        p.display()
+                    ),
+                ));
+            }
+        }
+        let keep: Vec<String> = keep.iter().map(|p| p.display().to_string()).collect();
         let append = format!(
-            "console=ttyS0 loglevel=4 mitigations=off l1.work={} l1.cmd={}",
+            "console=ttyS0 loglevel=4 mitigations=off l1.work={} l1.keep={} l1.cmd={}",
             work.display(),
+            keep.join(","),
             script.display()
         );
         let mut cmd = Command::new(&opts.qemu);
