@@ -36,11 +36,12 @@ fn devices_get_consecutive_windows_and_gsis_and_are_announced() {
 struct Rig {
     kvm: kvm_ioctls::Kvm,
     _vm: kvm_ioctls::VmFd,
-    _disk: crate::devices::virtio::block::tests::TempDisk,
+    disk: crate::devices::virtio::block::tests::TempDisk,
     cfg: DeviceConfig,
     mem: GuestMemoryMmap,
     bus: Bus,
-    runtime: VirtioRuntime,
+    /// The first VM's devices; `None` once a test has ended them.
+    runtime: Option<VirtioRuntime>,
 }
 
 impl Rig {
@@ -56,13 +57,28 @@ impl Rig {
         Rig {
             kvm,
             _vm: vm,
-            _disk: disk,
+            disk,
             cfg,
             mem,
             bus,
-            runtime,
+            runtime: Some(runtime),
         }
     }
+
+    fn runtime(&self) -> &VirtioRuntime {
+        self.runtime.as_ref().expect("the rig's runtime was ended")
+    }
+}
+
+/// A second VM with `state`'s devices restored on a new bus (the rig's
+/// own runtime may be gone; its memory, configuration and backends serve).
+fn restore_into_new_vm(rig: &Rig, state: &VirtioState) -> (kvm_ioctls::VmFd, Bus, VirtioRuntime) {
+    let vm = rig.kvm.create_vm().unwrap();
+    vm.create_irq_chip().unwrap();
+    let mut bus = Bus::new();
+    let restored = restore_devices(&rig.cfg, &rig.mem, state).unwrap();
+    let runtime = attach(&vm, &rig.mem, &mut bus, restored).unwrap();
+    (vm, bus, runtime)
 }
 
 /// Where the tests' rng driver puts its queue.
@@ -95,51 +111,35 @@ fn rng_used_idx(mem: &GuestMemoryMmap) -> u16 {
 
 #[test]
 fn a_whole_device_set_round_trips_through_its_state_and_mismatches_are_refused() {
-    let Rig {
-        kvm,
-        _vm,
-        _disk,
-        cfg,
-        mem,
-        bus,
-        runtime,
-    } = Rig::new();
+    let mut rig = Rig::new();
     let rng_base = 0xd000_1000u64;
-    drive_rng_to_driver_ok(&bus);
-    let state = runtime.save().unwrap();
+    drive_rng_to_driver_ok(&rig.bus);
+    let state = rig.runtime().save().unwrap();
     let json = serde_json::to_string(&state).unwrap();
     let state: VirtioState = serde_json::from_str(&json).unwrap();
     assert_eq!(state.slots.len(), 2);
     assert_eq!(state.slots[1].transport.device_status, 15);
-    drop(runtime);
+    rig.runtime = None;
 
-    let vm2 = kvm.create_vm().unwrap();
-    vm2.create_irq_chip().unwrap();
-    let mut bus2 = Bus::new();
-    let restored = restore_devices(&cfg, &mem, &state).unwrap();
-    let runtime2 = attach(&vm2, &mem, &mut bus2, restored).unwrap();
+    let (_vm2, bus2, runtime2) = restore_into_new_vm(&rig, &state);
     let mut status = [0u8; 4];
     assert!(bus2.read(rng_base + 0x70, &mut status));
     assert_eq!(u32::from_le_bytes(status), 15);
     assert_eq!(runtime2.save().unwrap(), state);
 
     // A configuration without the rng does not fit the snapshot.
-    assert!(restore_devices(&config(_disk.0.clone(), false), &mem, &state).is_err());
+    let no_rng = config(rig.disk.0.clone(), false);
+    assert!(restore_devices(&no_rng, &rig.mem, &state).is_err());
     // Nor does a snapshot whose slots were swapped.
     let mut swapped = state.clone();
     swapped.slots.swap(0, 1);
-    assert!(restore_devices(&cfg, &mem, &swapped).is_err());
-    let _ = GuestAddress(0);
+    assert!(restore_devices(&rig.cfg, &rig.mem, &swapped).is_err());
 }
 
 #[test]
 fn quiesced_devices_block_the_event_thread_until_released() {
-    let Rig {
-        _vm,
-        _disk,
-        runtime,
-        ..
-    } = Rig::new();
+    let rig = Rig::new();
+    let runtime = rig.runtime();
     let quiesced = runtime.quiesce();
     // A device lock is held: nothing else can reach the device.
     let DeviceHandle::Rng(rng) = &runtime.devices[1].handle else {
@@ -168,16 +168,9 @@ fn virtio_interrupts_skip_the_keyboard_controllers_aux_line() {
 /// runs, and not before: the new process never saw the old one's kick.
 #[test]
 fn a_restored_device_serves_requests_queued_before_the_snapshot_at_first_run() {
-    let Rig {
-        kvm,
-        _vm,
-        _disk,
-        cfg,
-        mem,
-        bus,
-        runtime,
-    } = Rig::new();
-    drive_rng_to_driver_ok(&bus);
+    let mut rig = Rig::new();
+    let mem = rig.mem.clone();
+    drive_rng_to_driver_ok(&rig.bus);
     // One device-writable 16-byte buffer, made available; the kick that
     // would follow is lost with the old process.
     let desc = [0x8000u64.to_le_bytes(), 0u64.to_le_bytes()].concat();
@@ -187,15 +180,11 @@ fn a_restored_device_serves_requests_queued_before_the_snapshot_at_first_run() {
         .unwrap();
     mem.write_obj(0u16, GuestAddress(RNG_AVAIL + 4)).unwrap();
     mem.write_obj(1u16, GuestAddress(RNG_AVAIL + 2)).unwrap();
-    let state = runtime.quiesce().save().unwrap();
-    drop(runtime);
+    let state = rig.runtime().quiesce().save().unwrap();
+    rig.runtime = None;
     assert_eq!(rng_used_idx(&mem), 0);
 
-    let vm2 = kvm.create_vm().unwrap();
-    vm2.create_irq_chip().unwrap();
-    let mut bus2 = Bus::new();
-    let restored = restore_devices(&cfg, &mem, &state).unwrap();
-    let runtime2 = attach(&vm2, &mem, &mut bus2, restored).unwrap();
+    let (_vm2, _bus2, runtime2) = restore_into_new_vm(&rig, &state);
     let first_run = runtime2.first_run_work().unwrap();
     // Until the VM runs, nothing is served (its memory stays the snapshot's).
     assert_eq!(rng_used_idx(&mem), 0);
