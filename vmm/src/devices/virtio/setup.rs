@@ -420,16 +420,17 @@ impl VirtioRuntime {
         let mut vsocks: Vec<Arc<Mutex<Vsock>>> = Vec::new();
         for d in &self.devices {
             let shared = d.handle.shared();
-            let evts = locked(&shared).common().queue_kickers().map_err(|source| {
-                SetupError::QueueKicker {
+            let dev = locked(&shared);
+            let evts = dev
+                .common()
+                .queue_kickers()
+                .map_err(|source| SetupError::QueueKicker {
                     addr: d.addr,
                     source,
-                }
-            })?;
+                })?;
             kickers.extend(evts.into_iter().map(|e| (d.addr, e)));
-            if let Some(irq) = &locked(&shared).common().interrupt {
-                interrupts.push(irq.clone());
-            }
+            interrupts.extend(dev.common().interrupt.clone());
+            drop(dev);
             if let DeviceHandle::Vsock(v) = &d.handle {
                 vsocks.push(v.clone());
             }
