@@ -5,6 +5,7 @@ use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::num::Wrapping;
 use std::os::unix::net::UnixStream;
+use std::time::Instant;
 
 use super::packet::PacketHeader;
 
@@ -30,6 +31,9 @@ pub struct Conn {
     pub stream: UnixStream,
     /// Handshake state.
     pub state: ConnState,
+    /// While awaiting the guest's RESPONSE: when the host socket is closed
+    /// if none came (see `handshake`).
+    pub deadline: Option<Instant>,
     /// The guest's receive buffer size.
     pub peer_buf_alloc: u32,
     /// Bytes the guest has consumed of what we sent.
@@ -62,6 +66,7 @@ impl Conn {
         Conn {
             stream,
             state,
+            deadline: None,
             peer_buf_alloc: 0,
             peer_fwd_cnt: Wrapping(0),
             rx_cnt: Wrapping(0),

@@ -5,24 +5,27 @@
 use super::*;
 
 impl Vsock {
-    /// A host process finished its `CONNECT <port>` line: ask the guest.
+    /// A host process finished its `CONNECT <port>` line and the device may
+    /// ask the guest now: send the REQUEST, which the guest must answer
+    /// within [`handshake::CONNECT_TIMEOUT`].
     pub(super) fn host_connect(&mut self, stream: UnixStream, peer_port: u32) -> Key {
         let local = self.alloc_local_port();
         let key = (local, peer_port);
-        self.conns
-            .insert(key, Conn::new(stream, ConnState::AwaitingResponse));
+        let mut conn = Conn::new(stream, ConnState::AwaitingResponse);
+        let deadline = Instant::now() + self.limits.connect;
+        conn.deadline = Some(deadline);
+        self.deadlines.arm_by(deadline);
+        self.conns.insert(key, conn);
         let req = self.header(local, peer_port, OP_REQUEST);
         self.push_control(req);
         key
     }
 
     /// Accepts host connections on the Unix socket until none is waiting.
+    /// They are accepted whether or not the guest has started the device,
+    /// so that each one's wait is bounded ([`handshake::ADMISSION_LIMIT`]): a guest
+    /// without a vsock driver must not leave a host process blocked for good.
     pub(super) fn accept_host_connections(&mut self, ops: &mut EventOps) {
-        // Until a restored guest has taken its transport reset, connections
-        // wait in the listen backlog (see `reset_hold`).
-        if self.reset_hold.holding() {
-            return;
-        }
         loop {
             let stream = match self.listener.accept() {
                 Ok((s, _)) => s,
@@ -46,24 +49,32 @@ impl Vsock {
             {
                 continue;
             }
+            let deadline = Instant::now() + self.limits.admission;
+            self.deadlines.arm_by(deadline);
             self.pending_hosts.insert(
                 fd,
                 PendingHost {
                     stream,
                     line: Vec::with_capacity(MAX_CONNECT_LINE),
+                    port: None,
+                    deadline,
                     dead: false,
                 },
             );
-            self.read_connect_line(fd, ops);
+            self.read_connect_line(fd);
         }
     }
 
     /// Reads what a host socket has sent of its `CONNECT <port>\n` line.
-    pub(super) fn read_connect_line(&mut self, fd: RawFd, ops: &mut EventOps) {
-        let activated = self.is_activated();
+    pub(super) fn read_connect_line(&mut self, fd: RawFd) {
         let Some(p) = self.pending_hosts.get_mut(&fd) else {
             return;
         };
+        if p.port.is_some() {
+            // Complete and waiting for the device: data after the line
+            // stays in the socket for the guest.
+            return;
+        }
         let mut byte = [0u8; 1];
         // Byte by byte, so nothing after the newline is consumed.
         loop {
@@ -90,26 +101,46 @@ impl Vsock {
             .and_then(|l| l.strip_prefix("CONNECT "))
             .and_then(|p| p.trim().parse::<u32>().ok());
         match port {
-            Some(port) if activated => {
-                if let Some(p) = self.pending_hosts.remove(&fd) {
-                    let key = self.host_connect(p.stream, port);
-                    // Same fd, now a connection: also watch for room to write.
-                    if let Some(c) = self.conns.get(&key) {
-                        let events = Events::new(
-                            &c.stream,
-                            EventSet::IN | EventSet::OUT | EventSet::EDGE_TRIGGERED,
-                        );
-                        if ops.modify(events).is_ok() {
-                            self.conn_fds.insert(fd, key);
-                        } else {
-                            self.kill(key, true);
-                        }
-                    }
-                }
-            }
-            _ => {
-                tracing::debug!(activated, "vsock: bad CONNECT line or device not started");
+            Some(port) => p.port = Some(port),
+            None => {
+                tracing::debug!("vsock: bad CONNECT line");
                 p.dead = true;
+            }
+        }
+    }
+
+    /// Sends the guest a REQUEST for every host connection whose CONNECT
+    /// line is complete, once the device is started and no restore reset
+    /// holds connections back.
+    pub(super) fn admit_waiting_hosts(&mut self, ops: &mut EventOps) {
+        if !self.is_activated() || self.reset_hold.holding() {
+            return;
+        }
+        let ready: Vec<RawFd> = self
+            .pending_hosts
+            .iter()
+            .filter(|(_, p)| !p.dead && p.port.is_some())
+            .map(|(fd, _)| *fd)
+            .collect();
+        for fd in ready {
+            let Some(p) = self.pending_hosts.remove(&fd) else {
+                continue;
+            };
+            let Some(port) = p.port else {
+                continue;
+            };
+            let key = self.host_connect(p.stream, port);
+            // Same fd, now a connection: also watch for room to write.
+            if let Some(c) = self.conns.get(&key) {
+                let events = Events::new(
+                    &c.stream,
+                    EventSet::IN | EventSet::OUT | EventSet::EDGE_TRIGGERED,
+                );
+                if ops.modify(events).is_ok() {
+                    self.conn_fds.insert(fd, key);
+                } else {
+                    self.kill(key, true);
+                }
             }
         }
     }

@@ -18,6 +18,7 @@
 //! vCPU thread (activation, reset) is handed over through `kick_evt`.
 
 pub mod conn;
+pub mod handshake;
 mod host_socket;
 pub mod packet;
 pub mod persist;
@@ -32,6 +33,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use virtio_bindings::virtio_ids::VIRTIO_ID_VSOCK;
@@ -41,6 +43,7 @@ use vmm_sys_util::eventfd::EventFd;
 use super::{read_config_bytes, ActivateError, DeviceCommon, Interrupt, VirtioDevice};
 use crate::memory::GuestMemoryMmap;
 use conn::{Conn, ConnState};
+use handshake::{DeadlineTimer, HandshakeLimits};
 use packet::*;
 
 /// Receive queue.
@@ -78,15 +81,20 @@ pub enum VsockError {
     /// An eventfd could not be created.
     #[error("cannot create the virtio-vsock eventfds: {0}")]
     Eventfd(#[source] io::Error),
-    /// The reset-hold timer could not be created.
-    #[error("cannot create the virtio-vsock reset timer (timerfd): {0}")]
+    /// A timer (reset hold, handshake deadlines) could not be created.
+    #[error("cannot create the virtio-vsock timers (timerfd): {0}")]
     Timer(#[source] io::Error),
 }
 
-/// A host socket that connected to `uds_path` and has not finished its CONNECT line.
+/// A host socket that connected to `uds_path` and is not a connection yet:
+/// its CONNECT line is unfinished, or the device cannot ask the guest yet.
 struct PendingHost {
     stream: UnixStream,
     line: Vec<u8>,
+    /// The guest port, once the CONNECT line is complete.
+    port: Option<u32>,
+    /// When it is closed if still waiting ([`handshake::ADMISSION_LIMIT`]).
+    deadline: Instant,
     dead: bool,
 }
 
@@ -104,6 +112,9 @@ pub struct VsockStats {
     pub rst_sent: u64,
     /// Control packets dropped because too many were waiting.
     pub control_dropped: u64,
+    /// Host connections closed because their handshake took too long
+    /// (see [`handshake`]).
+    pub handshake_timeouts: u64,
 }
 
 /// The virtio-vsock device.
@@ -129,6 +140,9 @@ pub struct Vsock {
     reset_event_owed: bool,
     /// Host connections wait while the guest handles that event.
     reset_hold: reset_hold::ResetHold,
+    /// Wakes the event loop when a host connection's wait is over.
+    deadlines: DeadlineTimer,
+    limits: HandshakeLimits,
     scratch: Vec<u8>,
     stats: VsockStats,
 }
@@ -213,6 +227,8 @@ impl Vsock {
             reset_event_pending: false,
             reset_event_owed: false,
             reset_hold: reset_hold::ResetHold::new().map_err(VsockError::Timer)?,
+            deadlines: DeadlineTimer::new().map_err(VsockError::Timer)?,
+            limits: HandshakeLimits::default(),
             scratch: vec![0; MAX_PKT_PAYLOAD],
             stats: VsockStats::default(),
         })
@@ -377,9 +393,8 @@ impl VirtioDevice for Vsock {
         for c in self.conns.values_mut() {
             c.dead = true;
         }
-        for p in self.pending_hosts.values_mut() {
-            p.dead = true;
-        }
+        // Host connections not handed to the guest yet keep waiting (within
+        // their deadline): a driver resets the device before starting it.
         self.rx_control.clear();
         self.reset_event_pending = false;
         self.reset_event_owed = false;
@@ -400,30 +415,24 @@ impl MutEventSubscriber for Vsock {
         } else if fd == evts[EVENT_QUEUE].as_raw_fd() {
             let _ = evts[EVENT_QUEUE].read();
             let avail = self.common.avail_idx(EVENT_QUEUE).unwrap_or(0);
-            if self.reset_hold.guest_notified(avail) && self.is_activated() {
-                self.accept_host_connections(ops);
-            }
+            // Ending the hold admits waiting host connections below.
+            self.reset_hold.guest_notified(avail);
         } else if fd == self.reset_hold.timer.as_raw_fd() {
-            if self.reset_hold.timed_out() && self.is_activated() {
-                self.accept_host_connections(ops);
-            }
+            self.reset_hold.timed_out();
+        } else if fd == self.deadlines.timer.as_raw_fd() {
+            self.expire_handshakes();
         } else if fd == self.kick_evt.as_raw_fd() {
+            // Activation or reset: host connections waiting for the device
+            // are admitted below.
             let _ = self.kick_evt.read();
-            // Host connections that arrived before the guest started the device
-            // waited in the listen backlog; take them now.
-            if self.is_activated() {
-                self.accept_host_connections(ops);
-            }
         } else if fd == self.listener.as_raw_fd() {
-            // Until the guest starts the device, connections wait in the backlog.
-            if self.is_activated() {
-                self.accept_host_connections(ops);
-            }
+            self.accept_host_connections(ops);
         } else if self.pending_hosts.contains_key(&fd) {
-            self.read_connect_line(fd, ops);
+            self.read_connect_line(fd);
         } else {
             self.on_connection_event(fd, events.event_set());
         }
+        self.admit_waiting_hosts(ops);
         self.process_event_queue();
         self.watch_new_connections(ops);
         self.process_rx();
@@ -441,6 +450,10 @@ impl MutEventSubscriber for Vsock {
         add(
             Events::new(&self.reset_hold.timer, EventSet::IN),
             "reset hold timer",
+        );
+        add(
+            Events::new(&self.deadlines.timer, EventSet::IN),
+            "handshake deadline timer",
         );
         add(
             Events::new(&self.listener, EventSet::IN | EventSet::EDGE_TRIGGERED),

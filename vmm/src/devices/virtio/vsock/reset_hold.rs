@@ -6,13 +6,11 @@
 //! connection the device passed to the guest before that ran was reset with
 //! the old ones (seen with a real guest: host-agent's first connection to a
 //! freshly restored guest-init was closed within milliseconds). So while the
-//! event is outstanding, host connections stay in the listen backlog, until
+//! event is outstanding, host connections are not passed to the guest, until
 //! the guest posts a new event buffer (Linux does that after handling the
 //! event) or, for a guest that never does, until [`HOLD_LIMIT`] has passed.
 
 use std::time::Duration;
-
-use std::os::fd::AsRawFd;
 
 use vmm_sys_util::timerfd::TimerFd;
 
@@ -45,19 +43,7 @@ pub struct ResetHold {
 impl ResetHold {
     /// No hold.
     pub fn new() -> std::io::Result<ResetHold> {
-        let timer = TimerFd::new()?;
-        // Non-blocking, so reading a timer that has not fired (or was
-        // cleared) never stalls the event thread.
-        // SAFETY: fcntl on a file descriptor this function owns, with
-        // integer arguments only; it touches no memory of ours.
-        let flags = unsafe { libc::fcntl(timer.as_raw_fd(), libc::F_GETFL) };
-        // SAFETY: as above.
-        if flags < 0
-            || unsafe { libc::fcntl(timer.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) }
-                < 0
-        {
-            return Err(std::io::Error::last_os_error());
-        }
+        let timer = super::handshake::nonblocking_timer()?;
         Ok(ResetHold {
             phase: Phase::Open,
             timer,

@@ -489,22 +489,56 @@ fn a_stale_socket_file_is_replaced_but_a_live_one_is_not() {
     let _ = std::fs::remove_file(&path);
 }
 
+type Loop = EventManager<Arc<Mutex<Vsock>>>;
+
+/// A device the guest has not started, with its event loop.
+fn unstarted_device() -> (PathBuf, Arc<Mutex<Vsock>>, Loop) {
+    let uds = uds_path();
+    let dev = Arc::new(Mutex::new(Vsock::new(GUEST_CID as u32, &uds).unwrap()));
+    let mut em: Loop = EventManager::new().unwrap();
+    em.add_subscriber(dev.clone());
+    (uds, dev, em)
+}
+
+/// Runs the event loop until the device has closed `host` (end of file or
+/// a reset); false if it is still open after 20 s.
+fn closed_by_device(em: &mut Loop, host: &UnixStream) -> bool {
+    host.set_nonblocking(true).unwrap();
+    let give_up = std::time::Instant::now() + Duration::from_secs(20);
+    while std::time::Instant::now() < give_up {
+        em.run_with_timeout(50).unwrap();
+        match (&*host).read(&mut [0u8; 64]) {
+            Ok(0) => return true,
+            Ok(_) => panic!("the device sent bytes to a host connection it never established"),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(e) => panic!("reading the host socket: {e}"),
+        }
+    }
+    false
+}
+
+const SHORT: handshake::HandshakeLimits = handshake::HandshakeLimits {
+    connect: Duration::from_millis(100),
+    admission: Duration::from_millis(300),
+};
+
 #[test]
 fn host_connections_made_before_the_guest_starts_the_device_wait() {
     let mem: &'static GuestMemoryMmap = Box::leak(Box::new(memory(8)));
-    let uds = uds_path();
-    let dev = Arc::new(Mutex::new(Vsock::new(GUEST_CID as u32, &uds).unwrap()));
-    let mut em: EventManager<Arc<Mutex<Vsock>>> = EventManager::new().unwrap();
-    em.add_subscriber(dev.clone());
+    let (uds, dev, mut em) = unstarted_device();
     let mut host = UnixStream::connect(&uds).unwrap();
     host.write_all(b"CONNECT 77\n").unwrap();
     for _ in 0..3 {
         em.run_with_timeout(20).unwrap();
     }
     assert!(
-        dev.lock().unwrap().pending_hosts.is_empty(),
-        "not accepted before activation"
+        dev.lock().unwrap().conns.is_empty(),
+        "the guest is not asked before it starts the device"
     );
+    // A driver resets the device before starting it: the host keeps waiting.
+    dev.lock().unwrap().reset();
+    em.run_with_timeout(20).unwrap();
 
     let rx = mock_queue(mem, GuestAddress(0));
     let tx = mock_queue(mem, GuestAddress(0x1_0000));
@@ -518,6 +552,80 @@ fn host_connections_made_before_the_guest_starts_the_device_wait() {
     let hdr: PacketHeader = mem.read_obj(GuestAddress(RX_BUFS)).unwrap();
     assert_eq!(({ hdr.op }, { hdr.dst_port }), (OP_REQUEST, 77));
     let _ = std::fs::remove_file(&uds);
+}
+
+#[test]
+fn a_host_connection_to_a_guest_that_never_starts_the_device_is_closed() {
+    let (uds, dev, mut em) = unstarted_device();
+    dev.lock().unwrap().set_handshake_limits(SHORT);
+    // One with a complete CONNECT line, one that never finishes it.
+    let mut waiting = UnixStream::connect(&uds).unwrap();
+    waiting.write_all(b"CONNECT 1024\n").unwrap();
+    let mut silent = UnixStream::connect(&uds).unwrap();
+    silent.write_all(b"CONN").unwrap();
+    assert!(
+        closed_by_device(&mut em, &waiting),
+        "still waiting after 20 s"
+    );
+    assert!(
+        closed_by_device(&mut em, &silent),
+        "still waiting after 20 s"
+    );
+    let d = dev.lock().unwrap();
+    assert!(d.pending_hosts.is_empty() && d.conns.is_empty());
+    assert_eq!(d.stats().handshake_timeouts, 2);
+    drop(d);
+    let _ = std::fs::remove_file(&uds);
+}
+
+#[test]
+fn a_host_connection_the_guest_never_answers_is_closed_and_the_guest_reset() {
+    let mut h = Harness::new();
+    h.dev.lock().unwrap().set_handshake_limits(SHORT);
+    h.post_rx(NRX);
+    let mut host = UnixStream::connect(&h.uds).unwrap();
+    host.write_all(b"CONNECT 52\n").unwrap();
+    h.pump();
+    let (req, _) = h.recv().expect("REQUEST to the guest");
+    assert_eq!((req.op, req.dst_port), (OP_REQUEST, 52));
+    // The guest answers nothing.
+    assert!(closed_by_device(&mut h.em, &host), "still open after 20 s");
+    let (rst, _) = h.recv().expect("a reset for the abandoned request");
+    assert_eq!(
+        (rst.op, rst.src_port, rst.dst_port),
+        (OP_RST, req.src_port, 52)
+    );
+    assert_eq!(h.dev.lock().unwrap().stats().handshake_timeouts, 1);
+    // A late RESPONSE opens nothing: it is answered with a reset.
+    h.send(h.hdr(OP_RESPONSE, 52, req.src_port), &[]);
+    assert_eq!(op(&h.recv()), Some(OP_RST));
+    assert_eq!(h.dev.lock().unwrap().connection_count(), 0);
+}
+
+#[test]
+fn an_answered_connection_outlives_the_handshake_deadline() {
+    let mut h = Harness::new();
+    h.dev.lock().unwrap().set_handshake_limits(SHORT);
+    h.post_rx(NRX);
+    let mut host = UnixStream::connect(&h.uds).unwrap();
+    host.write_all(b"CONNECT 52\n").unwrap();
+    h.pump();
+    let (req, _) = h.recv().expect("REQUEST to the guest");
+    h.send(h.hdr(OP_RESPONSE, 52, req.src_port), &[]);
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut line = [0u8; 32];
+    let n = host.read(&mut line).unwrap();
+    assert!(line[..n].starts_with(b"OK "));
+    // Well past both deadlines, with the timer firing meanwhile.
+    let until = std::time::Instant::now() + SHORT.admission * 2;
+    while std::time::Instant::now() < until {
+        h.em.run_with_timeout(50).unwrap();
+    }
+    host.write_all(b"still here").unwrap();
+    h.pump();
+    let (hdr, payload) = h.recv().unwrap();
+    assert_eq!((hdr.op, payload.as_slice()), (OP_RW, &b"still here"[..]));
+    assert_eq!(h.dev.lock().unwrap().stats().handshake_timeouts, 0);
 }
 
 #[test]
