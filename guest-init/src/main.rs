@@ -1,7 +1,7 @@
 //! guest-init: PID 1 of every guest and the session agent.
 //!
 //! * no arguments: PID 1 (mounts, network, reaping, session agent on vsock
-//!   port 1024, power off at the end);
+//!   port 700, power off at the end);
 //! * `serve --listen unix:PATH|vsock:PORT [--workspace DIR]`: the session
 //!   agent alone, outside PID 1 (tests, debugging);
 //! * `audit verify FILE`: checks an audit log's hash chain.

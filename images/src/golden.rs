@@ -1,6 +1,6 @@
 //! The golden snapshot: boot the kernel and a private copy of the root
 //! filesystem under vmm with vsock and rng, wait until guest-init answers the
-//! Hello exchange on vsock port 1024 (it is idle, waiting for a session),
+//! Hello exchange on vsock port 700 (it is idle, waiting for a session),
 //! pause, take a full snapshot, stop.
 //!
 //! The output directory holds `snapshot/` (vmm's state, memory, manifest),

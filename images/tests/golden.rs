@@ -120,7 +120,7 @@ fn a_guest_that_never_answers_is_reported_with_the_console() {
     assert!(!res.status.success());
     let stderr = String::from_utf8_lossy(&res.stderr);
     assert!(
-        stderr.contains("did not answer on vsock port 1024"),
+        stderr.contains("did not answer on vsock port 700"),
         "{stderr}"
     );
     assert!(

@@ -17,8 +17,10 @@ pub mod guest {
     /// The protocol version this crate speaks, exchanged in [`Hello`].
     pub const PROTOCOL_VERSION: u32 = 1;
 
-    /// The vsock port guest-init listens on by default.
-    pub const DEFAULT_VSOCK_PORT: u32 = 1024;
+    /// The vsock port guest-init listens on by default. It is below 1024,
+    /// so only a privileged process in the guest (guest-init) can listen on
+    /// it, never one of the agent's commands.
+    pub const DEFAULT_VSOCK_PORT: u32 = 700;
 }
 
 /// The host-agent gRPC API, package `hostagent.v1` (feature `grpc`).

@@ -4,7 +4,7 @@
 //!   kernel's own syntax; guest-init applies CLIENT/NETMASK to DEVICE
 //!   (default eth0), adds a default route via GATEWAY, and takes HOSTNAME.
 //! * `guest_init.hostname=NAME` — overrides the hostname.
-//! * `guest_init.port=PORT` — the vsock port (default 1024).
+//! * `guest_init.port=PORT` — the vsock port (default 700; it must be below 1024).
 
 use std::net::Ipv4Addr;
 
@@ -85,8 +85,8 @@ mod tests {
 
     #[test]
     fn parses_kernel_ip_syntax() {
-        let c = Cmdline::parse("console=ttyS0 ip=172.16.0.2::172.16.0.1:255.255.255.0:box1:eth0:off guest_init.port=2000");
-        assert_eq!(c.vsock_port, 2000);
+        let c = Cmdline::parse("console=ttyS0 ip=172.16.0.2::172.16.0.1:255.255.255.0:box1:eth0:off guest_init.port=600");
+        assert_eq!(c.vsock_port, 600);
         assert_eq!(c.hostname.as_deref(), Some("box1"));
         let ip = c.ip.unwrap();
         assert_eq!(ip.addr, Ipv4Addr::new(172, 16, 0, 2));
@@ -95,6 +95,6 @@ mod tests {
         let c = Cmdline::parse("ip=dhcp guest_init.hostname=x");
         assert_eq!(c.ip, None);
         assert_eq!(c.hostname.as_deref(), Some("x"));
-        assert_eq!(c.vsock_port, 1024);
+        assert_eq!(c.vsock_port, proto::guest::DEFAULT_VSOCK_PORT);
     }
 }
