@@ -131,7 +131,9 @@ async fn start_guest() -> Guest {
             tokio::spawn(async move {
                 let mut conn = BufReader::new(conn);
                 let mut line = String::new();
-                if conn.read_line(&mut line).await.is_err() || line.trim() != "CONNECT 1024" {
+                if conn.read_line(&mut line).await.is_err()
+                    || line.trim() != format!("CONNECT {}", proto::guest::DEFAULT_VSOCK_PORT)
+                {
                     let _ = conn.get_mut().write_all(b"ERR unknown port\n").await;
                     return;
                 }
