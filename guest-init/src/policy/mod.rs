@@ -3,6 +3,7 @@
 //! *at the base commit* (never the working tree, so an agent cannot loosen
 //! its own rules by editing them on its branch).
 
+pub mod check;
 pub mod command;
 pub mod egress;
 pub mod git;
