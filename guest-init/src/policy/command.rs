@@ -157,6 +157,8 @@ pub enum CommandError {
 
 const MAX_DEPTH: usize = 8;
 const MAX_STEPS: usize = 512;
+/// Reasons listed per subject; more are counted.
+const MAX_REASONS: usize = 8;
 
 /// The subjects of `argv` run in `ctx`, in order.
 pub fn subjects(argv: &[String], ctx: &ExecContext<'_>) -> Result<Vec<Subject>, CommandError> {
@@ -174,24 +176,23 @@ pub fn subjects(argv: &[String], ctx: &ExecContext<'_>) -> Result<Vec<Subject>, 
         Vec::new(),
         0,
     )?;
-    let from_env: Vec<String> = ctx
+    let risky: Vec<&str> = ctx
         .env
         .keys()
+        .map(String::as_str)
         .filter(|k| is_risky(k))
-        .map(|k| format!("the Exec's environment sets {k}"))
         .collect();
-    for s in &mut w.out {
-        push_all(&mut s.escalations, &from_env);
-    }
-    Ok(w.out)
-}
-
-fn push_all(into: &mut Vec<String>, reasons: &[String]) {
-    for r in reasons {
-        if !into.contains(r) {
-            into.push(r.clone());
+    if !risky.is_empty() {
+        let mut named = risky[..risky.len().min(3)].join(", ");
+        if risky.len() > 3 {
+            named.push_str(&format!(" and {} more", risky.len() - 3));
+        }
+        let reason = format!("the Exec's environment sets {named}");
+        for s in &mut w.out {
+            s.escalations.push(reason.clone());
         }
     }
+    Ok(w.out)
 }
 
 struct Walker<'a> {
@@ -362,16 +363,27 @@ impl Walker<'_> {
     }
 
     fn emit(&mut self, words: &[Word], mut esc: Vec<String>) {
+        // One reason per kind of dynamic word, naming the first few words.
+        let mut dynamic: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
         for w in words {
             if let Some(why) = w.dynamic {
-                let r = format!("{:?} comes from {why}", w.text);
-                if !esc.contains(&r) {
-                    esc.push(r);
-                }
+                dynamic.entry(why).or_default().push(&w.text);
             }
         }
-        let mut unique = Vec::new();
-        push_all(&mut unique, &esc);
+        for (why, ws) in dynamic {
+            let mut named: Vec<String> = ws.iter().take(3).map(|t| format!("{t:?}")).collect();
+            if ws.len() > 3 {
+                named.push(format!("{} more", ws.len() - 3));
+            }
+            esc.push(format!("{} comes from {why}", named.join(", ")));
+        }
+        let mut seen = std::collections::HashSet::new();
+        let mut unique: Vec<String> = esc.into_iter().filter(|r| seen.insert(r.clone())).collect();
+        if unique.len() > MAX_REASONS {
+            let more = unique.len() - MAX_REASONS;
+            unique.truncate(MAX_REASONS);
+            unique.push(format!("and {more} more reasons"));
+        }
         self.out.push(Subject {
             text: texts(words).join(" "),
             escalations: unique,
@@ -391,24 +403,29 @@ impl Walker<'_> {
         loop {
             self.step()?;
             // Reserved words of compound commands.
-            while words.first().is_some_and(|w| {
-                w.dynamic.is_none()
-                    && matches!(
-                        w.text.as_str(),
-                        "!" | "{" | "if" | "then" | "else" | "elif" | "while" | "until" | "do"
-                    )
-            }) {
-                words.remove(0);
-            }
+            let reserved = words
+                .iter()
+                .take_while(|w| {
+                    w.dynamic.is_none()
+                        && matches!(
+                            w.text.as_str(),
+                            "!" | "{" | "if" | "then" | "else" | "elif" | "while" | "until" | "do"
+                        )
+                })
+                .count();
+            words.drain(..reserved);
             if words.len() == 1 && matches!(words[0].text.as_str(), "fi" | "done" | "}" | "esac") {
                 words.clear();
             }
-            let mut assigned = Vec::new();
-            while let Some(name) = words.first().and_then(assignment_name) {
+            let n_assigned = words
+                .iter()
+                .take_while(|w| assignment_name(w).is_some())
+                .count();
+            let assigned: Vec<Word> = words.drain(..n_assigned).collect();
+            for name in assigned.iter().filter_map(assignment_name) {
                 if is_risky(name) {
                     esc.push(format!("it sets {name}"));
                 }
-                assigned.push(words.remove(0));
             }
             if words.is_empty() {
                 // Assignments or redirections alone still take effect.
@@ -1149,6 +1166,94 @@ mod tests {
         }
         let argv: Vec<String> = vec!["sh".into(), "-c".into(), script];
         assert_eq!(subjects(&argv, &ctx), Err(CommandError::TooDeep(MAX_DEPTH)));
+    }
+
+    /// Scripts from a fixed pseudo-random sequence over shell's special
+    /// characters: each is decided or refused with an error, never a panic;
+    /// large inputs (a frame holds 4 MiB) are read in one pass.
+    #[test]
+    fn any_script_is_decided_or_refused() {
+        const ALPHABET: &[&str] = &[
+            " ",
+            "\n",
+            ";",
+            "&",
+            "|",
+            "(",
+            ")",
+            "{",
+            "}",
+            "<",
+            ">",
+            "'",
+            "\"",
+            "`",
+            "$",
+            "$(",
+            "${",
+            "\\",
+            "#",
+            "*",
+            "?",
+            "[",
+            "]",
+            "~",
+            "=",
+            "2>",
+            "<<",
+            "EOF",
+            "git",
+            "push",
+            "sh -c ",
+            "env ",
+            "PATH=x ",
+            "find . -exec ",
+            "xargs ",
+            "-c",
+            "{}",
+            ",",
+            "..",
+            "/",
+        ];
+        let env = BTreeMap::new();
+        let ctx = ExecContext {
+            workspace: Path::new("/w"),
+            cwd: Path::new("/w"),
+            env: &env,
+        };
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let (mut ok, mut refused) = (0, 0);
+        for _ in 0..20_000 {
+            let mut script = String::new();
+            for _ in 0..(state % 24) {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                script.push_str(ALPHABET[(state >> 33) as usize % ALPHABET.len()]);
+            }
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            match subjects(&["sh".into(), "-c".into(), script], &ctx) {
+                Ok(_) => ok += 1,
+                Err(_) => refused += 1,
+            }
+        }
+        assert!(ok > 1000 && refused > 1000, "ok {ok}, refused {refused}");
+        for big in [
+            "[".repeat(1 << 20),
+            "A=1 ".repeat(1 << 18) + "ls",
+            "echo ".to_string() + &"$x ".repeat(1 << 18),
+            "echo ".to_string() + &">/tmp/x ".repeat(1 << 17),
+            "{".repeat(1 << 20),
+        ] {
+            let argv = vec!["sh".to_string(), "-c".to_string(), big];
+            let s = subjects(&argv, &ctx).unwrap();
+            assert!(s.iter().all(|s| s.escalations.len() <= MAX_REASONS + 1));
+        }
+        let many = vec!["ls".to_string(); 1 << 18].join(";");
+        let argv = vec!["sh".to_string(), "-c".to_string(), many];
+        assert_eq!(subjects(&argv, &ctx), Err(CommandError::TooLong(MAX_STEPS)));
     }
 
     fn shell_quote(s: &str) -> String {

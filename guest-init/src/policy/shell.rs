@@ -275,6 +275,7 @@ impl Lexer {
         let mut w = Word::default();
         // Unquoted text, to find brace expansion (`{a,b}`, `{1..3}`).
         let mut unquoted = String::new();
+        let mut saw_bracket = false;
         let start = self.pos;
         while let Some(c) = self.peek() {
             if is_meta(c) {
@@ -312,12 +313,10 @@ impl Lexer {
                     w.text.push(c);
                     unquoted.push(c);
                 }
-                '[' if self.chars[self.pos..]
-                    .iter()
-                    .take_while(|c| !is_meta(**c))
-                    .any(|c| *c == ']') =>
-                {
-                    w.dynamic.get_or_insert("a file name pattern");
+                '[' => {
+                    // A pattern unless the word is the `[`/`[[` test command
+                    // (decided after the word, to stay linear).
+                    saw_bracket = true;
                     w.text.push(c);
                     unquoted.push(c);
                 }
@@ -330,6 +329,9 @@ impl Lexer {
                     unquoted.push(c);
                 }
             }
+        }
+        if saw_bracket && unquoted.contains(']') && w.text != "[[" {
+            w.dynamic.get_or_insert("a file name pattern");
         }
         if has_brace_expansion(&unquoted) {
             w.dynamic.get_or_insert("brace expansion");
