@@ -62,6 +62,8 @@ pub const RISKY_CONFIG_KEYS: &[&str] = &[
     "init.templatedir",
     "submodule.*.update",
     "url.*",
+    // `help.autocorrect` runs a mistyped command as the one git guesses.
+    "help.*",
 ];
 
 /// True when setting `key` on the command line or with `git config` can
