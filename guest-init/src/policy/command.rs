@@ -205,7 +205,10 @@ struct Walker<'a> {
 
 /// What a wrapper leaves to decide.
 enum Next {
-    /// Go on with these words (the inner command).
+    /// Go on with the wrapper's arguments after the first `n` (the inner
+    /// command is the rest).
+    Skip(usize),
+    /// Go on with these words (an inner command the wrapper builds).
     Inner(Vec<Word>),
     /// Decide this shell script instead.
     Script(String),
@@ -400,10 +403,12 @@ impl Walker<'_> {
         if depth > MAX_DEPTH {
             return Err(CommandError::TooDeep(MAX_DEPTH));
         }
+        // The command is `words[start..]`; unwrapping moves `start`.
+        let mut start = 0;
         loop {
             self.step()?;
             // Reserved words of compound commands.
-            let reserved = words
+            start += words[start..]
                 .iter()
                 .take_while(|w| {
                     w.dynamic.is_none()
@@ -413,49 +418,52 @@ impl Walker<'_> {
                         )
                 })
                 .count();
-            words.drain(..reserved);
-            if words.len() == 1 && matches!(words[0].text.as_str(), "fi" | "done" | "}" | "esac") {
-                words.clear();
+            if words.len() == start + 1
+                && matches!(words[start].text.as_str(), "fi" | "done" | "}" | "esac")
+            {
+                start += 1;
             }
-            let n_assigned = words
+            let assigned_from = start;
+            start += words[start..]
                 .iter()
                 .take_while(|w| assignment_name(w).is_some())
                 .count();
-            let assigned: Vec<Word> = words.drain(..n_assigned).collect();
-            for name in assigned.iter().filter_map(assignment_name) {
+            for name in words[assigned_from..start]
+                .iter()
+                .filter_map(assignment_name)
+            {
                 if is_risky(name) {
                     esc.push(format!("it sets {name}"));
                 }
             }
-            if words.is_empty() {
+            if start == words.len() {
                 // Assignments or redirections alone still take effect.
                 if !esc.is_empty() {
-                    self.emit(&assigned, esc);
+                    self.emit(&words[assigned_from..], esc);
                 }
                 return Ok(());
             }
-            if let Some(why) = words[0].dynamic {
+            if let Some(why) = words[start].dynamic {
                 esc.push(format!("the program name comes from {why}"));
-                self.emit(&words, esc);
+                self.emit(&words[start..], esc);
                 return Ok(());
             }
-            let name = match self.resolve(&words[0].text, &mut esc) {
-                Some(name) => name,
-                None => {
-                    // A program outside the system directories: its full path.
-                    let prog = &words[0].text;
-                    let full = normalize(&self.ctx.cwd.join(prog));
-                    words[0].text = full.to_string_lossy().into_owned();
-                    self.emit(&words, esc);
-                    return Ok(());
-                }
+            let Some(name) = self.resolve(&words[start].text, &mut esc) else {
+                // A program outside the system directories: its full path.
+                let full = normalize(&self.ctx.cwd.join(&words[start].text));
+                words[start].text = full.to_string_lossy().into_owned();
+                self.emit(&words[start..], esc);
+                return Ok(());
             };
-            words[0].text = name.clone();
-            let rest = words[1..].to_vec();
-            match self.unwrap(&name, &rest, &mut esc, depth)? {
-                Next::Inner(inner) if !inner.is_empty() => words = inner,
-                Next::Inner(_) | Next::Itself => {
-                    self.emit(&words, esc);
+            words[start].text = name.clone();
+            match self.unwrap(&name, &words[start + 1..], &mut esc, depth)? {
+                Next::Skip(n) if start + 1 + n < words.len() => start += 1 + n,
+                Next::Inner(inner) if !inner.is_empty() => {
+                    words = inner;
+                    start = 0;
+                }
+                Next::Skip(_) | Next::Inner(_) | Next::Itself => {
+                    self.emit(&words[start..], esc);
                     return Ok(());
                 }
                 Next::Script(s) => return self.script(&s, &esc, depth + 1),
@@ -505,8 +513,7 @@ impl Walker<'_> {
         let (i, opts) = options(rest, short, long);
         let start = (i + operands).min(rest.len());
         Self::check_skipped(&rest[..start], name, esc);
-        let inner = rest[start..].to_vec();
-        (opts, Next::Inner(inner))
+        (opts, Next::Skip(start))
     }
 
     fn unwrap(
@@ -527,23 +534,30 @@ impl Walker<'_> {
                 while rest.get(i).is_some_and(|w| w.text == "-") {
                     i += 1;
                 }
+                let split = has(&opts, &["-S", "--split-string"]);
                 let mut inner = Vec::new();
-                if let Some(split) = has(&opts, &["-S", "--split-string"]) {
-                    for cmd in shell::parse(&split)? {
+                if let Some(split) = &split {
+                    for cmd in shell::parse(split)? {
                         inner.extend(cmd.words);
                     }
                 }
-                inner.extend(rest[i..].iter().cloned());
-                if inner.iter().all(|w| assignment_name(w).is_some()) {
-                    // No command: env prints the environment.
-                    for w in &inner {
+                let no_command = inner
+                    .iter()
+                    .chain(&rest[i..])
+                    .all(|w| assignment_name(w).is_some());
+                if no_command {
+                    // env prints the environment.
+                    for w in inner.iter().chain(&rest[i..]) {
                         if let Some(n) = assignment_name(w).filter(|n| is_risky(n)) {
                             esc.push(format!("it sets {n}"));
                         }
                     }
                     Next::Itself
-                } else {
+                } else if split.is_some() {
+                    inner.extend(rest[i..].iter().cloned());
                     Next::Inner(inner)
+                } else {
+                    Next::Skip(i)
                 }
             }
             "nice" => Self::simple(name, rest, "n", &["--adjustment"], 0, esc).1,
@@ -673,7 +687,7 @@ impl Walker<'_> {
                     options(rest, "uC", &[])
                 };
                 Self::check_skipped(&rest[..i], name, esc);
-                Next::Inner(rest[i..].to_vec())
+                Next::Skip(i)
             }
             "su" | "runuser" => {
                 esc.push(format!("{name} runs the command as another user"));
@@ -692,7 +706,7 @@ impl Walker<'_> {
                 if let Some(script) = has(&opts, &["-c", "--command", "--session-command"]) {
                     Next::Script(script)
                 } else if name == "runuser" && has(&opts, &["-u"]).is_some() {
-                    Next::Inner(rest[i..].to_vec())
+                    Next::Skip(i)
                 } else {
                     Next::Itself
                 }
@@ -759,9 +773,8 @@ impl Walker<'_> {
                     esc,
                 );
                 match next {
-                    Next::Inner(inner) if inner.is_empty() => {
-                        Next::Inner(vec![Word::literal("echo")])
-                    }
+                    // No command: xargs runs echo.
+                    Next::Skip(n) if n >= rest.len() => Next::Inner(vec![Word::literal("echo")]),
                     other => other,
                 }
             }
@@ -802,10 +815,11 @@ impl Walker<'_> {
                 let (opts, next) =
                     Self::simple(name, rest, "nq", &["--interval", "--equexit"], 0, esc);
                 match next {
-                    Next::Inner(inner) if has(&opts, &["-x", "--exec"]).is_none() => {
+                    Next::Skip(n) if has(&opts, &["-x", "--exec"]).is_none() => {
                         // watch runs its arguments through `sh -c`.
-                        self.check_dynamic(&inner, name, esc);
-                        Next::Script(texts(&inner).join(" "))
+                        let inner = &rest[n.min(rest.len())..];
+                        self.check_dynamic(inner, name, esc);
+                        Next::Script(texts(inner).join(" "))
                     }
                     other => other,
                 }
@@ -838,14 +852,14 @@ impl Walker<'_> {
                 }
             }
             "busybox" => match rest.first() {
-                Some(w) if !w.text.starts_with('-') => Next::Inner(rest.to_vec()),
+                Some(w) if !w.text.starts_with('-') => Next::Skip(0),
                 _ => Next::Itself,
             },
             "coproc" => {
                 esc.push(r(
                     "coproc runs the command in the background with open pipes",
                 ));
-                Next::Inner(rest.to_vec())
+                Next::Skip(0)
             }
             "eval" => {
                 self.check_dynamic(rest, name, esc);
@@ -1246,6 +1260,7 @@ mod tests {
             "echo ".to_string() + &"$x ".repeat(1 << 18),
             "echo ".to_string() + &">/tmp/x ".repeat(1 << 17),
             "{".repeat(1 << 20),
+            "nohup ".repeat(400) + "echo " + &"x ".repeat(1 << 19),
         ] {
             let argv = vec!["sh".to_string(), "-c".to_string(), big];
             let s = subjects(&argv, &ctx).unwrap();
