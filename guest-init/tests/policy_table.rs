@@ -347,6 +347,33 @@ const CASES: &[Case] = &[
     c(OPEN, Sh("echo \"$(git push)\""), Deny),
     c(OPEN, Sh("timeout 5 rm -rf /"), Deny),
     c(README, Sh("git status 2>&1 | head"), Ask),
+    // More of the same kinds.
+    c(
+        README,
+        Argv(&["git", "-c", "help.autocorrect=1", "psuh"]),
+        Ask,
+    ),
+    c(
+        README,
+        Argv(&["git", "-cinclude.path=/tmp/x", "status"]),
+        Ask,
+    ),
+    c(OPEN, Argv(&["find", ".", "-ok", "git", "push", ";"]), Deny),
+    c(OPEN, Argv(&["find", ".", "-fprint", "/tmp/list"]), Ask),
+    c(
+        README,
+        Argv(&["env", "--chdir=/tmp", "./git", "status"]),
+        Ask,
+    ),
+    c(OPEN, Argv(&["env", "--split-string=git push"]), Deny),
+    c(OPEN, Sh("exec >/tmp/log; ls"), Ask),
+    c(OPEN, Sh("git push <<EOF\nx\nEOF"), Deny),
+    c(OPEN, Sh("cat <<EOF\n$(git push)\nEOF"), Deny),
+    c(OPEN, Sh("cat <<'EOF'\n$(git push)\nEOF"), Allow),
+    // A workspace program is not the real sh: it is decided by its path
+    // (allowed by "*" here, so allow-lists beat deny-lists).
+    c(OPEN, Argv(&["./sh", "-c", "git push"]), Allow),
+    c(README, Argv(&["./sh", "-c", "git status"]), Ask),
     // One value for the tool: no escalation.
     c(SINGLE, Sh("PATH=/workspace/bin git status"), Allow),
     c(SINGLE, Argv(&["git", "push"]), Allow),

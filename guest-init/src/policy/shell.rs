@@ -135,7 +135,7 @@ impl Lexer {
                 '\n' => {
                     self.pos += 1;
                     self.finish();
-                    self.read_heredoc_bodies();
+                    self.read_heredoc_bodies()?;
                 }
                 '&' if self.peek_at(1) == Some('>') => self.redirect()?,
                 ';' | '&' | '|' => {
@@ -234,9 +234,9 @@ impl Lexer {
         Ok(())
     }
 
-    fn read_heredoc_bodies(&mut self) {
+    fn read_heredoc_bodies(&mut self) -> Result<(), CommandError> {
         for doc in std::mem::take(&mut self.heredocs) {
-            let mut expands = false;
+            let mut body = String::new();
             loop {
                 if self.pos >= self.chars.len() {
                     break;
@@ -257,17 +257,24 @@ impl Lexer {
                 if line == doc.delimiter {
                     break;
                 }
-                expands |= doc.expands && line.contains(['$', '`']);
-            }
-            if expands {
-                // The body's `$(...)` runs; its commands are not read here.
-                let note = "has a here-document with substitutions in it";
-                match self.commands.last_mut() {
-                    Some(cmd) => cmd.notes.push(note),
-                    None => self.current.notes.push(note),
+                if doc.expands {
+                    body.push_str(line);
+                    body.push('\n');
                 }
             }
+            if body.contains(['$', '`']) {
+                // An unquoted delimiter: the body's substitutions run.
+                let subs = body_substitutions(&body)?;
+                let note = "has a here-document with substitutions in it";
+                let cmd = match self.commands.last_mut() {
+                    Some(cmd) => cmd,
+                    None => &mut self.current,
+                };
+                cmd.notes.push(note);
+                cmd.substitutions.extend(subs);
+            }
         }
+        Ok(())
     }
 
     /// Reads one word; stops at an unquoted metacharacter.
@@ -516,6 +523,23 @@ impl Lexer {
     }
 }
 
+/// The scripts of the substitutions in an expanding here-document body
+/// (read like the inside of double quotes, where `"` is plain text).
+fn body_substitutions(body: &str) -> Result<Vec<String>, CommandError> {
+    let mut lexer = Lexer {
+        chars: body.chars().chain(['"']).collect(),
+        pos: 0,
+        commands: Vec::new(),
+        current: SimpleCommand::default(),
+        heredocs: Vec::new(),
+    };
+    let mut scratch = Word::default();
+    while lexer.pos < lexer.chars.len() {
+        lexer.double_quoted(&mut scratch)?;
+    }
+    Ok(lexer.current.substitutions)
+}
+
 /// `{a,b}` or `{1..3}` outside quotes.
 fn has_brace_expansion(unquoted: &str) -> bool {
     let mut rest = unquoted;
@@ -609,8 +633,9 @@ mod tests {
         let cmds = parse("cat <<'EOF'\nit's $(x)\nEOF\necho done").unwrap();
         assert_eq!(cmds.len(), 2);
         assert!(cmds[0].notes.is_empty());
-        let cmds = parse("cat <<EOF\n$(id)\nEOF\n").unwrap();
+        let cmds = parse("cat <<EOF\n\"$(id)\" `ls`\nEOF\n").unwrap();
         assert_eq!(cmds[0].notes.len(), 1);
+        assert_eq!(cmds[0].substitutions, ["id", "ls"]);
         let cmds = parse("f() { id; }; f").unwrap();
         assert_eq!(cmds[0].notes.len(), 1);
     }
