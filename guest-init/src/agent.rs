@@ -32,7 +32,7 @@ use crate::exec::{self, Spec};
 use crate::policy::egress::{self, EgressPlan};
 use crate::policy::rules::Action;
 use crate::policy::secrets::{Redactor, Secrets};
-use crate::policy::Policy;
+use crate::policy::{ExecDecision, Policy};
 use crate::privilege::{self, Identity};
 use crate::reaper;
 use crate::session;
@@ -948,7 +948,15 @@ impl Session {
             }
         };
         let always = lock(&self.always).clone();
-        let decision = match self.policy.decide_exec(&e.argv, &always) {
+        // The Exec's env is decided with its argv: PATH, LD_PRELOAD, GIT_* and
+        // the like change what the command runs.
+        let exec_env: BTreeMap<String, String> = e.env.clone().into_iter().collect();
+        let ctx = crate::policy::ExecContext {
+            workspace: &self.cfg.workspace,
+            cwd: &cwd,
+            env: &exec_env,
+        };
+        let decision = match self.policy.decide_exec(&e.argv, &ctx, &always) {
             Ok(d) => d,
             Err(err) => {
                 self.send(error(
@@ -977,7 +985,7 @@ impl Session {
                 return;
             }
             Action::Ask => {
-                if !self.ask(&e, &decision.subject, &decision.rule).await {
+                if !self.ask(&e, &decision).await {
                     return;
                 }
             }
@@ -986,7 +994,8 @@ impl Session {
     }
 
     /// Holds the command for an Answer; true when it may run.
-    async fn ask(&self, e: &Exec, subject: &str, rule: &str) -> bool {
+    async fn ask(&self, e: &Exec, decision: &ExecDecision) -> bool {
+        let (subject, rule) = (decision.subject.as_str(), decision.rule.as_str());
         let ask_id = format!("ask-{}", e.exec_id);
         let (tx, rx) = oneshot::channel();
         lock(&self.asks).insert(ask_id.clone(), (e.turn_id.clone(), tx));
@@ -1034,7 +1043,7 @@ impl Session {
         })
         .await;
         if reply == Some(Reply::Always) {
-            lock(&self.always).extend(Policy::subjects_of(&e.argv));
+            lock(&self.always).extend(decision.keys.iter().cloned());
         }
         if !ok {
             let reason = if cancelled {

@@ -4,7 +4,9 @@
 //!   port 700, power off at the end);
 //! * `serve --listen unix:PATH|vsock:PORT [--workspace DIR]`: the session
 //!   agent alone, outside PID 1 (tests, debugging);
-//! * `audit verify FILE`: checks an audit log's hash chain.
+//! * `audit verify FILE`: checks an audit log's hash chain;
+//! * `policy check --rules agents/NAME.md [--manifest FILE] -- ARGV...`:
+//!   decides a command with those rules, as a session would.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,6 +15,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use guest_init::agent::{self, Config};
 use guest_init::channel::ListenAddr;
 use guest_init::pid1;
+use guest_init::policy::check::{self, CheckRequest};
 use guest_init::reaper;
 use guest_init::{audit, privilege, turn};
 
@@ -35,6 +38,11 @@ enum Command {
     Audit {
         #[command(subcommand)]
         command: AuditCommand,
+    },
+    /// Command policy tools.
+    Policy {
+        #[command(subcommand)]
+        command: PolicyCommand,
     },
     /// PID 1 mode with overrides, for tests inside a PID namespace.
     #[command(hide = true)]
@@ -82,6 +90,35 @@ enum AuditCommand {
         /// The JSON-lines audit log.
         file: PathBuf,
     },
+}
+
+#[derive(Subcommand)]
+enum PolicyCommand {
+    /// Decide one command line: prints allow|ask|deny, the deciding rule and
+    /// the commands found; exit 0 whatever the decision, 2 on bad input.
+    Check(CheckArgs),
+}
+
+#[derive(clap::Args)]
+struct CheckArgs {
+    /// The rules file, `agents/NAME.md` (NAME is the agent).
+    #[arg(long)]
+    rules: PathBuf,
+    /// The repository's `agent-manifest.yaml`, to check it and show the grant.
+    #[arg(long)]
+    manifest: Option<PathBuf>,
+    /// Workspace root the command runs under.
+    #[arg(long, default_value = "/workspace")]
+    workspace: PathBuf,
+    /// Working directory (default: the workspace; relative to it if relative).
+    #[arg(long)]
+    cwd: Option<PathBuf>,
+    /// A variable of the Exec's env (repeatable).
+    #[arg(long = "env", value_name = "NAME=VALUE")]
+    env: Vec<String>,
+    /// The command, after `--`.
+    #[arg(last = true, required = true, value_name = "ARGV")]
+    argv: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -173,6 +210,9 @@ fn main() -> ExitCode {
         Some(Command::Audit {
             command: AuditCommand::Verify { file },
         }) => verify(&file),
+        Some(Command::Policy {
+            command: PolicyCommand::Check(a),
+        }) => policy_check(a),
     };
     match result {
         Ok(code) => code,
@@ -223,6 +263,29 @@ fn serve(a: ServeArgs) -> std::io::Result<ExitCode> {
         agent::serve(transport.as_mut(), cfg).await?;
         Ok(ExitCode::SUCCESS)
     })
+}
+
+fn policy_check(a: CheckArgs) -> std::io::Result<ExitCode> {
+    let req = CheckRequest {
+        rules: a.rules,
+        manifest: a.manifest,
+        workspace: a.workspace,
+        cwd: a.cwd,
+        env: a.env,
+        argv: a.argv,
+    };
+    match check::check(&req) {
+        Ok(report) => {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            match write!(out, "{report}").and_then(|()| out.flush()) {
+                // `policy check ... | head -1` closes the pipe early; that is fine.
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e),
+                _ => Ok(ExitCode::SUCCESS),
+            }
+        }
+        Err(e) => Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)),
+    }
 }
 
 fn verify(file: &std::path::Path) -> std::io::Result<ExitCode> {

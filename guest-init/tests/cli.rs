@@ -97,3 +97,116 @@ async fn vsock_transport_binds_where_the_kernel_has_vsock() {
         ),
     }
 }
+
+/// Runs `guest-init policy check` with `agents/coder.md` = the README's
+/// rules; returns (exit code, stdout, stderr).
+fn policy_check(extra: &[&str], argv: &[&str]) -> (Option<i32>, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("agents")).unwrap();
+    std::fs::write(
+        dir.path().join("agents/coder.md"),
+        "---\npermission:\n  bash:\n    \"*\": ask\n    \"git *\": allow\n    \"git push *\": deny\n---\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("agent-manifest.yaml"),
+        "version: 1\nagents:\n  coder:\n    secrets: [TOKEN]\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("bad-manifest.yaml"),
+        "version: 1\nbogus: 1\n",
+    )
+    .unwrap();
+    let out = output(
+        Command::new(BIN)
+            .current_dir(dir.path())
+            .args(["policy", "check"])
+            .args(extra)
+            .arg("--")
+            .args(argv),
+    )
+    .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn policy_check_prints_the_decision_and_the_rule() {
+    let rules = ["--rules", "agents/coder.md"];
+    let (code, out, err) = policy_check(&rules, &["git", "-C", ".", "push", "origin", "main"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        out,
+        "deny\nrule: bash: \"git push *\" = deny (agents/coder.md:6, pattern 3)\nsubject: git push origin main\n"
+    );
+    let (code, out, _) = policy_check(&rules, &["git", "status"]);
+    assert_eq!(code, Some(0));
+    assert!(
+        out.starts_with("allow\nrule: bash: \"git *\" = allow (agents/coder.md:5, pattern 2)\n"),
+        "{out}"
+    );
+    let (code, out, _) = policy_check(
+        &["--rules", "agents/coder.md", "--env", "PATH=/w"],
+        &["git", "status"],
+    );
+    assert_eq!(code, Some(0));
+    assert!(out.starts_with("ask\n"), "{out}");
+    assert!(out.contains("the Exec's environment sets PATH"), "{out}");
+    let (code, out, _) = policy_check(&rules, &["sh", "-c", "ls; git status"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(
+        out,
+        "ask\nrule: bash: \"*\" = ask (agents/coder.md:4, pattern 1)\nsubject: ls\nsubject: git status\n"
+    );
+    let (code, out, _) = policy_check(
+        &[
+            "--rules",
+            "agents/coder.md",
+            "--manifest",
+            "agent-manifest.yaml",
+        ],
+        &["true"],
+    );
+    assert_eq!(code, Some(0));
+    assert!(
+        out.ends_with("secrets granted: TOKEN\negress granted: none\n"),
+        "{out}"
+    );
+}
+
+#[test]
+fn policy_check_refuses_bad_input() {
+    let (code, _, err) = policy_check(&["--rules", "agents/nope.md"], &["ls"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains("cannot read rules file agents/nope.md"),
+        "{err}"
+    );
+    let (code, _, err) = policy_check(
+        &[
+            "--rules",
+            "agents/coder.md",
+            "--manifest",
+            "bad-manifest.yaml",
+        ],
+        &["ls"],
+    );
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains("agent-manifest.yaml: unknown field `bogus`"),
+        "{err}"
+    );
+    let (code, _, err) = policy_check(&["--rules", "agents/coder.md"], &["sh", "-c", "echo 'x"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("unterminated quote"), "{err}");
+    let (code, _, err) = policy_check(
+        &["--rules", "agents/coder.md", "--env", "NOEQUALS"],
+        &["ls"],
+    );
+    assert_eq!(code, Some(2));
+    assert!(err.contains("must be NAME=VALUE"), "{err}");
+}

@@ -300,3 +300,45 @@ async fn secrets_are_scoped_and_never_echoed() {
         assert!(!contains(&log, v), "{v} leaked into the audit log");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_env_and_paths_are_decided() {
+    let repo = Repo::new();
+    let h = Harness::start().await;
+    let mut c = h.session(&repo, "coder", "main").await;
+    // `git *` allows `git status`, but not with a PATH of the agent's choosing.
+    let mut e = exec_msg("env", "t", &["git", "status"]);
+    e.env.insert("PATH".into(), "/tmp/evil".into());
+    c.exec(e).await;
+    let r = c.finish("env", Some(Reply::Reject)).await;
+    assert_eq!(r.asks.len(), 1, "{r:?}");
+    assert_eq!(
+        r.asks[0].subject,
+        "git status [the Exec's environment sets PATH]"
+    );
+    assert!(r.pid.is_none());
+    // A program given by a path in the workspace is decided by that path.
+    c.exec(exec_msg("path", "t", &["./git", "status"])).await;
+    let r = c.finish("path", Some(Reply::Reject)).await;
+    assert_eq!(r.asks.len(), 1, "{r:?}");
+    assert!(
+        r.asks[0].subject.ends_with("/workspace/git status"),
+        "{r:?}"
+    );
+    // `always` for the escalated command does not allow it with another variable.
+    let mut e = exec_msg("ld1", "t", &["git", "status"]);
+    e.env.insert("LD_PRELOAD".into(), "/x.so".into());
+    c.exec(e).await;
+    let r = c.finish("ld1", Some(Reply::Always)).await;
+    assert_eq!(r.asks.len(), 1);
+    let mut e = exec_msg("ld2", "t", &["git", "status"]);
+    e.env.insert("LD_PRELOAD".into(), "/x.so".into());
+    c.exec(e).await;
+    let r = c.finish("ld2", None).await;
+    assert!(r.asks.is_empty(), "answered always: {r:?}");
+    let mut e = exec_msg("ld3", "t", &["git", "status"]);
+    e.env.insert("BASH_ENV".into(), "/x.sh".into());
+    c.exec(e).await;
+    let r = c.finish("ld3", Some(Reply::Reject)).await;
+    assert_eq!(r.asks.len(), 1, "{r:?}");
+}

@@ -3,16 +3,21 @@
 //! *at the base commit* (never the working tree, so an agent cannot loosen
 //! its own rules by editing them on its branch).
 
+pub mod check;
 pub mod command;
 pub mod egress;
+pub mod git;
 pub mod glob;
 pub mod manifest;
+pub mod risky_env;
 pub mod rules;
 pub mod secrets;
+pub mod shell;
 
 use std::collections::HashSet;
 
 use command::CommandError;
+pub use command::ExecContext;
 use manifest::{AgentGrant, Manifest, ManifestError};
 use rules::{Action, Decision, Rules, RulesError};
 
@@ -63,8 +68,12 @@ pub struct ExecDecision {
     pub action: Action,
     /// The rule that decided.
     pub rule: String,
-    /// The matched subjects, joined with ` ; `.
+    /// Where the deciding pattern is written, if a pattern decided.
+    pub source: Option<rules::RuleSource>,
+    /// The subjects (with the reasons they need approval), joined with ` ; `.
     pub subject: String,
+    /// Each subject's key, remembered when the answer is `always`.
+    pub keys: Vec<String>,
 }
 
 /// The rules file path for `agent`.
@@ -108,30 +117,38 @@ impl Policy {
         })
     }
 
-    /// Decides an Exec. `always` holds subjects answered `always` earlier in
-    /// the session; they count as allowed.
+    /// Decides an Exec run in `ctx`. `always` holds subject keys answered
+    /// `always` earlier in the session; they count as allowed.
+    ///
+    /// A subject that needs approval (see [`command`]) is at least `ask`
+    /// where a pattern allowed it; a tool given one value for everything
+    /// (`bash: allow`) has no pattern to fool and is not escalated.
     pub fn decide_exec(
         &self,
         argv: &[String],
+        ctx: &ExecContext<'_>,
         always: &HashSet<String>,
     ) -> Result<ExecDecision, CommandError> {
-        let subjects = command::subjects(argv)?;
+        let subjects = command::subjects(argv, ctx)?;
         let mut worst: Option<Decision> = None;
         for s in &subjects {
             let mut d = self.rules.decide(EXEC_TOOL, &s.text);
-            if d.action == Action::Allow && s.needs_approval {
+            if d.action == Action::Allow && d.source.is_some() && !s.escalations.is_empty() {
                 d = Decision {
                     action: Action::Ask,
                     rule: format!(
-                        "{}; but it uses command substitution, which needs approval",
-                        d.rule
+                        "{}; but {}: needs approval",
+                        d.rule,
+                        s.escalations.join("; ")
                     ),
+                    source: d.source,
                 };
             }
-            if d.action == Action::Ask && always.contains(&s.text) {
+            if d.action == Action::Ask && always.contains(&s.key()) {
                 d = Decision {
                     action: Action::Allow,
                     rule: format!("{EXEC_TOOL}: answered always earlier in this session"),
+                    source: None,
                 };
             }
             if worst.as_ref().is_none_or(|w| d.action > w.action) {
@@ -141,23 +158,16 @@ impl Policy {
         let decision = worst.unwrap_or(Decision {
             action: Action::Deny,
             rule: "empty command".into(),
+            source: None,
         });
+        let keys: Vec<String> = subjects.iter().map(command::Subject::key).collect();
         Ok(ExecDecision {
             action: decision.action,
             rule: decision.rule,
-            subject: subjects
-                .iter()
-                .map(|s| s.text.as_str())
-                .collect::<Vec<_>>()
-                .join(" ; "),
+            source: decision.source,
+            subject: keys.join(" ; "),
+            keys,
         })
-    }
-
-    /// Subjects of an Exec, to remember after an `always` answer.
-    pub fn subjects_of(argv: &[String]) -> Vec<String> {
-        command::subjects(argv)
-            .map(|v| v.into_iter().map(|s| s.text).collect())
-            .unwrap_or_default()
     }
 }
 
@@ -179,38 +189,40 @@ mod tests {
         a.iter().map(|s| s.to_string()).collect()
     }
 
+    fn decide(p: &Policy, argv: &[String], always: &HashSet<String>) -> ExecDecision {
+        let env = std::collections::BTreeMap::new();
+        let ctx = ExecContext {
+            workspace: std::path::Path::new("/workspace"),
+            cwd: std::path::Path::new("/workspace"),
+            env: &env,
+        };
+        p.decide_exec(argv, &ctx, always).unwrap()
+    }
+
     #[test]
     fn combined_decisions() {
         let p = policy("---\npermission:\n  bash:\n    \"*\": ask\n    \"git *\": allow\n    \"git push *\": deny\n    \"ls*\": allow\n---\n");
         let none = HashSet::new();
         assert_eq!(
-            p.decide_exec(&argv(&["git", "status"]), &none)
-                .unwrap()
-                .action,
+            decide(&p, &argv(&["git", "status"]), &none).action,
             Action::Allow
         );
-        let d = p
-            .decide_exec(
-                &argv(&["sh", "-c", "ls && sudo git push origin main"]),
-                &none,
-            )
-            .unwrap();
+        let d = decide(
+            &p,
+            &argv(&["sh", "-c", "ls && sudo git push origin main"]),
+            &none,
+        );
         assert_eq!(d.action, Action::Deny);
-        assert_eq!(d.subject, "ls ; git push origin main");
+        assert_eq!(
+            d.subject,
+            "ls ; git push origin main [sudo runs the command as another user]"
+        );
         assert!(d.rule.contains("git push *"));
-        assert_eq!(
-            p.decide_exec(&argv(&["make"]), &none).unwrap().action,
-            Action::Ask
-        );
+        assert_eq!(decide(&p, &argv(&["make"]), &none).action, Action::Ask);
         let always: HashSet<String> = ["make".to_string()].into();
+        assert_eq!(decide(&p, &argv(&["make"]), &always).action, Action::Allow);
         assert_eq!(
-            p.decide_exec(&argv(&["make"]), &always).unwrap().action,
-            Action::Allow
-        );
-        assert_eq!(
-            p.decide_exec(&argv(&["sh", "-c", "ls $(make)"]), &none)
-                .unwrap()
-                .action,
+            decide(&p, &argv(&["sh", "-c", "ls $(make)"]), &none).action,
             Action::Ask
         );
     }

@@ -15,6 +15,8 @@
 //! ```
 //!
 //! A tool that is not listed, or a subject no pattern matches, is `ask`.
+//! A pattern ending in ` *` also matches the text without that last space:
+//! `"git push *"` matches `git push` as well as `git push origin main`.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -64,7 +66,38 @@ pub enum ToolRule {
     /// One action for every use of the tool.
     Single(Action),
     /// Patterns in file order; the last one matching wins.
-    Patterns(Vec<(String, Action)>),
+    Patterns(Vec<Pattern>),
+}
+
+/// One pattern of a tool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pattern {
+    /// The glob.
+    pub glob: String,
+    /// What it decides.
+    pub action: Action,
+    /// Where it is written.
+    pub source: RuleSource,
+}
+
+/// Where a rule is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleSource {
+    /// The rules file.
+    pub path: String,
+    /// Position among the tool's patterns, from 1.
+    pub index: usize,
+    /// Line in the file, from 1, where it could be found.
+    pub line: Option<usize>,
+}
+
+impl fmt::Display for RuleSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(l) => write!(f, "{}:{l}, pattern {}", self.path, self.index),
+            None => write!(f, "{}, pattern {}", self.path, self.index),
+        }
+    }
 }
 
 /// A decision and the rule that made it.
@@ -74,6 +107,9 @@ pub struct Decision {
     pub action: Action,
     /// Human-readable rule, e.g. `bash: "git push *" = deny`.
     pub rule: String,
+    /// The pattern that decided, if one did (not a tool's single value or
+    /// the default).
+    pub source: Option<RuleSource>,
 }
 
 /// Why a policy file was refused. Any of these stops the session.
@@ -162,6 +198,7 @@ impl Rules {
                 })?),
                 serde_yaml::Value::Mapping(patterns) => {
                     let mut list = Vec::new();
+                    let mut search_from = tool_line(fm, tool);
                     for (pat, act) in patterns {
                         let pat = pat.as_str().ok_or_else(|| {
                             invalid(format!("permission.{tool}: pattern {pat:?} is not a string"))
@@ -171,7 +208,20 @@ impl Rules {
                                 "permission.{tool}.{pat:?}: {act:?} is not one of allow, ask, deny"
                             ))
                         })?;
-                        list.push((pat.to_string(), act));
+                        let line = pattern_line(fm, pat, search_from);
+                        if let Some(l) = line {
+                            search_from = l;
+                        }
+                        list.push(Pattern {
+                            glob: pat.to_string(),
+                            action: act,
+                            source: RuleSource {
+                                path: path.to_string(),
+                                index: list.len() + 1,
+                                // The frontmatter starts on line 2.
+                                line: line.map(|l| l + 2),
+                            },
+                        });
                     }
                     ToolRule::Patterns(list)
                 }
@@ -193,25 +243,70 @@ impl Rules {
             None => Decision {
                 action: Action::Ask,
                 rule: format!("{tool}: not listed (default ask)"),
+                source: None,
             },
             Some(ToolRule::Single(a)) => Decision {
                 action: *a,
                 rule: format!("{tool}: {a}"),
+                source: None,
             },
             Some(ToolRule::Patterns(list)) => list
                 .iter()
                 .rev()
-                .find(|(pat, _)| glob_match(pat, subject))
-                .map(|(pat, a)| Decision {
-                    action: *a,
-                    rule: format!("{tool}: {pat:?} = {a}"),
+                .find(|p| pattern_matches(&p.glob, subject))
+                .map(|p| Decision {
+                    action: p.action,
+                    rule: format!("{tool}: {:?} = {}", p.glob, p.action),
+                    source: Some(p.source.clone()),
                 })
                 .unwrap_or_else(|| Decision {
                     action: Action::Ask,
                     rule: format!("{tool}: no pattern matched (default ask)"),
+                    source: None,
                 }),
         }
     }
+}
+
+/// `glob_match`, plus: a pattern ending in ` *` matches zero arguments too.
+pub fn pattern_matches(pattern: &str, subject: &str) -> bool {
+    glob_match(pattern, subject)
+        || pattern
+            .strip_suffix(" *")
+            .is_some_and(|head| !head.ends_with('\\') && glob_match(head, subject))
+}
+
+/// 0-based line of the frontmatter where `tool:` is a key.
+fn tool_line(fm: &str, tool: &str) -> usize {
+    fm.lines()
+        .position(|l| key_of(l).as_deref() == Some(tool))
+        .unwrap_or(0)
+}
+
+/// 0-based line, at or after `from`, where `pattern` is a key.
+fn pattern_line(fm: &str, pattern: &str, from: usize) -> Option<usize> {
+    fm.lines()
+        .enumerate()
+        .skip(from)
+        .find(|(_, l)| key_of(l).as_deref() == Some(pattern))
+        .map(|(i, _)| i)
+}
+
+/// The key of a `key: value` YAML line, quotes removed (simple cases only;
+/// used to point at a line, never to decide).
+fn key_of(line: &str) -> Option<String> {
+    let t = line.trim_start();
+    for q in ['"', '\''] {
+        if let Some(rest) = t.strip_prefix(q) {
+            let end = rest.find(q)?;
+            return rest[end + 1..]
+                .trim_start()
+                .starts_with(':')
+                .then(|| rest[..end].to_string());
+        }
+    }
+    let (k, _) = t.split_once(':')?;
+    Some(k.trim_end().to_string())
 }
 
 #[cfg(test)]
