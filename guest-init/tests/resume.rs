@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::time::Duration;
 
 use common::*;
 use proto::guest::{guest_message::Kind as Out, host_message::Kind as In, ResumeSession};
@@ -52,13 +51,8 @@ fn audit_actions(h: &Harness, session: &str) -> Vec<(u64, String, String)> {
 }
 
 async fn wait_until_gone(cmd: &str) {
-    for _ in 0..250 {
-        if processes_matching(cmd).is_empty() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("{cmd} still runs");
+    wait_for(|| processes_matching(cmd).is_empty()).await;
+    assert!(processes_matching(cmd).is_empty(), "{cmd} still runs");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -73,12 +67,7 @@ async fn a_session_survives_its_connection_and_is_resumed() {
         .await;
     c.expect(|m| matches!(m, Out::ExecStarted(s) if s.exec_id == "long").then_some(()))
         .await;
-    for _ in 0..100 {
-        if !processes_matching(&long).is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for(|| !processes_matching(&long).is_empty()).await;
     assert_eq!(
         processes_matching(&long).len(),
         1,

@@ -510,6 +510,16 @@ impl Client {
 }
 
 /// Pids of live (non-zombie) processes whose command line is `cmd`.
+/// Polls `cond` until it holds or 60 s have passed. Processes can take
+/// seconds to start or vanish on a loaded machine; only a real failure runs
+/// into the limit, and the caller's assertion then says which.
+pub async fn wait_for(cond: impl Fn() -> bool) {
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !cond() && tokio::time::Instant::now() < give_up {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 pub fn processes_matching(cmd: &str) -> Vec<u32> {
     reaper::all_processes()
         .into_iter()
