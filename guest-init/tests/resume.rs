@@ -5,7 +5,6 @@
 
 mod common;
 
-
 use common::*;
 use proto::guest::{guest_message::Kind as Out, host_message::Kind as In, ResumeSession};
 

@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::*;
 use guest_init::turn::Backend;
 use proto::guest::{exec_exited::Status, guest_message::Kind as Out};
