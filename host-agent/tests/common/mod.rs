@@ -110,7 +110,11 @@ impl Agent {
         // files from anywhere (the test guests, temporary repositories); the
         // authorization tests pass their own settings.
         let has = |flag: &str| self.extra.iter().any(|a| a == flag);
-        if !has("--clients-file") && !has("--tls-ca") && !has("--no-test-defaults") {
+        if !has("--clients-file")
+            && !has("--tls-ca")
+            && !has("--allow-unauthenticated-local")
+            && !has("--no-test-defaults")
+        {
             cmd.arg("--allow-unauthenticated-local");
         }
         if !has("--allowed-image-root") && !has("--no-test-defaults") {

@@ -26,12 +26,15 @@ impl HostAgent {
         // call over loopback without credentials (as the local admin), with
         // the node image's files and the scratch repository as the only
         // host paths requests may name.
+        // A file's directory, and its target's where it is a link.
         let img = &ctx.env.node_image;
-        let image_roots: Vec<&std::path::Path> =
+        let image_roots: Vec<std::path::PathBuf> =
             [Some(&img.kernel), img.initrd.as_ref(), Some(&img.rootfs)]
                 .into_iter()
                 .flatten()
-                .filter_map(|p| p.parent())
+                .flat_map(|p| [Some(p.clone()), std::fs::canonicalize(p).ok()])
+                .flatten()
+                .filter_map(|p| p.parent().map(|d| d.to_path_buf()))
                 .collect();
         let config = ctx.scratch.join("host-agent.json");
         let settings = serde_json::json!({
