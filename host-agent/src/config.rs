@@ -5,12 +5,18 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::auth::Scope;
 use crate::error::{Error, Result};
 
 /// The guest's vsock context id. Every VM has its own host socket, so all
 /// can use the same one; it is fixed because a restored VM keeps the CID of
 /// its golden snapshot.
 pub const GUEST_CID: u32 = 3;
+
+/// The default image root, in the state directory.
+pub const DEFAULT_IMAGE_ROOT: &str = "image-files";
+/// The default repository root, in the state directory.
+pub const DEFAULT_REPOSITORY_ROOT: &str = "repositories";
 
 /// Mutual TLS material (PEM files).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -96,6 +102,20 @@ pub struct Config {
     pub jail: Option<JailSettings>,
     /// How long READY may take for guest-init images (seconds).
     pub guest_ready_timeout_seconds: u64,
+    /// Directories that RegisterImage's kernel_path, rootfs_path and
+    /// initrd_path must lie in (after resolving links). `None`:
+    /// `<state_dir>/image-files` only; `[]`: none.
+    pub allowed_image_roots: Option<Vec<PathBuf>>,
+    /// Directories that CreateSession's repository_path must lie in (after
+    /// resolving links). `None`: `<state_dir>/repositories` only; `[]`: none.
+    pub allowed_repository_roots: Option<Vec<PathBuf>>,
+    /// The clients file: bearer-token and certificate clients with their
+    /// scopes (see `auth::clients`). `None`: no token or certificate client.
+    pub clients_file: Option<PathBuf>,
+    /// The scope of a caller without credentials on the Unix socket or from
+    /// a loopback address without TLS. `None` (the default): such calls are
+    /// refused with UNAUTHENTICATED.
+    pub unauthenticated_local: Option<Scope>,
 }
 
 impl Default for Config {
@@ -121,6 +141,10 @@ impl Default for Config {
             vsock_device: true,
             jail: None,
             guest_ready_timeout_seconds: 120,
+            allowed_image_roots: None,
+            allowed_repository_roots: None,
+            clients_file: None,
+            unauthenticated_local: None,
         }
     }
 }
@@ -183,10 +207,30 @@ impl Config {
                 )));
             }
         }
+        if self.unauthenticated_local.is_some() && self.tls.is_some() {
+            return Err(Error::invalid(
+                "unauthenticated_local has no effect with mutual TLS (every client presents a \
+                 certificate): list the certificates' CNs with `mtls` in clients_file instead",
+            ));
+        }
         if self.max_sessions == 0 {
             return Err(Error::invalid("max_sessions must be at least 1"));
         }
         Ok(())
+    }
+
+    /// The image roots in effect (the default when none are configured).
+    pub fn image_roots(&self) -> Vec<PathBuf> {
+        self.allowed_image_roots
+            .clone()
+            .unwrap_or_else(|| vec![self.state_dir.join(DEFAULT_IMAGE_ROOT)])
+    }
+
+    /// The repository roots in effect (the default when none are configured).
+    pub fn repository_roots(&self) -> Vec<PathBuf> {
+        self.allowed_repository_roots
+            .clone()
+            .unwrap_or_else(|| vec![self.state_dir.join(DEFAULT_REPOSITORY_ROOT)])
     }
 
     /// The vsock Unix socket of the VM whose directory is `dir`.

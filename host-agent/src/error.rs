@@ -19,6 +19,10 @@ pub enum Error {
     /// The object exists already (e.g. an image id registered twice).
     #[error("{0}")]
     AlreadyExists(String),
+    /// The caller may not do this (e.g. a host path outside the configured
+    /// roots).
+    #[error("{0}")]
+    PermissionDenied(String),
     /// The call is valid but not in the object's current state.
     #[error("{0}")]
     FailedPrecondition(String),
@@ -79,6 +83,7 @@ impl Error {
             Error::InvalidArgument(_) => Code::InvalidArgument,
             Error::NotFound { .. } => Code::NotFound,
             Error::AlreadyExists(_) => Code::AlreadyExists,
+            Error::PermissionDenied(_) => Code::PermissionDenied,
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::Timeout(_) => Code::DeadlineExceeded,

@@ -13,6 +13,7 @@ use serde_json::json;
 
 use crate::error::{Error, Result};
 use crate::guest::{self, GuestConn};
+use crate::path_roots::{Kind, PathRoots};
 use crate::pool::{copy_disk, GOLDEN_DISK};
 use crate::sessions::{now_ms, Manager};
 use crate::store::ImageRow;
@@ -41,37 +42,29 @@ pub fn valid_id(id: &str) -> Result<()> {
     Ok(())
 }
 
-fn check_file(field: &str, path: &str) -> Result<()> {
-    if path.len() > 4096 {
-        return Err(Error::invalid(format!("{field} is longer than 4096 bytes")));
-    }
-    let p = Path::new(path);
-    if !p.is_absolute() {
-        return Err(Error::invalid(format!(
-            "{field} must be an absolute path, got {path:?}"
-        )));
-    }
-    if !p.is_file() {
-        return Err(Error::invalid(format!(
-            "{field} {path:?} is not a readable file on this node"
-        )));
+/// Checks the image's files against `roots` and replaces each path by what
+/// it resolves to (so a link changed later does not change the image).
+pub fn resolve_files(img: &mut ImageRow, roots: &PathRoots) -> Result<()> {
+    for (field, path) in [
+        ("kernel_path", &mut img.kernel),
+        ("rootfs_path", &mut img.rootfs),
+        ("initrd_path", &mut img.initrd),
+    ] {
+        if !path.is_empty() {
+            *path = roots.check(field, path, Kind::File)?.display().to_string();
+        }
     }
     Ok(())
 }
 
-/// Validates and fills defaults of a registration.
-pub fn validate(img: &mut ImageRow) -> Result<()> {
+/// Validates and fills defaults of a registration; its files must lie
+/// under `roots`.
+pub fn validate(img: &mut ImageRow, roots: &PathRoots) -> Result<()> {
     valid_id(&img.id)?;
     if img.kernel.is_empty() {
         return Err(Error::invalid("kernel_path is required"));
     }
-    check_file("kernel_path", &img.kernel)?;
-    if !img.rootfs.is_empty() {
-        check_file("rootfs_path", &img.rootfs)?;
-    }
-    if !img.initrd.is_empty() {
-        check_file("initrd_path", &img.initrd)?;
-    }
+    resolve_files(img, roots)?;
     if img.cmdline.len() > MAX_CMDLINE {
         return Err(Error::invalid(format!(
             "cmdline is {} bytes; at most {MAX_CMDLINE}",
@@ -134,10 +127,13 @@ fn boot_args(image: &ImageRow, build: &Path) -> Vec<String> {
 /// Boots `id`, lets it settle, pauses it and writes its golden snapshot.
 pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<ImageRow> {
     let _g = mgr.golden_lock.lock().await;
-    let image = mgr
+    let mut image = mgr
         .store
         .image(id)?
         .ok_or_else(|| Error::not_found("image", id))?;
+    // The files are read now: check them again (the roots may have changed
+    // since registration, or a path in them been replaced by a link).
+    resolve_files(&mut image, &mgr.image_roots)?;
     let settle = if settle_ms == 0 { 200 } else { settle_ms };
     let dir = mgr.image_dir(id);
     let build = dir.join(format!("build-{}", uuid::Uuid::new_v4().simple()));

@@ -15,12 +15,14 @@
 
 pub mod accounting;
 pub mod api;
+pub mod auth;
 pub mod config;
 pub mod error;
 pub mod events;
 pub mod guest;
 pub mod images;
 pub mod metrics;
+pub mod path_roots;
 pub mod pool;
 pub mod safe_fs;
 pub mod sessions;
@@ -28,6 +30,7 @@ pub mod store;
 pub mod supervisor;
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use proto::hostagent::{
@@ -56,6 +59,20 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     cfg.validate()?;
+    let clients = match &cfg.clients_file {
+        Some(p) => auth::clients::Clients::load(p)?,
+        None => auth::clients::Clients::default(),
+    };
+    if cfg.clients_file.is_none() && cfg.unauthenticated_local.is_none() {
+        tracing::warn!(
+            "no clients_file and no unauthenticated_local: every call except the health check \
+             will be refused (UNAUTHENTICATED)"
+        );
+    }
+    let authenticator = Arc::new(auth::layer::Authenticator {
+        clients,
+        unauthenticated_local: cfg.unauthenticated_local,
+    });
     let mgr = Manager::new(cfg.clone())?;
     mgr.recover().await?;
 
@@ -127,6 +144,7 @@ pub async fn serve(
             .map_err(|e| Error::invalid(format!("TLS configuration: {e}")))?;
     }
     let router = builder
+        .layer(auth::layer::AuthLayer(authenticator))
         .add_service(health_svc)
         .add_service(reflection)
         .add_service(ImagesServer::new(api::images::ImagesApi(mgr.clone())))

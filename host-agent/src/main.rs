@@ -37,6 +37,10 @@ struct Cli {
     /// Client TLS: server name to verify (default: the addr's host).
     #[arg(long, global = true)]
     client_domain: Option<String>,
+    /// Client: a file holding this client's bearer token (sent as
+    /// `authorization: Bearer <token>`; surrounding whitespace is ignored).
+    #[arg(long, global = true)]
+    token_file: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -161,6 +165,21 @@ struct ServeArgs {
     /// Mutual TLS: server private key (PEM).
     #[arg(long, requires_all = ["tls_ca", "tls_cert"])]
     tls_key: Option<PathBuf>,
+    /// Clients file: `NAME SCOPES sha256:HEX|mtls` per line (see the README).
+    #[arg(long)]
+    clients_file: Option<PathBuf>,
+    /// Treat calls without credentials on the Unix socket or from loopback
+    /// (without TLS) as the admin client `local`.
+    #[arg(long)]
+    allow_unauthenticated_local: bool,
+    /// A directory RegisterImage's files may lie in (repeatable; replaces
+    /// allowed_image_roots of the config file).
+    #[arg(long)]
+    allowed_image_root: Vec<PathBuf>,
+    /// A directory CreateSession's repository may lie in (repeatable;
+    /// replaces allowed_repository_roots of the config file).
+    #[arg(long)]
+    allowed_repository_root: Vec<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -317,6 +336,18 @@ async fn run_serve(a: ServeArgs) -> Result<(), String> {
     if let (Some(ca), Some(cert), Some(key)) = (a.tls_ca, a.tls_cert, a.tls_key) {
         cfg.tls = Some(host_agent::config::TlsConfig { ca, cert, key });
     }
+    if let Some(v) = a.clients_file {
+        cfg.clients_file = Some(v);
+    }
+    if a.allow_unauthenticated_local {
+        cfg.unauthenticated_local = Some(host_agent::auth::Scope::Admin);
+    }
+    if !a.allowed_image_root.is_empty() {
+        cfg.allowed_image_roots = Some(a.allowed_image_root);
+    }
+    if !a.allowed_repository_root.is_empty() {
+        cfg.allowed_repository_roots = Some(a.allowed_repository_root);
+    }
     cfg.stop_sessions_on_shutdown |= a.stop_sessions_on_shutdown;
     cfg.log_json |= a.log_json;
     init_logs(cfg.log_json);
@@ -368,7 +399,49 @@ struct ClientTls {
     domain: Option<String>,
 }
 
-async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String> {
+/// Adds `authorization: Bearer <token>` to every call when a token is set.
+#[derive(Clone)]
+struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl Bearer {
+    /// Reads the token from `path` (none without a path).
+    fn from_file(path: Option<&PathBuf>) -> Result<Bearer, String> {
+        let Some(p) = path else {
+            return Ok(Bearer(None));
+        };
+        let text = std::fs::read_to_string(p)
+            .map_err(|e| format!("reading token file {}: {e}", p.display()))?;
+        let token = text.trim();
+        if token.is_empty() {
+            return Err(format!("token file {} is empty", p.display()));
+        }
+        // The token itself never goes into a message.
+        let v = format!("Bearer {token}").parse().map_err(|_| {
+            format!(
+                "token file {} holds characters a header cannot carry",
+                p.display()
+            )
+        })?;
+        Ok(Bearer(Some(v)))
+    }
+}
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+async fn run_client(
+    addr: String,
+    tls: ClientTls,
+    token_file: Option<PathBuf>,
+    cmd: Cmd,
+) -> Result<(), String> {
+    let bearer = Bearer::from_file(token_file.as_ref())?;
     let mut client_tls = None;
     if tls.ca.is_some() || tls.cert.is_some() {
         let read = |p: &PathBuf| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
@@ -390,7 +463,7 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
         // Invariant: main() runs Serve itself and never passes it here.
         Cmd::Serve(_) => unreachable!("handled in main"),
         Cmd::Images(c) => {
-            let mut cl = ImagesClient::new(ch);
+            let mut cl = ImagesClient::with_interceptor(ch, bearer.clone());
             match c {
                 ImagesCmd::Register {
                     id,
@@ -450,7 +523,7 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
             }
         }
         Cmd::Sessions(c) => {
-            let mut cl = SessionsClient::new(ch);
+            let mut cl = SessionsClient::with_interceptor(ch, bearer.clone());
             let call = |id: String| pb::SessionCall {
                 session_id: id,
                 idempotency_key: String::new(),
@@ -532,7 +605,7 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
             print_session(&s);
         }
         Cmd::Events(EventsCmd::Watch { since }) => {
-            let mut cl = EventsClient::new(ch);
+            let mut cl = EventsClient::with_interceptor(ch, bearer.clone());
             let mut stream = cl
                 .watch(pb::WatchRequest {
                     since_seq: since,
@@ -555,7 +628,7 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
             }
         }
         Cmd::Usage { session, since } => {
-            let mut cl = UsageClient::new(ch);
+            let mut cl = UsageClient::with_interceptor(ch, bearer.clone());
             let recs = cl
                 .list_usage(pb::ListUsageRequest {
                     session_id: session,
@@ -584,7 +657,7 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
             let execution_id = match execution_id {
                 Some(e) => e,
                 None => {
-                    SessionsClient::new(ch.clone())
+                    SessionsClient::with_interceptor(ch.clone(), bearer.clone())
                         .get_session(pb::SessionRef {
                             session_id: session.clone(),
                         })
@@ -629,7 +702,7 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
             } else {
                 drop(tx);
             }
-            let mut stream = ExecClient::new(ch)
+            let mut stream = ExecClient::with_interceptor(ch, bearer.clone())
                 .exec(tokio_stream::wrappers::ReceiverStream::new(rx))
                 .await
                 .map_err(st)?
@@ -661,7 +734,7 @@ async fn run_client(addr: String, tls: ClientTls, cmd: Cmd) -> Result<(), String
             }
         }
         Cmd::Node => {
-            let mut cl = NodeClient::new(ch);
+            let mut cl = NodeClient::with_interceptor(ch, bearer.clone());
             println!(
                 "{:?}",
                 cl.get_version(pb::GetVersionRequest {})
@@ -703,7 +776,7 @@ fn main() -> ExitCode {
                     key: cli.client_key,
                     domain: cli.client_domain,
                 };
-                run_client(cli.addr, tls, other).await
+                run_client(cli.addr, tls, cli.token_file, other).await
             }
         }
     });

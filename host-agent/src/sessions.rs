@@ -19,11 +19,12 @@ use serde_json::json;
 use tokio::sync::watch;
 
 use crate::accounting::{read_sample, Meter};
-use crate::config::Config;
+use crate::config::{Config, DEFAULT_IMAGE_ROOT, DEFAULT_REPOSITORY_ROOT};
 use crate::error::{Error, Result};
 use crate::events::EventBus;
 use crate::guest::{self, GuestConn};
 use crate::metrics;
+use crate::path_roots::PathRoots;
 use crate::pool::{copy_disk, prepare_disk, restore_launch, Pool, Source, VM_DISK};
 use crate::store::{EventRow, ImageRow, SessionRow, Store};
 use crate::supervisor::{self, ExitStatus, VmmProcess};
@@ -126,6 +127,8 @@ pub struct CreateParams {
     pub agent: String,
     /// Base ref for guest-init images.
     pub base_ref: String,
+    /// The client creating the session (its owner).
+    pub owner: String,
 }
 
 impl CreateParams {
@@ -214,6 +217,10 @@ pub struct Manager {
     create_lock: tokio::sync::Mutex<()>,
     /// Serializes golden snapshot builds.
     pub golden_lock: tokio::sync::Mutex<()>,
+    /// Where RegisterImage's files may lie.
+    pub image_roots: PathRoots,
+    /// Where CreateSession's repository may lie.
+    pub repository_roots: PathRoots,
 }
 
 impl Manager {
@@ -224,6 +231,23 @@ impl Manager {
             std::fs::create_dir_all(&d)
                 .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
         }
+        if cfg.allowed_image_roots.is_none() || cfg.allowed_repository_roots.is_none() {
+            for sub in [DEFAULT_IMAGE_ROOT, DEFAULT_REPOSITORY_ROOT] {
+                let d = cfg.state_dir.join(sub);
+                std::fs::create_dir_all(&d)
+                    .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
+            }
+        }
+        let image_roots = PathRoots::new(
+            "allowed_image_roots",
+            "allowed-image-root",
+            &cfg.image_roots(),
+        )?;
+        let repository_roots = PathRoots::new(
+            "allowed_repository_roots",
+            "allowed-repository-root",
+            &cfg.repository_roots(),
+        )?;
         let store = Arc::new(Store::open(&cfg.state_dir.join("host-agent.db"))?);
         let events = EventBus::new(&store)?;
         let vmm_path = cfg.vmm_path();
@@ -236,6 +260,8 @@ impl Manager {
             sessions: Mutex::new(HashMap::new()),
             create_lock: tokio::sync::Mutex::new(()),
             golden_lock: tokio::sync::Mutex::new(()),
+            image_roots,
+            repository_roots,
         }))
     }
 
@@ -540,6 +566,7 @@ impl Manager {
                 repository: p.repository.clone(),
                 agent: p.agent.clone(),
                 base_ref: p.base_ref.clone(),
+                owner: p.owner.clone(),
                 ..Default::default()
             };
             if !p.idempotency_key.is_empty() {

@@ -88,6 +88,9 @@ pub struct SessionRow {
     pub agent: String,
     /// Base ref for guest-init.
     pub base_ref: String,
+    /// The client that created the session (`legacy` for sessions from
+    /// before owners were recorded).
+    pub owner: String,
 }
 
 /// One lifecycle event.
@@ -175,16 +178,18 @@ CREATE TABLE IF NOT EXISTS sessions(
   ended_at INTEGER NOT NULL, vmm_pid INTEGER NOT NULL, vmm_start_ticks INTEGER NOT NULL,
   dir TEXT NOT NULL, ttl_s INTEGER NOT NULL, idle_s INTEGER NOT NULL, labels TEXT NOT NULL,
   branch TEXT NOT NULL, head_commit TEXT NOT NULL, last_activity INTEGER NOT NULL,
-  repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL);
+  repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL,
+  owner TEXT NOT NULL DEFAULT 'legacy');
 CREATE TABLE IF NOT EXISTS events(
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
   at INTEGER NOT NULL, from_state INTEGER NOT NULL, to_state INTEGER NOT NULL,
-  reason TEXT NOT NULL, detail TEXT NOT NULL);
+  reason TEXT NOT NULL, detail TEXT NOT NULL, owner TEXT NOT NULL DEFAULT 'legacy');
 CREATE TABLE IF NOT EXISTS usage(
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
   interval_start INTEGER NOT NULL, interval_end INTEGER NOT NULL, billed_ms INTEGER NOT NULL,
   vcpu_ns INTEGER NOT NULL, mem_alloc REAL NOT NULL, mem_res REAL NOT NULL, disk INTEGER NOT NULL,
-  final INTEGER NOT NULL, raw_cpu_ns INTEGER NOT NULL, raw_disk INTEGER NOT NULL);
+  final INTEGER NOT NULL, raw_cpu_ns INTEGER NOT NULL, raw_disk INTEGER NOT NULL,
+  owner TEXT NOT NULL DEFAULT 'legacy');
 CREATE INDEX IF NOT EXISTS usage_session ON usage(session_id, seq);
 CREATE TABLE IF NOT EXISTS audit(
   session_id TEXT NOT NULL, guest_seq INTEGER NOT NULL, json TEXT NOT NULL,
@@ -222,7 +227,7 @@ fn image_from_row(r: &Row<'_>) -> rusqlite::Result<ImageRow> {
 
 const SESSION_COLS: &str = "id, image_id, state, execution_id, reason, detail, created_at, \
     ready_at, ended_at, vmm_pid, vmm_start_ticks, dir, ttl_s, idle_s, labels, branch, \
-    head_commit, last_activity, repository, agent, base_ref";
+    head_commit, last_activity, repository, agent, base_ref, owner";
 
 fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
     let labels: String = r.get(14)?;
@@ -249,6 +254,7 @@ fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
         repository: r.get(18)?,
         agent: r.get(19)?,
         base_ref: r.get(20)?,
+        owner: r.get(21)?,
     })
 }
 
@@ -286,15 +292,31 @@ fn event_from_row(r: &Row<'_>) -> rusqlite::Result<EventRow> {
     })
 }
 
-/// Brings a database written by an older host-agent up to [`SCHEMA`]:
-/// columns added since are added with their defaults.
-fn migrate(conn: &Connection) -> rusqlite::Result<()> {
-    let mut st = conn.prepare("SELECT name FROM pragma_table_info('images')")?;
+/// Whether `table` has `column`.
+fn has_column(conn: &Connection, table: &str, column: &str) -> rusqlite::Result<bool> {
+    let mut st = conn.prepare("SELECT name FROM pragma_table_info(?1)")?;
     let columns: Vec<String> = st
-        .query_map([], |r| r.get(0))?
+        .query_map([table], |r| r.get(0))?
         .collect::<rusqlite::Result<_>>()?;
-    if !columns.iter().any(|c| c == "initrd") {
+    Ok(columns.iter().any(|c| c == column))
+}
+
+/// Brings a database written by an older host-agent up to [`SCHEMA`]:
+/// columns added since are added with their defaults. Sessions, events and
+/// usage from before owners were recorded belong to
+/// [`LEGACY_OWNER`](crate::auth::LEGACY_OWNER): only admin clients see them.
+fn migrate(conn: &Connection) -> rusqlite::Result<()> {
+    if !has_column(conn, "images", "initrd")? {
         conn.execute_batch("ALTER TABLE images ADD COLUMN initrd TEXT NOT NULL DEFAULT '';")?;
+    }
+    for table in ["sessions", "events", "usage"] {
+        if !has_column(conn, table, "owner")? {
+            // The table name is one of the constants above.
+            conn.execute_batch(&format!(
+                "ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT '{}';",
+                crate::auth::LEGACY_OWNER
+            ))?;
+        }
     }
     Ok(())
 }
@@ -393,9 +415,9 @@ impl Store {
             let tx = c.transaction()?;
             put_session(&tx, s)?;
             tx.execute(
-                "INSERT INTO events(session_id, execution_id, at, from_state, to_state, reason, detail) \
-                 VALUES (?1,?2,?3,?4,?5,?6,?7)",
-                params![ev.session_id, ev.execution_id, ev.at, ev.from, ev.to, ev.reason, ev.detail],
+                "INSERT INTO events(session_id, execution_id, at, from_state, to_state, reason, detail, owner) \
+                 VALUES (?1,?2,?3,?4,?5,?6,?7,?8)",
+                params![ev.session_id, ev.execution_id, ev.at, ev.from, ev.to, ev.reason, ev.detail, s.owner],
             )?;
             let seq = tx.last_insert_rowid() as u64;
             tx.commit()?;
@@ -432,19 +454,23 @@ impl Store {
         Ok(())
     }
 
-    /// Events with seq > `since`, at most `limit`, optionally for one session.
+    /// Events with seq > `since`, at most `limit`, optionally for one
+    /// session and of one owner's sessions.
     pub fn events_since(
         &self,
         since: u64,
         session: Option<&str>,
+        owner: Option<&str>,
         limit: u32,
     ) -> Result<Vec<EventRow>> {
         self.with(|c| {
             let mut st = c.prepare(
                 "SELECT seq, session_id, execution_id, at, from_state, to_state, reason, detail \
-                 FROM events WHERE seq > ?1 AND (?2 IS NULL OR session_id = ?2) ORDER BY seq LIMIT ?3",
+                 FROM events WHERE seq > ?1 AND (?2 IS NULL OR session_id = ?2) \
+                 AND (?4 IS NULL OR owner = ?4) ORDER BY seq LIMIT ?3",
             )?;
-            let rows = st.query_map(params![since as i64, session, limit], event_from_row)?;
+            let rows =
+                st.query_map(params![since as i64, session, limit, owner], event_from_row)?;
             rows.collect()
         })
     }
@@ -464,8 +490,9 @@ impl Store {
         self.with(|c| {
             c.execute(
                 "INSERT INTO usage(session_id, execution_id, interval_start, interval_end, billed_ms, \
-                 vcpu_ns, mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk) \
-                 VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12)",
+                 vcpu_ns, mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk, owner) \
+                 VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12, \
+                 COALESCE((SELECT owner FROM sessions WHERE id = ?1), 'legacy'))",
                 params![
                     u.session_id,
                     u.execution_id,
@@ -499,10 +526,12 @@ impl Store {
         })
     }
 
-    /// Usage records with seq > `since_seq` and interval_end > `since_time`.
+    /// Usage records with seq > `since_seq` and interval_end > `since_time`,
+    /// optionally of one session and of one owner's sessions.
     pub fn usage_since(
         &self,
         session: Option<&str>,
+        owner: Option<&str>,
         since_seq: u64,
         since_time: i64,
         limit: u32,
@@ -510,10 +539,11 @@ impl Store {
         self.with(|c| {
             let mut st = c.prepare(&format!(
                 "SELECT {USAGE_COLS} FROM usage WHERE seq > ?1 AND interval_end > ?2 \
-                 AND (?3 IS NULL OR session_id = ?3) ORDER BY seq LIMIT ?4"
+                 AND (?3 IS NULL OR session_id = ?3) AND (?5 IS NULL OR owner = ?5) \
+                 ORDER BY seq LIMIT ?4"
             ))?;
             let rows = st.query_map(
-                params![since_seq as i64, since_time, session, limit],
+                params![since_seq as i64, since_time, session, limit, owner],
                 usage_from_row,
             )?;
             rows.collect()
@@ -598,7 +628,7 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
     c.execute(
         &format!(
             "INSERT OR REPLACE INTO sessions({SESSION_COLS}) VALUES \
-             (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21)"
+             (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21,?22)"
         ),
         params![
             s.id,
@@ -621,7 +651,8 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
             s.last_activity,
             s.repository,
             s.agent,
-            s.base_ref
+            s.base_ref,
+            s.owner
         ],
     )?;
     Ok(())
@@ -661,6 +692,105 @@ mod tests {
         drop(store);
         let store = Store::open(&path).unwrap();
         assert_eq!(store.images().unwrap().len(), 2);
+    }
+
+    /// The sessions, events and usage tables as host-agent wrote them
+    /// before sessions had owners.
+    const SCHEMA_BEFORE_OWNERS: &str = r#"
+CREATE TABLE sessions(
+  id TEXT PRIMARY KEY, image_id TEXT NOT NULL, state INTEGER NOT NULL, execution_id TEXT NOT NULL,
+  reason TEXT NOT NULL, detail TEXT NOT NULL, created_at INTEGER NOT NULL, ready_at INTEGER NOT NULL,
+  ended_at INTEGER NOT NULL, vmm_pid INTEGER NOT NULL, vmm_start_ticks INTEGER NOT NULL,
+  dir TEXT NOT NULL, ttl_s INTEGER NOT NULL, idle_s INTEGER NOT NULL, labels TEXT NOT NULL,
+  branch TEXT NOT NULL, head_commit TEXT NOT NULL, last_activity INTEGER NOT NULL,
+  repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL);
+CREATE TABLE events(
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
+  at INTEGER NOT NULL, from_state INTEGER NOT NULL, to_state INTEGER NOT NULL,
+  reason TEXT NOT NULL, detail TEXT NOT NULL);
+CREATE TABLE usage(
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
+  interval_start INTEGER NOT NULL, interval_end INTEGER NOT NULL, billed_ms INTEGER NOT NULL,
+  vcpu_ns INTEGER NOT NULL, mem_alloc REAL NOT NULL, mem_res REAL NOT NULL, disk INTEGER NOT NULL,
+  final INTEGER NOT NULL, raw_cpu_ns INTEGER NOT NULL, raw_disk INTEGER NOT NULL);
+INSERT INTO sessions VALUES ('old','img',4,'e1','','',1,2,0,0,0,'/d',0,0,'{}','','',3,'','','');
+INSERT INTO events(session_id, execution_id, at, from_state, to_state, reason, detail)
+  VALUES ('old','e1',1,1,4,'created','');
+INSERT INTO usage(session_id, execution_id, interval_start, interval_end, billed_ms, vcpu_ns,
+  mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk) VALUES ('old','e1',1,2,3,4,0,0,0,0,0,0);
+"#;
+
+    #[test]
+    fn a_database_from_before_owners_opens_with_its_rows_owned_by_legacy() {
+        let t = tempfile::tempdir().unwrap();
+        let path = t.path().join("db");
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch(SCHEMA_BEFORE_OWNERS)
+            .unwrap();
+        let store = Store::open(&path).unwrap();
+        let old = store.session("old").unwrap().unwrap();
+        assert_eq!(
+            (old.owner.as_str(), old.execution_id.as_str()),
+            ("legacy", "e1")
+        );
+        // Owner filters: legacy rows are legacy's (admins pass no filter).
+        assert_eq!(store.events_since(0, None, None, 10).unwrap().len(), 1);
+        assert_eq!(
+            store
+                .events_since(0, None, Some("legacy"), 10)
+                .unwrap()
+                .len(),
+            1
+        );
+        assert!(store
+            .events_since(0, None, Some("alice"), 10)
+            .unwrap()
+            .is_empty());
+        assert_eq!(store.usage_since(None, None, 0, 0, 10).unwrap().len(), 1);
+        assert!(store
+            .usage_since(None, Some("alice"), 0, 0, 10)
+            .unwrap()
+            .is_empty());
+
+        // New rows carry their owner, into events and usage too.
+        let new = SessionRow {
+            id: "new".into(),
+            execution_id: "e2".into(),
+            labels: BTreeMap::new(),
+            owner: "alice".into(),
+            ..Default::default()
+        };
+        let ev = EventRow {
+            seq: 0,
+            session_id: "new".into(),
+            execution_id: "e2".into(),
+            at: 5,
+            from: 0,
+            to: 1,
+            reason: "created".into(),
+            detail: String::new(),
+        };
+        store.transition(&new, &ev).unwrap();
+        store
+            .insert_usage(&UsageRow {
+                session_id: "new".into(),
+                interval_end: 9,
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(store.session("new").unwrap().unwrap().owner, "alice");
+        let hers = store.events_since(0, None, Some("alice"), 10).unwrap();
+        assert_eq!(hers.len(), 1);
+        assert_eq!(hers[0].session_id, "new");
+        let hers = store.usage_since(None, Some("alice"), 0, 0, 10).unwrap();
+        assert_eq!(hers.len(), 1);
+        assert_eq!(hers[0].session_id, "new");
+        // Opening again changes nothing.
+        drop(store);
+        let store = Store::open(&path).unwrap();
+        assert_eq!(store.sessions().unwrap().len(), 2);
+        assert_eq!(store.session("old").unwrap().unwrap().owner, "legacy");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Who may call: plain text is accepted on loopback only; with mutual TLS
-//! every client must present a certificate signed by the configured CA.
+//! every client must present a certificate signed by the configured CA, and
+//! its subject CN must be listed with `mtls` in the clients file.
 //! Certificates are made with the `openssl` command-line tool.
 
 mod common;
@@ -123,7 +124,10 @@ async fn mutual_tls_refuses_clients_without_a_valid_certificate() {
         "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
     );
     make_cert(d, "ca", "client", "extendedKeyUsage=clientAuth\n");
+    make_cert(d, "ca", "viewer", "extendedKeyUsage=clientAuth\n");
+    make_cert(d, "ca", "unlisted", "extendedKeyUsage=clientAuth\n");
     make_cert(d, "other-ca", "stranger", "extendedKeyUsage=clientAuth\n");
+    std::fs::write(d.join("clients"), "client admin mtls\nviewer read mtls\n").unwrap();
 
     let p = |f: &str| d.join(f).display().to_string();
     let agent = Agent::start(&[
@@ -133,6 +137,8 @@ async fn mutual_tls_refuses_clients_without_a_valid_certificate() {
         &p("server.pem"),
         "--tls-key",
         &p("server.key"),
+        "--clients-file",
+        &p("clients"),
     ]);
     let https = agent.addr.replace("http://", "https://");
     let base = || {
@@ -153,6 +159,44 @@ async fn mutual_tls_refuses_clients_without_a_valid_certificate() {
         ok.is_ok(),
         "a client with a valid certificate is served: {ok:?}"
     );
+
+    // A certificate of the CA whose CN is not in the clients file is not a client.
+    let unlisted = version(
+        &https,
+        Some(base().identity(Identity::from_pem(
+            read(d, "unlisted.pem"),
+            read(d, "unlisted.key"),
+        ))),
+    )
+    .await;
+    assert!(
+        unlisted
+            .as_ref()
+            .is_err_and(|e| e.contains("Unauthenticated") && e.contains("unlisted")),
+        "an unlisted certificate is unauthenticated: {unlisted:?}"
+    );
+    // The certificate's client gets its scopes: read may look, not register.
+    let viewer = base().identity(Identity::from_pem(
+        read(d, "viewer.pem"),
+        read(d, "viewer.key"),
+    ));
+    assert!(version(&https, Some(viewer.clone())).await.is_ok());
+    let ch = Channel::from_shared(https.clone())
+        .unwrap()
+        .tls_config(viewer)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let err = pb::images_client::ImagesClient::new(ch)
+        .register_image(pb::RegisterImageRequest {
+            image_id: "x".into(),
+            kernel_path: "/x".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
 
     let no_cert = version(&https, Some(base())).await;
     assert!(
@@ -192,9 +236,30 @@ fn non_loopback_without_tls_is_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn plain_text_on_loopback_by_default() {
-    let agent = Agent::start(&[]);
+async fn plain_text_on_loopback_is_unauthenticated_unless_allowed() {
+    let agent = Agent::start(&["--no-test-defaults"]);
+    let err = version(&agent.addr, None).await.unwrap_err();
+    assert!(err.contains("Unauthenticated"), "{err}");
+    let agent = Agent::start(&["--allow-unauthenticated-local"]);
     assert!(version(&agent.addr, None).await.is_ok());
+}
+
+#[test]
+fn unauthenticated_local_with_mutual_tls_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("x.pem");
+    std::fs::write(&f, "").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_host-agent"))
+        .args(["serve", "--allow-unauthenticated-local", "--state-dir"])
+        .arg(dir.path())
+        .args(["--tls-ca", f.to_str().unwrap()])
+        .args(["--tls-cert", f.to_str().unwrap()])
+        .args(["--tls-key", f.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unauthenticated_local"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -203,7 +268,7 @@ async fn unix_socket_listener_and_cli_client() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("api.sock");
     let mut child = Command::new(env!("CARGO_BIN_EXE_host-agent"))
-        .args(["serve", "--listen-unix"])
+        .args(["serve", "--allow-unauthenticated-local", "--listen-unix"])
         .arg(&sock)
         .arg("--state-dir")
         .arg(dir.path().join("state"))

@@ -8,6 +8,8 @@ use tonic::{Request, Response, Status};
 
 use super::check_session_id;
 use super::exec::check_execution;
+use super::owned_session;
+use crate::auth::layer::caller_of;
 use crate::error::Error;
 use crate::sessions::Manager;
 use proto::guest::{host_message::Kind as In, Answer as GAnswer};
@@ -21,9 +23,9 @@ impl Approvals for ApprovalsApi {
         &self,
         req: Request<pb::ListAsksRequest>,
     ) -> Result<Response<pb::ListAsksResponse>, Status> {
+        let caller = caller_of(&req)?;
         let id = req.into_inner().session_id;
-        check_session_id(&id)?;
-        let sess = self.0.session(&id)?;
+        let sess = owned_session(&self.0, &caller, &id)?;
         let asks = sess
             .guest()
             .map(|g| g.asks())
@@ -47,6 +49,7 @@ impl Approvals for ApprovalsApi {
         &self,
         req: Request<pb::AnswerRequest>,
     ) -> Result<Response<pb::AnswerResponse>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         if r.ask_id.is_empty() || r.ask_id.len() > 128 {
             return Err(Error::invalid("ask_id must be 1..=128 bytes").into());
@@ -61,7 +64,7 @@ impl Approvals for ApprovalsApi {
                 .into())
             }
         }
-        check_execution(&self.0, &r.session_id, &r.execution_id)?;
+        check_execution(&self.0, &caller, &r.session_id, &r.execution_id)?;
         let sess = self.0.session(&r.session_id)?;
         let Some(conn) = sess.guest() else {
             return Err(Error::not_found("ask", r.ask_id).into());
@@ -81,9 +84,16 @@ impl Approvals for ApprovalsApi {
         &self,
         req: Request<pb::ListAuditRequest>,
     ) -> Result<Response<pb::ListAuditResponse>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         check_session_id(&r.session_id)?;
-        if self.0.store.session(&r.session_id)?.is_none() {
+        // Another client's session is as absent as a missing one.
+        if !self
+            .0
+            .store
+            .session(&r.session_id)?
+            .is_some_and(|s| caller.owns(&s.owner))
+        {
             return Err(Error::not_found("session", &r.session_id).into());
         }
         let records = self

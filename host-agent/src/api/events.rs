@@ -9,6 +9,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 use super::{check_session_id, event_pb};
+use crate::auth::layer::caller_of;
 use crate::sessions::Manager;
 
 /// The Events service.
@@ -24,6 +25,7 @@ impl Events for EventsApi {
         &self,
         req: Request<pb::WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         let session = if r.session_id.is_empty() {
             None
@@ -31,10 +33,12 @@ impl Events for EventsApi {
             check_session_id(&r.session_id)?;
             Some(r.session_id)
         };
-        let rx = self
-            .0
-            .events
-            .watch(self.0.store.clone(), r.since_seq, session);
+        let rx = self.0.events.watch(
+            self.0.store.clone(),
+            r.since_seq,
+            session,
+            caller.owner_filter().map(str::to_string),
+        );
         let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
             .map(|item| item.map(|e| event_pb(&e)).map_err(Status::from));
         Ok(Response::new(Box::pin(stream)))

@@ -13,7 +13,9 @@ use proto::hostagent::exec_server::Exec;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
-use super::check_session_id;
+use super::owned_session;
+use crate::auth::layer::caller_of;
+use crate::auth::Caller;
 use crate::error::Error;
 use crate::sessions::{state_name, Manager};
 use proto::guest::{
@@ -26,14 +28,19 @@ pub struct ExecApi(pub Arc<Manager>);
 
 type ExecStream = Pin<Box<dyn Stream<Item = Result<pb::ExecResponse, Status>> + Send>>;
 
-/// Checks that `session_id` exists and `execution_id` is its current one;
-/// returns whether its image runs guest-init.
-pub fn check_execution(mgr: &Manager, session_id: &str, execution_id: &str) -> Result<bool, Error> {
-    check_session_id(session_id)?;
+/// Checks that `session_id` exists, is `caller`'s to see, and that
+/// `execution_id` is its current one; returns whether its image runs
+/// guest-init.
+pub fn check_execution(
+    mgr: &Manager,
+    caller: &Caller,
+    session_id: &str,
+    execution_id: &str,
+) -> Result<bool, Error> {
+    let sess = owned_session(mgr, caller, session_id)?;
     if execution_id.is_empty() {
         return Err(Error::invalid("execution_id is required"));
     }
-    let sess = mgr.session(session_id)?;
     let row = sess.row();
     if row.execution_id != execution_id {
         return Err(Error::FailedPrecondition(format!(
@@ -56,6 +63,7 @@ impl Exec for ExecApi {
         &self,
         req: Request<Streaming<pb::ExecRequest>>,
     ) -> Result<Response<Self::ExecStream>, Status> {
+        let caller = caller_of(&req)?;
         let mut input = req.into_inner();
         let first = match input.next().await {
             Some(Ok(m)) => m,
@@ -68,7 +76,7 @@ impl Exec for ExecApi {
         if start.argv.is_empty() || start.argv[0].is_empty() {
             return Err(Error::invalid("argv must name a program").into());
         }
-        let guest_init = check_execution(&self.0, &start.session_id, &start.execution_id)?;
+        let guest_init = check_execution(&self.0, &caller, &start.session_id, &start.execution_id)?;
         if !guest_init {
             return Err(Error::FailedPrecondition(format!(
                 "session {} runs an image without guest-init; there is no agent to run commands",

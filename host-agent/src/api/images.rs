@@ -7,6 +7,7 @@ use proto::hostagent::images_server::Images;
 use tonic::{Request, Response, Status};
 
 use super::{idempotent, image_pb};
+use crate::auth::layer::caller_of;
 use crate::error::Error;
 use crate::images::{build_golden, valid_id, validate};
 use crate::sessions::{now_ms, Manager};
@@ -21,6 +22,7 @@ impl Images for ImagesApi {
         &self,
         req: Request<pb::RegisterImageRequest>,
     ) -> Result<Response<pb::Image>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         let fp = format!(
             "{:?}",
@@ -36,24 +38,31 @@ impl Images for ImagesApi {
             )
         );
         let mgr = &self.0;
-        let img = idempotent(mgr, &r.idempotency_key, "RegisterImage", &fp, async {
-            let mut row = ImageRow {
-                id: r.image_id.clone(),
-                kernel: r.kernel_path.clone(),
-                rootfs: r.rootfs_path.clone(),
-                initrd: r.initrd_path.clone(),
-                cmdline: r.cmdline.clone(),
-                mem_mib: r.mem_mib,
-                vcpus: r.vcpus,
-                guest_init: r.guest_init,
-                golden_dir: String::new(),
-                created_at: now_ms(),
-                golden_built_at: 0,
-            };
-            validate(&mut row)?;
-            mgr.store.insert_image(&row)?;
-            Ok(image_pb(&row))
-        })
+        let img = idempotent(
+            mgr,
+            &caller,
+            &r.idempotency_key,
+            "RegisterImage",
+            &fp,
+            async {
+                let mut row = ImageRow {
+                    id: r.image_id.clone(),
+                    kernel: r.kernel_path.clone(),
+                    rootfs: r.rootfs_path.clone(),
+                    initrd: r.initrd_path.clone(),
+                    cmdline: r.cmdline.clone(),
+                    mem_mib: r.mem_mib,
+                    vcpus: r.vcpus,
+                    guest_init: r.guest_init,
+                    golden_dir: String::new(),
+                    created_at: now_ms(),
+                    golden_built_at: 0,
+                };
+                validate(&mut row, &mgr.image_roots)?;
+                mgr.store.insert_image(&row)?;
+                Ok(image_pb(&row))
+            },
+        )
         .await?;
         Ok(Response::new(img))
     }
@@ -62,6 +71,7 @@ impl Images for ImagesApi {
         &self,
         req: Request<pb::BuildGoldenSnapshotRequest>,
     ) -> Result<Response<pb::Image>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         valid_id(&r.image_id)?;
         if r.settle_ms > 60_000 {
@@ -73,11 +83,18 @@ impl Images for ImagesApi {
         }
         let fp = format!("{:?}", (&r.image_id, r.settle_ms));
         let mgr = &self.0;
-        let img = idempotent(mgr, &r.idempotency_key, "BuildGoldenSnapshot", &fp, async {
-            Ok(image_pb(
-                &build_golden(mgr, &r.image_id, r.settle_ms).await?,
-            ))
-        })
+        let img = idempotent(
+            mgr,
+            &caller,
+            &r.idempotency_key,
+            "BuildGoldenSnapshot",
+            &fp,
+            async {
+                Ok(image_pb(
+                    &build_golden(mgr, &r.image_id, r.settle_ms).await?,
+                ))
+            },
+        )
         .await?;
         Ok(Response::new(img))
     }
@@ -108,25 +125,33 @@ impl Images for ImagesApi {
         &self,
         req: Request<pb::DeleteImageRequest>,
     ) -> Result<Response<pb::DeleteImageResponse>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         valid_id(&r.image_id)?;
         let mgr = &self.0;
-        let resp = idempotent(mgr, &r.idempotency_key, "DeleteImage", &r.image_id, async {
-            let _g = mgr.golden_lock.lock().await;
-            if mgr.store.image(&r.image_id)?.is_none() {
-                return Err(Error::not_found("image", &r.image_id));
-            }
-            if mgr.image_in_use(&r.image_id) {
-                return Err(Error::FailedPrecondition(format!(
-                    "image {:?} has live sessions; stop them first",
-                    r.image_id
-                )));
-            }
-            mgr.pool.drain(&r.image_id);
-            mgr.store.delete_image(&r.image_id)?;
-            let _ = std::fs::remove_dir_all(mgr.image_dir(&r.image_id));
-            Ok(pb::DeleteImageResponse {})
-        })
+        let resp = idempotent(
+            mgr,
+            &caller,
+            &r.idempotency_key,
+            "DeleteImage",
+            &r.image_id,
+            async {
+                let _g = mgr.golden_lock.lock().await;
+                if mgr.store.image(&r.image_id)?.is_none() {
+                    return Err(Error::not_found("image", &r.image_id));
+                }
+                if mgr.image_in_use(&r.image_id) {
+                    return Err(Error::FailedPrecondition(format!(
+                        "image {:?} has live sessions; stop them first",
+                        r.image_id
+                    )));
+                }
+                mgr.pool.drain(&r.image_id);
+                mgr.store.delete_image(&r.image_id)?;
+                let _ = std::fs::remove_dir_all(mgr.image_dir(&r.image_id));
+                Ok(pb::DeleteImageResponse {})
+            },
+        )
         .await?;
         Ok(Response::new(resp))
     }

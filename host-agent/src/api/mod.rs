@@ -2,12 +2,14 @@
 //! request checks they share.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use prost::Message;
 use proto::hostagent as pb;
 
+use crate::auth::Caller;
 use crate::error::{Error, Result};
-use crate::sessions::{now_ms, Manager};
+use crate::sessions::{now_ms, Manager, Session};
 use crate::store::{EventRow, ImageRow, SessionRow, UsageRow};
 
 pub mod approvals;
@@ -48,9 +50,29 @@ pub fn check_session_id(id: &str) -> Result<()> {
     Ok(())
 }
 
-/// Runs `f` once per idempotency key: a retry returns the stored response;
-/// the same key with another method or request is InvalidArgument.
-pub async fn idempotent<T, F>(mgr: &Manager, key: &str, method: &str, fp: &str, f: F) -> Result<T>
+/// The session `id` if `caller` may see it. Another client's session is
+/// NotFound, exactly as a session that does not exist, so that its
+/// existence does not leak.
+pub fn owned_session(mgr: &Manager, caller: &Caller, id: &str) -> Result<Arc<Session>> {
+    check_session_id(id)?;
+    let sess = mgr.session(id)?;
+    if !caller.owns(&sess.row().owner) {
+        return Err(Error::not_found("session", id));
+    }
+    Ok(sess)
+}
+
+/// Runs `f` once per idempotency key of `caller` (keys are scoped by
+/// client): a retry returns the stored response; the same key with another
+/// method or request is InvalidArgument.
+pub async fn idempotent<T, F>(
+    mgr: &Manager,
+    caller: &Caller,
+    key: &str,
+    method: &str,
+    fp: &str,
+    f: F,
+) -> Result<T>
 where
     T: Message + Default,
     F: Future<Output = Result<T>>,
@@ -59,14 +81,17 @@ where
     if key.is_empty() {
         return f.await;
     }
+    let shown = key;
+    let key = caller.scoped_key(key);
+    let key = key.as_str();
     let stored = |m: String, p: String, resp: Vec<u8>| -> Result<T> {
         if m != method || p != fp {
             return Err(Error::invalid(format!(
-                "idempotency key {key:?} was already used for a different request ({m})"
+                "idempotency key {shown:?} was already used for a different request ({m})"
             )));
         }
         T::decode(resp.as_slice())
-            .map_err(|e| Error::invalid(format!("stored response for key {key:?}: {e}")))
+            .map_err(|e| Error::invalid(format!("stored response for key {shown:?}: {e}")))
     };
     if let Some((m, p, resp)) = mgr.store.idempotent(key)? {
         return stored(m, p, resp);

@@ -7,9 +7,12 @@ use proto::hostagent as pb;
 use proto::hostagent::sessions_server::Sessions;
 use tonic::{Request, Response, Status};
 
-use super::{check_key, check_session_id, idempotent, session_pb};
+use super::{check_key, idempotent, owned_session, session_pb};
+use crate::auth::layer::caller_of;
+use crate::auth::Caller;
 use crate::error::{Error, Result};
 use crate::images::valid_id;
+use crate::path_roots::Kind;
 use crate::sessions::{reason, CreateParams, Manager};
 
 /// Longest TTL or idle timeout accepted: 30 days.
@@ -19,11 +22,12 @@ const MAX_LIMIT_S: u64 = 30 * 24 * 3600;
 pub struct SessionsApi(pub Arc<Manager>);
 
 impl SessionsApi {
-    /// One call on one session: checks the id, then runs `op` unless the
-    /// idempotency key already holds an answer for it.
+    /// One call on one session: checks the id and that the caller may see
+    /// the session, then runs `op` unless the idempotency key already holds
+    /// an answer for it.
     async fn on_session<T, F, Fut>(
         &self,
-        call: pb::SessionCall,
+        req: Request<pb::SessionCall>,
         method: &str,
         op: F,
     ) -> Result<Response<T>, Status>
@@ -32,10 +36,13 @@ impl SessionsApi {
         F: FnOnce(Arc<Manager>, String) -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
-        check_session_id(&call.session_id)?;
+        let caller = caller_of(&req)?;
+        let call = req.into_inner();
+        owned_session(&self.0, &caller, &call.session_id)?;
         let work = op(self.0.clone(), call.session_id.clone());
         let answer = idempotent(
             &self.0,
+            &caller,
             &call.idempotency_key,
             method,
             &call.session_id,
@@ -46,7 +53,11 @@ impl SessionsApi {
     }
 }
 
-fn create_params(r: pb::CreateSessionRequest) -> Result<CreateParams> {
+fn create_params(
+    mgr: &Manager,
+    caller: &Caller,
+    r: pb::CreateSessionRequest,
+) -> Result<CreateParams> {
     valid_id(&r.image_id)?;
     check_key(&r.idempotency_key)?;
     let limits = r.limits.unwrap_or_default();
@@ -82,15 +93,25 @@ fn create_params(r: pb::CreateSessionRequest) -> Result<CreateParams> {
             return Err(Error::invalid(format!("{name} is longer than 4096 bytes")));
         }
     }
+    // The repository is used as it resolves now, and only under the roots.
+    let repository = if r.repository_path.is_empty() {
+        String::new()
+    } else {
+        mgr.repository_roots
+            .check("repository_path", &r.repository_path, Kind::Dir)?
+            .display()
+            .to_string()
+    };
     Ok(CreateParams {
         image_id: r.image_id,
-        idempotency_key: r.idempotency_key,
+        idempotency_key: caller.scoped_key(&r.idempotency_key),
         ttl_s: limits.ttl_seconds,
         idle_s: limits.idle_timeout_seconds,
         labels: r.labels.into_iter().collect::<BTreeMap<_, _>>(),
-        repository: r.repository_path,
+        repository,
         agent: r.agent,
         base_ref: r.base_ref,
+        owner: caller.name.clone(),
     })
 }
 
@@ -100,7 +121,8 @@ impl Sessions for SessionsApi {
         &self,
         req: Request<pb::CreateSessionRequest>,
     ) -> Result<Response<pb::Session>, Status> {
-        let p = create_params(req.into_inner())?;
+        let caller = caller_of(&req)?;
+        let p = create_params(&self.0, &caller, req.into_inner())?;
         let row = self.0.create(p).await?;
         Ok(Response::new(session_pb(&row)))
     }
@@ -109,15 +131,17 @@ impl Sessions for SessionsApi {
         &self,
         req: Request<pb::SessionRef>,
     ) -> Result<Response<pb::Session>, Status> {
+        let caller = caller_of(&req)?;
         let id = req.into_inner().session_id;
-        check_session_id(&id)?;
-        Ok(Response::new(session_pb(&self.0.session(&id)?.row())))
+        let sess = owned_session(&self.0, &caller, &id)?;
+        Ok(Response::new(session_pb(&sess.row())))
     }
 
     async fn list_sessions(
         &self,
         req: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         if pb::SessionState::try_from(r.state).is_err() {
             return Err(Error::invalid(format!("state {} is not a SessionState", r.state)).into());
@@ -129,6 +153,7 @@ impl Sessions for SessionsApi {
             .0
             .list(r.state, &r.image_id)
             .iter()
+            .filter(|s| caller.owns(&s.owner))
             .map(session_pb)
             .collect();
         Ok(Response::new(pb::ListSessionsResponse { sessions }))
@@ -138,7 +163,7 @@ impl Sessions for SessionsApi {
         &self,
         req: Request<pb::SessionCall>,
     ) -> Result<Response<pb::Session>, Status> {
-        self.on_session(req.into_inner(), "PauseSession", |mgr, id| async move {
+        self.on_session(req, "PauseSession", |mgr, id| async move {
             Ok(session_pb(&mgr.pause(&id, reason::REQUESTED).await?))
         })
         .await
@@ -148,7 +173,7 @@ impl Sessions for SessionsApi {
         &self,
         req: Request<pb::SessionCall>,
     ) -> Result<Response<pb::Session>, Status> {
-        self.on_session(req.into_inner(), "ResumeSession", |mgr, id| async move {
+        self.on_session(req, "ResumeSession", |mgr, id| async move {
             Ok(session_pb(&mgr.resume(&id).await?))
         })
         .await
@@ -158,7 +183,7 @@ impl Sessions for SessionsApi {
         &self,
         req: Request<pb::SessionCall>,
     ) -> Result<Response<pb::SnapshotSessionResponse>, Status> {
-        self.on_session(req.into_inner(), "SnapshotSession", |mgr, id| async move {
+        self.on_session(req, "SnapshotSession", |mgr, id| async move {
             let (row, dir, pages) = mgr.snapshot(&id).await?;
             Ok(pb::SnapshotSessionResponse {
                 session: Some(session_pb(&row)),
@@ -173,11 +198,13 @@ impl Sessions for SessionsApi {
         &self,
         req: Request<pb::RestoreSessionRequest>,
     ) -> Result<Response<pb::Session>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
-        check_session_id(&r.session_id)?;
+        owned_session(&self.0, &caller, &r.session_id)?;
         let mgr = &self.0;
         let s = idempotent(
             mgr,
+            &caller,
             &r.idempotency_key,
             "RestoreSession",
             &format!("{}\0{}", r.session_id, r.snapshot_dir),
@@ -194,7 +221,7 @@ impl Sessions for SessionsApi {
         &self,
         req: Request<pb::SessionCall>,
     ) -> Result<Response<pb::Session>, Status> {
-        self.on_session(req.into_inner(), "StopSession", |mgr, id| async move {
+        self.on_session(req, "StopSession", |mgr, id| async move {
             Ok(session_pb(&mgr.stop(&id, reason::REQUESTED).await?))
         })
         .await
@@ -204,7 +231,7 @@ impl Sessions for SessionsApi {
         &self,
         req: Request<pb::SessionCall>,
     ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
-        self.on_session(req.into_inner(), "DeleteSession", |mgr, id| async move {
+        self.on_session(req, "DeleteSession", |mgr, id| async move {
             mgr.delete(&id).await?;
             Ok(pb::DeleteSessionResponse {})
         })

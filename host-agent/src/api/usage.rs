@@ -7,6 +7,7 @@ use proto::hostagent::usage_server::Usage;
 use tonic::{Request, Response, Status};
 
 use super::{check_session_id, usage_pb};
+use crate::auth::layer::caller_of;
 use crate::error::Error;
 use crate::sessions::Manager;
 
@@ -19,6 +20,7 @@ impl Usage for UsageApi {
         &self,
         req: Request<pb::ListUsageRequest>,
     ) -> Result<Response<pb::ListUsageResponse>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         if !r.session_id.is_empty() {
             check_session_id(&r.session_id)?;
@@ -36,7 +38,13 @@ impl Usage for UsageApi {
         let records = self
             .0
             .store
-            .usage_since(session, r.since_seq, r.since_time, limit)?
+            .usage_since(
+                session,
+                caller.owner_filter(),
+                r.since_seq,
+                r.since_time,
+                limit,
+            )?
             .iter()
             .map(usage_pb)
             .collect();

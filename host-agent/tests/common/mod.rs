@@ -106,8 +106,25 @@ impl Agent {
         if !self.extra.iter().any(|a| a == "--vmm") {
             cmd.arg("--vmm").arg(vmm_path());
         }
+        // Tests not about authorization call as the local admin and use
+        // files from anywhere (the test guests, temporary repositories); the
+        // authorization tests pass their own settings.
+        let has = |flag: &str| self.extra.iter().any(|a| a == flag);
+        if !has("--clients-file")
+            && !has("--tls-ca")
+            && !has("--allow-unauthenticated-local")
+            && !has("--no-test-defaults")
+        {
+            cmd.arg("--allow-unauthenticated-local");
+        }
+        if !has("--allowed-image-root") && !has("--no-test-defaults") {
+            cmd.arg("--allowed-image-root").arg("/");
+        }
+        if !has("--allowed-repository-root") && !has("--no-test-defaults") {
+            cmd.arg("--allowed-repository-root").arg("/");
+        }
         let mut child = cmd
-            .args(&self.extra)
+            .args(self.extra.iter().filter(|a| *a != "--no-test-defaults"))
             .env("RUST_LOG", "host_agent=debug,info")
             .stdout(Stdio::piped())
             .stderr(log)

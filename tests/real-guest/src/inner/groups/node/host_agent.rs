@@ -22,10 +22,28 @@ impl HostAgent {
         let state = ctx.scratch.join("host-agent");
         std::fs::create_dir_all(&state).map_err(|e| e.to_string())?;
         // A real guest booting under nested emulation takes far longer
-        // than on hardware to answer: wait for it generously.
+        // than on hardware to answer: wait for it generously. The scenarios
+        // call over loopback without credentials (as the local admin), with
+        // the node image's files and the scratch repository as the only
+        // host paths requests may name.
+        // A file's directory, and its target's where it is a link.
+        let img = &ctx.env.node_image;
+        let image_roots: Vec<std::path::PathBuf> =
+            [Some(&img.kernel), img.initrd.as_ref(), Some(&img.rootfs)]
+                .into_iter()
+                .flatten()
+                .flat_map(|p| [Some(p.clone()), std::fs::canonicalize(p).ok()])
+                .flatten()
+                .filter_map(|p| p.parent().map(|d| d.to_path_buf()))
+                .collect();
         let config = ctx.scratch.join("host-agent.json");
-        std::fs::write(&config, r#"{"guest_ready_timeout_seconds": 900}"#)
-            .map_err(|e| e.to_string())?;
+        let settings = serde_json::json!({
+            "guest_ready_timeout_seconds": 900,
+            "unauthenticated_local": "admin",
+            "allowed_image_roots": image_roots,
+            "allowed_repository_roots": [ctx.scratch],
+        });
+        std::fs::write(&config, settings.to_string()).map_err(|e| e.to_string())?;
         // One log per start (pool-timing restarts it on the same state).
         let starts = std::fs::read_dir(&ctx.scratch)
             .map(|d| {
