@@ -96,6 +96,12 @@ pub struct Config {
     pub jail: Option<JailSettings>,
     /// How long READY may take for guest-init images (seconds).
     pub guest_ready_timeout_seconds: u64,
+    /// Most bytes of audit JSON stored per session; the guest event that
+    /// would pass it stops the session (reason `audit_limit`).
+    pub max_audit_bytes_per_session: u64,
+    /// Largest session branch bundle taken from a guest at Stop (bytes);
+    /// a larger one is not fetched.
+    pub max_branch_bundle_bytes: u64,
 }
 
 impl Default for Config {
@@ -121,6 +127,8 @@ impl Default for Config {
             vsock_device: true,
             jail: None,
             guest_ready_timeout_seconds: 120,
+            max_audit_bytes_per_session: 64 << 20,
+            max_branch_bundle_bytes: 1 << 30,
         }
     }
 }

@@ -22,6 +22,7 @@ pub mod guest;
 pub mod images;
 pub mod metrics;
 pub mod pool;
+pub mod repo;
 pub mod safe_fs;
 pub mod sessions;
 pub mod store;
