@@ -221,7 +221,9 @@ impl GuestConn {
         let reader = Reader {
             shared: shared.clone(),
             control: ctl_tx,
-            out: out_tx.clone(),
+            // Weak: dropping the GuestConn must still end the writer (and so
+            // close the channel for the guest).
+            out: out_tx.downgrade(),
             audit: chain,
             session_id: session_id.to_string(),
         };
@@ -518,7 +520,7 @@ fn exec_id_of(m: &GuestMessage) -> Option<&str> {
 struct Reader {
     shared: Arc<Shared>,
     control: broadcast::Sender<GuestMessage>,
-    out: mpsc::Sender<HostMessage>,
+    out: mpsc::WeakSender<HostMessage>,
     audit: Option<AuditChain>,
     session_id: String,
 }
@@ -553,7 +555,8 @@ impl Reader {
     /// Tells the guest something without waiting: a guest that does not read
     /// its channel only loses these messages.
     fn reply(&self, m: In) {
-        if self.out.try_send(kind(m)).is_err() {
+        let sent = self.out.upgrade().map(|out| out.try_send(kind(m)));
+        if !matches!(sent, Some(Ok(()))) {
             metrics::guest_dropped("reply_not_sent");
         }
     }
