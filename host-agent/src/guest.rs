@@ -555,8 +555,11 @@ impl Reader {
     /// Tells the guest something without waiting: a guest that does not read
     /// its channel only loses these messages.
     fn reply(&self, m: In) {
-        let sent = self.out.upgrade().map(|out| out.try_send(kind(m)));
-        if !matches!(sent, Some(Ok(()))) {
+        let sent = self
+            .out
+            .upgrade()
+            .is_some_and(|out| out.try_send(kind(m)).is_ok());
+        if !sent {
             metrics::guest_dropped("reply_not_sent");
         }
     }
