@@ -191,6 +191,12 @@ impl Config {
                 )));
             }
         }
+        if self.max_audit_bytes_per_session == 0 || self.max_branch_bundle_bytes == 0 {
+            return Err(Error::invalid(
+                "max_audit_bytes_per_session and max_branch_bundle_bytes must be at least 1 \
+                 (they bound what one guest can make host-agent store)",
+            ));
+        }
         if self.max_sessions == 0 {
             return Err(Error::invalid("max_sessions must be at least 1"));
         }
