@@ -315,6 +315,9 @@ impl Conn {
 
     async fn dispatch(&mut self, m: In) -> Option<Stop> {
         match m {
+            In::Error(e) => {
+                tracing::warn!(code = e.code, message = %e.message, "the host refused a message of this guest");
+            }
             In::Hello(_) => {
                 self.send(error(Code::Protocol, "Hello was already exchanged", ""))
                     .await

@@ -116,6 +116,12 @@ pub struct Config {
     /// a loopback address without TLS. `None` (the default): such calls are
     /// refused with UNAUTHENTICATED.
     pub unauthenticated_local: Option<Scope>,
+    /// Most bytes of audit JSON stored per session; the guest event that
+    /// would pass it stops the session (reason `audit_limit`).
+    pub max_audit_bytes_per_session: u64,
+    /// Largest session branch bundle taken from a guest at Stop (bytes);
+    /// a larger one is not fetched.
+    pub max_branch_bundle_bytes: u64,
 }
 
 impl Default for Config {
@@ -145,6 +151,8 @@ impl Default for Config {
             allowed_repository_roots: None,
             clients_file: None,
             unauthenticated_local: None,
+            max_audit_bytes_per_session: 64 << 20,
+            max_branch_bundle_bytes: 1 << 30,
         }
     }
 }
@@ -211,6 +219,12 @@ impl Config {
             return Err(Error::invalid(
                 "unauthenticated_local has no effect with mutual TLS (every client presents a \
                  certificate): list the certificates' CNs with `mtls` in clients_file instead",
+            ));
+        }
+        if self.max_audit_bytes_per_session == 0 || self.max_branch_bundle_bytes == 0 {
+            return Err(Error::invalid(
+                "max_audit_bytes_per_session and max_branch_bundle_bytes must be at least 1 \
+                 (they bound what one guest can make host-agent store)",
             ));
         }
         if self.max_sessions == 0 {

@@ -6,27 +6,73 @@
 //! A [`GuestConn`] owns one connection: a writer task sends frames, a reader
 //! task routes what the guest sends — exec output to the exec's stream, asks
 //! to the pending list, audit events to the store (chained on the host:
-//! `host_hash = sha256(prev_host_hash || json)`), everything else to the
-//! control queue read by [`GuestConn::next_control`].
+//! `host_hash = sha256(prev_host_hash || json)`), bundle chunks to the
+//! branch fetch in progress, everything else to the control queue read by
+//! [`GuestConn::next_control`].
+//!
+//! The guest is not trusted: everything it can make host-agent hold is
+//! bounded ([`limits`]). Messages nobody asked for, or over a limit, are
+//! dropped and counted (`hostagent_guest_messages_dropped_total`). Exec
+//! output is not dropped: when an exec's client does not read, the reader
+//! stops reading the channel, so the guest's writes block.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use proto::framing::{decode_payload, encode_frame, FrameDecoder, DEFAULT_MAX_FRAME};
+use prost::Message as _;
+use proto::framing::{decode_payload, encode_frame, FrameDecoder, FrameError, DEFAULT_MAX_FRAME};
 use proto::guest::{
-    guest_message::Kind as Out, host_message::Kind as In, AskRequest, GuestMessage, Hello,
+    answer::Reply, error::Code, guest_message::Kind as Out, host_message::Kind as In, Answer,
+    AskRequest, AuditEvent, BundleChunk, Error as GuestError, FetchBranch, GuestMessage, Hello,
     HostMessage, PROTOCOL_VERSION,
 };
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc, watch};
 
 use crate::error::{Error, Result};
+use crate::metrics;
 use crate::sessions::now_ms;
 use crate::store::{AuditRow, Store};
+
+/// What one guest channel may make host-agent hold. A frame is at most
+/// [`DEFAULT_MAX_FRAME`] (4 MiB); larger ones are discarded unread.
+pub mod limits {
+    use std::time::Duration;
+
+    /// Messages queued per exec for its gRPC client. When the queue is full
+    /// the channel is not read until the client takes one (backpressure).
+    pub const EXEC_OUTPUT_QUEUE: usize = 4;
+    /// Pending asks per session; more are answered REJECT at once.
+    pub const MAX_PENDING_ASKS: usize = 64;
+    /// Largest ask (encoded); a larger one is answered REJECT at once.
+    pub const MAX_ASK_BYTES: usize = 64 * 1024;
+    /// Control messages (Ready, Error, ...) kept for a waiter; when more
+    /// arrive, the oldest are dropped.
+    pub const CONTROL_QUEUE: usize = 32;
+    /// Largest control message (encoded); a larger one is dropped.
+    pub const MAX_CONTROL_BYTES: usize = 64 * 1024;
+    /// Bundle chunks queued for the file the branch is written to.
+    pub const BUNDLE_QUEUE: usize = 4;
+    /// Longest a branch fetch may take, however the chunks trickle in.
+    pub const BUNDLE_TIMEOUT: Duration = Duration::from_secs(600);
+    /// How long a message to the guest may wait for room in its channel: a
+    /// guest that stops reading cannot hold a call (a Stop) forever.
+    pub const SEND_TIMEOUT: Duration = Duration::from_secs(10);
+}
+
+/// Why a session must be stopped because of what its guest sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    /// The stop reason (`audit_limit`, `audit_out_of_order`).
+    pub reason: &'static str,
+    /// What happened, for the event's detail.
+    pub detail: String,
+}
 
 /// Connects to guest port `port` through the vsock Unix socket at `path`.
 /// With `peer`, the socket must be served by that process (the VM's vmm).
@@ -86,19 +132,46 @@ pub struct PendingAsk {
     pub asked_at: i64,
 }
 
+/// Per-session audit settings for [`GuestConn::open`].
+#[derive(Clone)]
+pub struct AuditSink {
+    /// Where events are stored.
+    pub store: Arc<Store>,
+    /// Most bytes of audit JSON stored for the session; the event that
+    /// would pass it stops the session (`audit_limit`).
+    pub max_bytes: u64,
+}
+
 #[derive(Default)]
 struct Routes {
-    execs: HashMap<String, mpsc::UnboundedSender<GuestMessage>>,
+    execs: HashMap<String, mpsc::Sender<GuestMessage>>,
     asks: BTreeMap<String, PendingAsk>,
-    bundle: Vec<u8>,
+    /// Set while a FetchBranch is outstanding.
+    bundle: Option<mpsc::Sender<BundleChunk>>,
     closed: bool,
+}
+
+/// State shared by the connection's tasks and its users.
+struct Shared {
+    routes: Mutex<Routes>,
+    /// Set by [`GuestConn::drop_exec_output`]: output is dropped, not waited for.
+    draining: watch::Sender<bool>,
+    /// The reader is waiting for an exec's client to take output.
+    backpressured: AtomicBool,
+    violation: watch::Sender<Option<Violation>>,
+}
+
+impl Shared {
+    fn routes(&self) -> std::sync::MutexGuard<'_, Routes> {
+        self.routes.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// One open guest channel.
 pub struct GuestConn {
     out: mpsc::Sender<HostMessage>,
-    routes: Arc<Mutex<Routes>>,
-    control: tokio::sync::Mutex<mpsc::UnboundedReceiver<GuestMessage>>,
+    shared: Arc<Shared>,
+    control: tokio::sync::Mutex<broadcast::Receiver<GuestMessage>>,
 }
 
 fn kind(m: In) -> HostMessage {
@@ -107,13 +180,13 @@ fn kind(m: In) -> HostMessage {
 
 impl GuestConn {
     /// Exchanges Hello on `stream` and starts the reader and writer tasks.
-    /// Audit events of `session_id` are stored, chained, in `store`.
+    /// Audit events of `session_id` are stored, chained, through `audit`.
     pub async fn open(
         stream: UnixStream,
         session_id: &str,
-        store: Option<Arc<Store>>,
+        audit: Option<AuditSink>,
     ) -> Result<GuestConn> {
-        let (mut r, mut w) = stream.into_split();
+        let (r, mut w) = stream.into_split();
         let hello = kind(In::Hello(Hello {
             protocol_version: PROTOCOL_VERSION,
             software: format!("host-agent {}", env!("CARGO_PKG_VERSION")),
@@ -134,51 +207,30 @@ impl GuestConn {
                 }
             }
         });
-        let routes = Arc::new(Mutex::new(Routes::default()));
-        let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
-        let rt = routes.clone();
-        let sid = session_id.to_string();
-        let last = store
-            .as_ref()
-            .and_then(|s| s.last_audit(&sid).ok().flatten())
-            .map(|a| (a.host_hash, a.guest_seq));
-        let (mut prev_hash, mut last_seq) = last.unwrap_or_default();
-        tokio::spawn(async move {
-            let mut dec = FrameDecoder::new(DEFAULT_MAX_FRAME);
-            let mut buf = vec![0u8; 64 * 1024];
-            loop {
-                loop {
-                    match dec.next_frame() {
-                        Ok(Some(payload)) => {
-                            let Ok(m) = decode_payload::<GuestMessage>(&payload) else {
-                                continue;
-                            };
-                            route(
-                                &rt,
-                                &ctl_tx,
-                                m,
-                                &sid,
-                                store.as_deref(),
-                                &mut prev_hash,
-                                &mut last_seq,
-                            );
-                        }
-                        Ok(None) => break,
-                        Err(_) => continue,
-                    }
-                }
-                match r.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => dec.push(&buf[..n]),
-                }
-            }
-            let mut g = rt.lock().unwrap_or_else(|p| p.into_inner());
-            g.closed = true;
-            g.execs.clear();
+        let shared = Arc::new(Shared {
+            routes: Mutex::new(Routes::default()),
+            draining: watch::channel(false).0,
+            backpressured: AtomicBool::new(false),
+            violation: watch::channel(None).0,
         });
+        let (ctl_tx, ctl_rx) = broadcast::channel(limits::CONTROL_QUEUE);
+        let chain = match audit {
+            Some(sink) => Some(AuditChain::load(sink, session_id)?),
+            None => None,
+        };
+        let reader = Reader {
+            shared: shared.clone(),
+            control: ctl_tx,
+            // Weak: dropping the GuestConn must still end the writer (and so
+            // close the channel for the guest).
+            out: out_tx.downgrade(),
+            audit: chain,
+            session_id: session_id.to_string(),
+        };
+        tokio::spawn(reader.run(r));
         let conn = GuestConn {
             out: out_tx,
-            routes,
+            shared,
             control: tokio::sync::Mutex::new(ctl_rx),
         };
         match conn.next_control(Duration::from_secs(30)).await? {
@@ -194,16 +246,17 @@ impl GuestConn {
         }
     }
 
-    fn routes(&self) -> std::sync::MutexGuard<'_, Routes> {
-        self.routes.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Sends one message.
+    /// Sends one message; fails when the guest has not made room for it in
+    /// [`limits::SEND_TIMEOUT`].
     pub async fn send(&self, m: In) -> Result<()> {
-        self.out
-            .send(kind(m))
-            .await
-            .map_err(|_| Error::Guest("the guest channel is closed".into()))
+        match tokio::time::timeout(limits::SEND_TIMEOUT, self.out.send(kind(m))).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(Error::Guest("the guest channel is closed".into())),
+            Err(_) => Err(Error::Timeout(format!(
+                "the guest has not read its channel for {:?}",
+                limits::SEND_TIMEOUT
+            ))),
+        }
     }
 
     /// The next control message before `deadline`: a guest that keeps
@@ -221,12 +274,24 @@ impl GuestConn {
         self.next_control(left).await
     }
 
-    /// The next message not routed to an exec (Ready, Error, bundle end, ...).
+    /// The next message not routed elsewhere (Ready, Error, ...).
     pub async fn next_control(&self, timeout: Duration) -> Result<GuestMessage> {
         let mut rx = self.control.lock().await;
-        match tokio::time::timeout(timeout, rx.recv()).await {
-            Ok(Some(m)) => Ok(m),
-            Ok(None) => Err(Error::Guest("the guest closed the channel".into())),
+        let recv = async {
+            loop {
+                match rx.recv().await {
+                    Ok(m) => return Ok(m),
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        metrics::guest_dropped_n("control_queue_full", n);
+                    }
+                    Err(broadcast::error::RecvError::Closed) => {
+                        return Err(Error::Guest("the guest closed the channel".into()))
+                    }
+                }
+            }
+        };
+        match tokio::time::timeout(timeout, recv).await {
+            Ok(r) => r,
             Err(_) => Err(Error::Timeout(format!(
                 "guest did not answer in {timeout:?}"
             ))),
@@ -235,34 +300,208 @@ impl GuestConn {
 
     /// Whether the guest (or the vsock under it) closed the channel.
     pub fn is_closed(&self) -> bool {
-        self.routes().closed
+        self.shared.routes().closed
+    }
+
+    /// Whether the reader is waiting for an exec's client to take output
+    /// (and so not reading the channel).
+    pub fn is_backpressured(&self) -> bool {
+        self.shared.backpressured.load(Ordering::Relaxed)
+    }
+
+    /// The first violation the guest committed, once there is one.
+    pub fn violation(&self) -> Option<Violation> {
+        self.shared.violation.borrow().clone()
     }
 
     /// Registers an exec's route; messages about `exec_id` arrive on the
-    /// returned receiver.
-    pub fn route_exec(&self, exec_id: &str) -> Result<mpsc::UnboundedReceiver<GuestMessage>> {
-        let mut g = self.routes();
+    /// returned receiver (at most [`limits::EXEC_OUTPUT_QUEUE`] waiting).
+    pub fn route_exec(&self, exec_id: &str) -> Result<mpsc::Receiver<GuestMessage>> {
+        let mut g = self.shared.routes();
         if g.closed {
             return Err(Error::Guest("the guest channel is closed".into()));
         }
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(limits::EXEC_OUTPUT_QUEUE);
         g.execs.insert(exec_id.to_string(), tx);
         Ok(rx)
     }
 
+    /// Ends every exec's stream and drops exec output from now on, so the
+    /// channel is read again whatever the clients do (before Stop).
+    pub fn drop_exec_output(&self) {
+        self.shared.draining.send_replace(true);
+        self.shared.routes().execs.clear();
+    }
+
     /// Pending asks.
     pub fn asks(&self) -> Vec<PendingAsk> {
-        self.routes().asks.values().cloned().collect()
+        self.shared.routes().asks.values().cloned().collect()
     }
 
     /// Removes a pending ask, returning whether it was pending.
     pub fn take_ask(&self, ask_id: &str) -> bool {
-        self.routes().asks.remove(ask_id).is_some()
+        self.shared.routes().asks.remove(ask_id).is_some()
     }
 
-    /// Takes the bundle collected from BundleChunk messages.
-    pub fn take_bundle(&self) -> Vec<u8> {
-        std::mem::take(&mut self.routes().bundle)
+    /// Asks the guest for the session branch (FetchBranch) and writes the
+    /// bundle it streams back to `file`, at most `max_bytes`. Chunks are
+    /// accepted only while this runs. `idle` bounds the wait for each chunk.
+    /// Returns the bundle's size.
+    pub async fn fetch_branch(
+        &self,
+        file: &mut tokio::fs::File,
+        max_bytes: u64,
+        idle: Duration,
+    ) -> Result<u64> {
+        let (tx, mut rx) = mpsc::channel(limits::BUNDLE_QUEUE);
+        self.shared.routes().bundle = Some(tx);
+        let result = self.receive_bundle(&mut rx, file, max_bytes, idle).await;
+        self.shared.routes().bundle = None;
+        result
+    }
+
+    async fn receive_bundle(
+        &self,
+        rx: &mut mpsc::Receiver<BundleChunk>,
+        file: &mut tokio::fs::File,
+        max_bytes: u64,
+        idle: Duration,
+    ) -> Result<u64> {
+        self.send(In::FetchBranch(FetchBranch {})).await?;
+        let mut written = 0u64;
+        // Only chunks extend the wait, and not past the overall bound.
+        let end = tokio::time::Instant::now() + limits::BUNDLE_TIMEOUT;
+        let mut deadline = (tokio::time::Instant::now() + idle).min(end);
+        loop {
+            let chunk = tokio::select! {
+                c = rx.recv() => c,
+                m = self.next_control_before(deadline) => match m?.kind {
+                    Some(Out::Error(e)) => {
+                        return Err(Error::Guest(format!(
+                            "guest-init could not bundle the branch: {}",
+                            e.message
+                        )))
+                    }
+                    _ => continue,
+                },
+            };
+            let Some(chunk) = chunk else {
+                return Err(Error::Guest(
+                    "the guest closed the channel while sending the branch".into(),
+                ));
+            };
+            deadline = (tokio::time::Instant::now() + idle).min(end);
+            written += chunk.data.len() as u64;
+            if written > max_bytes {
+                return Err(Error::ResourceExhausted(format!(
+                    "the guest's branch bundle is larger than the limit of {max_bytes} bytes \
+                     (max_branch_bundle_bytes); the branch was not fetched"
+                )));
+            }
+            file.write_all(&chunk.data)
+                .await
+                .map_err(|e| Error::io("writing the branch bundle", e))?;
+            if chunk.last {
+                file.flush()
+                    .await
+                    .map_err(|e| Error::io("writing the branch bundle", e))?;
+                return Ok(written);
+            }
+        }
+    }
+}
+
+/// The host side of a session's audit chain.
+struct AuditChain {
+    sink: AuditSink,
+    prev_hash: String,
+    last_seq: u64,
+    stored_bytes: u64,
+    /// Set once an event was refused: later ones are dropped.
+    refused: bool,
+}
+
+impl AuditChain {
+    fn load(sink: AuditSink, session_id: &str) -> Result<AuditChain> {
+        let last = sink.store.last_audit(session_id)?;
+        let stored_bytes = sink.store.audit_bytes(session_id)?;
+        let (prev_hash, last_seq) = last.map(|a| (a.host_hash, a.guest_seq)).unwrap_or_default();
+        Ok(AuditChain {
+            sink,
+            prev_hash,
+            last_seq,
+            stored_bytes,
+            refused: false,
+        })
+    }
+
+    fn append(&mut self, session_id: &str, seq: u64, json: String) {
+        let mut h = Sha256::new();
+        h.update(self.prev_hash.as_bytes());
+        h.update(json.as_bytes());
+        let hash = hex::encode(h.finalize());
+        self.stored_bytes += json.len() as u64;
+        let row = AuditRow {
+            session_id: session_id.to_string(),
+            guest_seq: seq,
+            json,
+            host_hash: hash.clone(),
+            received_at: now_ms(),
+        };
+        if let Err(e) = self.sink.store.insert_audit(&row) {
+            tracing::error!(session = session_id, error = %e, "storing audit event");
+        }
+        self.prev_hash = hash;
+        self.last_seq = seq;
+    }
+
+    /// Stores `a` if it is the next event and within the session's volume;
+    /// otherwise refuses it and says why the session must stop.
+    fn accept(&mut self, session_id: &str, a: AuditEvent) -> Option<Violation> {
+        if self.refused {
+            metrics::guest_dropped("audit_refused");
+            return None;
+        }
+        let expected = self.last_seq.saturating_add(1);
+        if a.seq != expected {
+            self.refused = true;
+            metrics::guest_dropped("audit_out_of_order");
+            return Some(Violation {
+                reason: crate::sessions::reason::AUDIT_OUT_OF_ORDER,
+                detail: format!(
+                    "the guest sent audit event seq {} where seq {expected} was due; the event \
+                     was refused and later ones are not stored",
+                    a.seq
+                ),
+            });
+        }
+        let max = self.sink.max_bytes;
+        if self.stored_bytes + a.json.len() as u64 > max {
+            self.refused = true;
+            metrics::guest_dropped("audit_limit");
+            let detail = format!(
+                "audit volume limit of {max} bytes reached: {} bytes stored, event seq {} of {} \
+                 bytes refused, later ones not stored",
+                self.stored_bytes,
+                a.seq,
+                a.json.len()
+            );
+            // The host's own record ends the chain, so ListAudit says it too.
+            let note = serde_json::json!({
+                "actor": "host-agent",
+                "action": "audit.limit_exceeded",
+                "result": detail,
+                "refused_seq": a.seq,
+            })
+            .to_string();
+            self.append(session_id, a.seq, note);
+            return Some(Violation {
+                reason: crate::sessions::reason::AUDIT_LIMIT,
+                detail,
+            });
+        }
+        self.append(session_id, a.seq, a.json);
+        None
     }
 }
 
@@ -277,76 +516,244 @@ fn exec_id_of(m: &GuestMessage) -> Option<&str> {
     })
 }
 
-fn route(
-    routes: &Mutex<Routes>,
-    control: &mpsc::UnboundedSender<GuestMessage>,
-    m: GuestMessage,
-    session_id: &str,
-    store: Option<&Store>,
-    prev_hash: &mut String,
-    last_seq: &mut u64,
-) {
-    let mut g = routes.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(id) = exec_id_of(&m).map(str::to_string) {
+/// The reader task: decodes frames and routes messages.
+struct Reader {
+    shared: Arc<Shared>,
+    control: broadcast::Sender<GuestMessage>,
+    out: mpsc::WeakSender<HostMessage>,
+    audit: Option<AuditChain>,
+    session_id: String,
+}
+
+impl Reader {
+    async fn run(mut self, mut r: tokio::net::unix::OwnedReadHalf) {
+        let mut dec = FrameDecoder::new(DEFAULT_MAX_FRAME);
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            loop {
+                match dec.next_frame() {
+                    Ok(Some(payload)) => match decode_payload::<GuestMessage>(&payload) {
+                        Ok(m) => self.route(m).await,
+                        Err(_) => metrics::guest_dropped("malformed"),
+                    },
+                    Ok(None) => break,
+                    Err(FrameError::Oversize { .. }) => metrics::guest_dropped("oversize"),
+                    Err(FrameError::Malformed(_)) => metrics::guest_dropped("malformed"),
+                }
+            }
+            match r.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => dec.push(&buf[..n]),
+            }
+        }
+        let mut g = self.shared.routes();
+        g.closed = true;
+        g.execs.clear();
+        g.bundle = None;
+    }
+
+    /// Tells the guest something without waiting: a guest that does not read
+    /// its channel only loses these messages.
+    fn reply(&self, m: In) {
+        let sent = self
+            .out
+            .upgrade()
+            .is_some_and(|out| out.try_send(kind(m)).is_ok());
+        if !sent {
+            metrics::guest_dropped("reply_not_sent");
+        }
+    }
+
+    fn refuse(&self, code: Code, message: String) {
+        self.reply(In::Error(GuestError {
+            code: code as i32,
+            message,
+            exec_id: String::new(),
+        }));
+    }
+
+    async fn route(&mut self, m: GuestMessage) {
+        if let Some(id) = exec_id_of(&m).map(str::to_string) {
+            return self.route_exec(id, m).await;
+        }
+        match m.kind {
+            Some(Out::AskRequest(a)) => self.route_ask(a),
+            Some(Out::AuditEvent(a)) => {
+                let Some(chain) = self.audit.as_mut() else {
+                    metrics::guest_dropped("unexpected");
+                    return;
+                };
+                if let Some(v) = chain.accept(&self.session_id, a) {
+                    tracing::warn!(session = %self.session_id, reason = v.reason, detail = %v.detail, "guest audit refused");
+                    self.refuse(Code::Protocol, v.detail.clone());
+                    self.shared.violation.send_if_modified(|cur| {
+                        cur.is_none() && {
+                            *cur = Some(v);
+                            true
+                        }
+                    });
+                }
+            }
+            Some(Out::BundleChunk(c)) => {
+                let tx = self.shared.routes().bundle.clone();
+                match tx {
+                    Some(tx) => {
+                        if tx.send(c).await.is_err() {
+                            metrics::guest_dropped("bundle_unrequested");
+                        }
+                    }
+                    None => metrics::guest_dropped("bundle_unrequested"),
+                }
+            }
+            kind => {
+                let m = GuestMessage { kind };
+                if m.encoded_len() > limits::MAX_CONTROL_BYTES {
+                    metrics::guest_dropped("control_too_large");
+                } else {
+                    // Keeps the newest CONTROL_QUEUE; a waiter sees the older ones as lost.
+                    let _ = self.control.send(m);
+                }
+            }
+        }
+    }
+
+    async fn route_exec(&mut self, id: String, m: GuestMessage) {
         let ends = matches!(
             m.kind,
             Some(Out::ExecExited(_) | Out::ExecRejected(_) | Out::Error(_))
         );
-        if let Some(tx) = g.execs.get(&id) {
-            let _ = tx.send(m);
+        let tx = self.shared.routes().execs.get(&id).cloned();
+        match tx {
+            Some(tx) => {
+                if !self.deliver(&tx, m).await {
+                    self.shared.routes().execs.remove(&id);
+                }
+            }
+            None => metrics::guest_dropped("unexpected"),
         }
         if ends {
+            let mut g = self.shared.routes();
             g.execs.remove(&id);
             g.asks.retain(|_, a| a.ask.exec_id != id);
         }
-        return;
     }
-    match m.kind {
-        Some(Out::AskRequest(a)) => {
-            g.asks.insert(
-                a.ask_id.clone(),
-                PendingAsk {
-                    ask: a,
-                    asked_at: now_ms(),
-                },
+
+    /// Hands `m` to an exec's client, waiting (not reading the channel) while
+    /// its queue is full. False when the client is gone.
+    async fn deliver(&self, tx: &mpsc::Sender<GuestMessage>, m: GuestMessage) -> bool {
+        let m = match tx.try_send(m) {
+            Ok(()) => return true,
+            Err(mpsc::error::TrySendError::Closed(_)) => return false,
+            Err(mpsc::error::TrySendError::Full(m)) => m,
+        };
+        let mut draining = self.shared.draining.subscribe();
+        if *draining.borrow() {
+            metrics::guest_dropped("exec_output_after_stop");
+            return false;
+        }
+        self.shared.backpressured.store(true, Ordering::Relaxed);
+        let sent = tokio::select! {
+            r = tx.send(m) => r.is_ok(),
+            _ = draining.wait_for(|d| *d) => {
+                metrics::guest_dropped("exec_output_after_stop");
+                false
+            }
+        };
+        self.shared.backpressured.store(false, Ordering::Relaxed);
+        sent
+    }
+
+    fn route_ask(&mut self, a: AskRequest) {
+        let refused = {
+            let mut g = self.shared.routes();
+            if !g.execs.contains_key(&a.exec_id) {
+                Some("unexpected")
+            } else if a.encoded_len() > limits::MAX_ASK_BYTES {
+                Some("ask_too_large")
+            } else if g.asks.len() >= limits::MAX_PENDING_ASKS && !g.asks.contains_key(&a.ask_id) {
+                Some("asks_full")
+            } else {
+                g.asks.insert(
+                    a.ask_id.clone(),
+                    PendingAsk {
+                        ask: a.clone(),
+                        asked_at: now_ms(),
+                    },
+                );
+                None
+            }
+        };
+        if let Some(why) = refused {
+            metrics::guest_dropped(why);
+            // The command waiting for it is not left hanging.
+            if a.ask_id.len() <= 128 {
+                self.reply(In::Answer(Answer {
+                    ask_id: a.ask_id,
+                    reply: Reply::Reject as i32,
+                }));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(dir: &tempfile::TempDir, max_bytes: u64) -> AuditChain {
+        let store = Arc::new(Store::open(&dir.path().join("db")).unwrap());
+        AuditChain::load(AuditSink { store, max_bytes }, "s").unwrap()
+    }
+
+    fn event(seq: u64, json: &str) -> AuditEvent {
+        AuditEvent {
+            seq,
+            json: json.to_string(),
+        }
+    }
+
+    #[test]
+    fn audit_events_must_come_in_sequence() {
+        for (bad, due) in [(0, 3), (2, 3), (1, 3), (4, 3), (u64::MAX, 3)] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut c = chain(&dir, 1 << 20);
+            assert_eq!(c.accept("s", event(1, "{}")), None);
+            assert_eq!(c.accept("s", event(2, "{}")), None);
+            let v = c.accept("s", event(bad, "{}")).expect("refused");
+            assert_eq!(v.reason, "audit_out_of_order");
+            assert!(
+                v.detail
+                    .contains(&format!("seq {bad} where seq {due} was due")),
+                "{v:?}"
+            );
+            // Later events are not stored either, and stop nothing more.
+            assert_eq!(c.accept("s", event(3, "{}")), None);
+            let stored = c.sink.store.audit_since("s", 0).unwrap();
+            assert_eq!(
+                stored.iter().map(|a| a.guest_seq).collect::<Vec<_>>(),
+                [1, 2]
             );
         }
-        // Events the host already holds (sent again after a resume) are skipped,
-        // so each guest seq is chained and stored once.
-        Some(Out::AuditEvent(a)) if a.seq <= *last_seq => {}
-        Some(Out::AuditEvent(a)) => {
-            *last_seq = a.seq;
-            let mut h = Sha256::new();
-            h.update(prev_hash.as_bytes());
-            h.update(a.json.as_bytes());
-            let hash = hex::encode(h.finalize());
-            if let Some(store) = store {
-                let row = AuditRow {
-                    session_id: session_id.to_string(),
-                    guest_seq: a.seq,
-                    json: a.json,
-                    host_hash: hash.clone(),
-                    received_at: now_ms(),
-                };
-                if let Err(e) = store.insert_audit(&row) {
-                    tracing::error!(session = session_id, error = %e, "storing audit event");
-                }
-            }
-            *prev_hash = hash;
-        }
-        Some(Out::BundleChunk(c)) => {
-            g.bundle.extend_from_slice(&c.data);
-            if c.last {
-                let _ = control.send(GuestMessage {
-                    kind: Some(Out::BundleChunk(proto::guest::BundleChunk {
-                        data: Vec::new(),
-                        last: true,
-                    })),
-                });
-            }
-        }
-        _ => {
-            let _ = control.send(m);
-        }
+    }
+
+    #[test]
+    fn audit_over_the_volume_is_refused_and_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = chain(&dir, 10);
+        assert_eq!(c.accept("s", event(1, "12345")), None);
+        let v = c.accept("s", event(2, "123456")).expect("over the volume");
+        assert_eq!(v.reason, "audit_limit");
+        assert_eq!(c.accept("s", event(3, "1")), None);
+        let stored = c.sink.store.audit_since("s", 0).unwrap();
+        assert_eq!(stored.len(), 2);
+        assert_eq!(stored[0].json, "12345");
+        assert!(
+            stored[1].json.contains("audit.limit_exceeded"),
+            "{stored:?}"
+        );
+        // The chain holds across a reconnect: the volume counts what is stored.
+        let again = AuditChain::load(c.sink.clone(), "s").unwrap();
+        assert_eq!(again.last_seq, 2);
+        assert!(again.stored_bytes > 10);
     }
 }

@@ -24,6 +24,7 @@ pub mod images;
 pub mod metrics;
 pub mod path_roots;
 pub mod pool;
+pub mod repo;
 pub mod safe_fs;
 pub mod sessions;
 pub mod store;

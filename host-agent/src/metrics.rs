@@ -10,6 +10,7 @@ use tokio::net::TcpListener;
 use crate::sessions::Manager;
 
 static API_ERRORS: Mutex<Vec<(i32, u64)>> = Mutex::new(Vec::new());
+static GUEST_DROPPED: Mutex<Vec<(&'static str, u64)>> = Mutex::new(Vec::new());
 /// Restore latency histogram bucket bounds, seconds.
 const BUCKETS: [f64; 10] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
 static RESTORE_BUCKETS: [AtomicU64; 11] = [const { AtomicU64::new(0) }; 11];
@@ -23,6 +24,21 @@ pub fn api_error(code: tonic::Code) {
     match v.iter_mut().find(|(k, _)| *k == c) {
         Some((_, n)) => *n += 1,
         None => v.push((c, 1)),
+    }
+}
+
+/// Counts one guest message dropped (not routed, over a limit, refused),
+/// by `reason`.
+pub fn guest_dropped(reason: &'static str) {
+    guest_dropped_n(reason, 1);
+}
+
+/// Counts `n` guest messages dropped for `reason`.
+pub fn guest_dropped_n(reason: &'static str, n: u64) {
+    let mut v = GUEST_DROPPED.lock().unwrap_or_else(|p| p.into_inner());
+    match v.iter_mut().find(|(k, _)| *k == reason) {
+        Some((_, c)) => *c += n,
+        None => v.push((reason, n)),
     }
 }
 
@@ -73,6 +89,23 @@ pub fn render(mgr: &Manager) -> String {
         let name = format!("{:?}", tonic::Code::from_i32(*code));
         let _ = writeln!(out, "hostagent_api_errors_total{{code=\"{name}\"}} {n}");
     }
+    let _ = writeln!(out, "# TYPE hostagent_guest_messages_dropped_total counter");
+    for (reason, n) in GUEST_DROPPED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+    {
+        let _ = writeln!(
+            out,
+            "hostagent_guest_messages_dropped_total{{reason=\"{reason}\"}} {n}"
+        );
+    }
+    let _ = writeln!(out, "# TYPE hostagent_guest_channels_backpressured gauge");
+    let _ = writeln!(
+        out,
+        "hostagent_guest_channels_backpressured {}",
+        mgr.guest_backpressured()
+    );
     out
 }
 

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use proto::guest::{
-    guest_message::Kind as Out, host_message::Kind as In, FetchBranch, RepoChunk, ResumeSession,
-    Shutdown, StartSession,
+    guest_message::Kind as Out, host_message::Kind as In, RepoChunk, ResumeSession, Shutdown,
+    StartSession,
 };
 use proto::hostagent::SessionState as S;
 use serde_json::json;
@@ -26,6 +26,7 @@ use crate::guest::{self, GuestConn};
 use crate::metrics;
 use crate::path_roots::PathRoots;
 use crate::pool::{copy_disk, prepare_disk, restore_launch, Pool, Source, VM_DISK};
+use crate::repo::Repo;
 use crate::store::{EventRow, ImageRow, SessionRow, Store};
 use crate::supervisor::{self, ExitStatus, VmmProcess};
 
@@ -51,6 +52,11 @@ pub mod reason {
     pub const RESTORE_FAILED: &str = "restore_failed";
     /// host-agent restarted while the session was being restored.
     pub const HOST_AGENT_RESTART: &str = "host_agent_restart";
+    /// The guest sent more audit than `max_audit_bytes_per_session`.
+    pub const AUDIT_LIMIT: &str = "audit_limit";
+    /// The guest sent an audit event out of sequence (a gap, a repeat, or
+    /// going backwards).
+    pub const AUDIT_OUT_OF_ORDER: &str = "audit_out_of_order";
 }
 
 /// Current time in Unix milliseconds.
@@ -156,6 +162,8 @@ struct Inner {
     pending_stop: Option<String>,
     enforcing: bool,
     guest: Option<Arc<GuestConn>>,
+    /// Why the branch was not fetched at Stop, for the STOPPED event.
+    fetch_error: Option<String>,
 }
 
 /// One session in memory.
@@ -308,6 +316,15 @@ impl Manager {
             .fold((0, 0), |(c, m), i| {
                 (c + i.image.vcpus, m + u64::from(i.image.mem_mib))
             })
+    }
+
+    /// Sessions whose guest channel is not read because an exec's client
+    /// does not take its output.
+    pub fn guest_backpressured(&self) -> usize {
+        self.all()
+            .iter()
+            .filter(|s| s.guest().is_some_and(|g| g.is_backpressured()))
+            .count()
     }
 
     /// Sessions per state name.
@@ -466,6 +483,7 @@ impl Manager {
                 pending_stop: None,
                 enforcing: false,
                 guest: None,
+                fetch_error: None,
             }),
             state,
         });
@@ -669,7 +687,11 @@ impl Manager {
             timeout,
         )
         .await?;
-        GuestConn::open(stream, &sess.id, Some(self.store.clone())).await
+        let audit = guest::AuditSink {
+            store: self.store.clone(),
+            max_bytes: self.cfg.max_audit_bytes_per_session,
+        };
+        GuestConn::open(stream, &sess.id, Some(audit)).await
     }
 
     /// Opens the guest channel and starts the session in guest-init:
@@ -678,32 +700,29 @@ impl Manager {
         let row = sess.row();
         let timeout = Duration::from_secs(self.cfg.guest_ready_timeout_seconds);
         let conn = self.connect_guest(sess, timeout).await?;
-        let bundle = git(&row.repository, &["bundle", "create", "-", "--all"]).await?;
-        conn.send(In::StartSession(StartSession {
-            host_time_unix_ns: unix_now_ns(),
-            session_id: sess.id.clone(),
-            agent: row.agent.clone(),
-            base_ref: row.base_ref.clone(),
-            bundle_size: bundle.len() as u64,
-            ..Default::default()
-        }))
-        .await?;
-        let mut chunks = bundle.chunks(256 * 1024).peekable();
-        if chunks.peek().is_none() {
-            conn.send(In::RepoChunk(RepoChunk {
-                data: Vec::new(),
-                last: true,
+        // Only the base ref (and what it needs) goes in: never the other
+        // branches of the repository, other sessions' among them.
+        let repo = Repo::open(&row.repository)?;
+        let dir = PathBuf::from(&row.dir);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        let path = dir.join("repo.bundle");
+        let sent = async {
+            let base = repo.write_base_bundle(&row.base_ref, &path).await?;
+            conn.send(In::StartSession(StartSession {
+                host_time_unix_ns: unix_now_ns(),
+                session_id: sess.id.clone(),
+                agent: row.agent.clone(),
+                base_ref: base.base_ref.clone(),
+                bundle_size: base.size,
+                ..Default::default()
             }))
             .await?;
+            send_file_chunks(&conn, &path).await
         }
-        while let Some(c) = chunks.next() {
-            let last = chunks.peek().is_none();
-            conn.send(In::RepoChunk(RepoChunk {
-                data: c.to_vec(),
-                last,
-            }))
-            .await?;
-        }
+        .await;
+        let _ = std::fs::remove_file(&path);
+        sent?;
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             match conn.next_control_before(deadline).await?.kind {
@@ -787,39 +806,27 @@ impl Manager {
     async fn finish_guest(&self, sess: &Session, conn: &GuestConn) -> Result<(String, String)> {
         let row = sess.row();
         let branch = format!("session/{}", sess.id);
-        conn.send(In::FetchBranch(FetchBranch {})).await?;
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            match conn.next_control_before(deadline).await?.kind {
-                Some(Out::BundleChunk(c)) if c.last => break,
-                Some(Out::Error(e)) => {
-                    return Err(Error::Guest(format!(
-                        "guest-init could not bundle the branch: {}",
-                        e.message
-                    )))
-                }
-                _ => continue,
-            }
-        }
-        let bundle = conn.take_bundle();
+        // Clients that stopped reading their exec's output hold the channel no longer.
+        conn.drop_exec_output();
         let path = PathBuf::from(&row.dir).join("branch.bundle");
-        std::fs::write(&path, &bundle)
-            .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
-        let refspec = format!("+{branch}:refs/heads/{branch}");
-        git(
-            &row.repository,
-            &["fetch", "-q", &path.display().to_string(), &refspec],
-        )
-        .await?;
-        let head = String::from_utf8_lossy(
-            &git(
-                &row.repository,
-                &["rev-parse", &format!("refs/heads/{branch}")],
+        let fetched = async {
+            let mut file = crate::repo::create_new(&path).await?;
+            conn.fetch_branch(
+                &mut file,
+                self.cfg.max_branch_bundle_bytes,
+                Duration::from_secs(60),
             )
-            .await?,
-        )
-        .trim()
-        .to_string();
+            .await?;
+            drop(file);
+            let repo = Repo::open(&row.repository)?;
+            let full = format!("refs/heads/{branch}");
+            repo.fetch_bundle(&path, &full, &full).await?;
+            let head = repo.run(&["rev-parse", "--verify", &full]).await?;
+            Ok::<_, Error>(String::from_utf8_lossy(&head).trim().to_string())
+        }
+        .await;
+        let _ = std::fs::remove_file(&path);
+        let head = fetched?;
         let _ = conn.send(In::Shutdown(Shutdown {})).await;
         let _ = conn.next_control(Duration::from_secs(5)).await;
         Ok((branch, head))
@@ -859,7 +866,10 @@ impl Manager {
             ExitStatus::Unknown => status.to_string(),
         };
         let row = sess.row();
-        let detail = if row.branch.is_empty() {
+        let fetch_error = sess.lock().fetch_error.take();
+        let detail = if let Some(e) = fetch_error {
+            format!("branch not fetched: {e}; {detail}")
+        } else if row.branch.is_empty() {
             detail
         } else {
             format!("branch {} at {}; {detail}", row.branch, row.head_commit)
@@ -1148,6 +1158,13 @@ impl Manager {
         if is_terminal(state) {
             return Ok(sess.row());
         }
+        // A stop for what the guest sent says what that was.
+        let detail = sess
+            .guest()
+            .and_then(|g| g.violation())
+            .filter(|v| v.reason == why)
+            .map(|v| v.detail)
+            .unwrap_or_default();
         // A channel lost to a host-agent restart is opened again, so the branch comes back.
         let conn = match self.guest_channel(&sess).await {
             Ok(c) => Some(c),
@@ -1159,7 +1176,7 @@ impl Manager {
             }
         };
         sess.lock().pending_stop = Some(why.to_string());
-        self.transition(&sess, S::Stopping, why, "")?;
+        self.transition(&sess, S::Stopping, why, &detail)?;
         if let Some(conn) = conn {
             match self.finish_guest(&sess, &conn).await {
                 Ok((branch, head)) => {
@@ -1170,6 +1187,7 @@ impl Manager {
                 }
                 Err(e) => {
                     tracing::warn!(session = %id, error = %e, "fetching the session branch failed");
+                    sess.lock().fetch_error = Some(e.to_string());
                 }
             }
             sess.lock().guest = None;
@@ -1248,7 +1266,11 @@ impl Manager {
                 let idle_due = r.state == S::Running as i32
                     && r.idle_s > 0
                     && now >= r.last_activity + (r.idle_s as i64) * 1000;
-                let action = if ttl_due {
+                let violation = i.guest.as_ref().and_then(|g| g.violation());
+                let action = if let Some(v) = &violation {
+                    tracing::warn!(session = %sess.id, reason = v.reason, detail = %v.detail, "stopping the session for what its guest sent");
+                    Some(v.reason)
+                } else if ttl_due {
                     Some(reason::TTL_EXPIRED)
                 } else if life_due {
                     Some(reason::MAX_LIFETIME)
@@ -1409,7 +1431,6 @@ impl Manager {
     }
 }
 
-/// Runs git in `repo` and returns its stdout.
 /// `requested`, checked to name a snapshot directory directly under `snaps`
 /// (where SnapshotSession writes this session's snapshots). The check is on
 /// the name: the directory may belong to a jailed vmm, so nothing in it is
@@ -1454,21 +1475,32 @@ fn unix_now_ns() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
 }
 
-async fn git(repo: &str, args: &[&str]) -> Result<Vec<u8>> {
-    let out = tokio::process::Command::new("git")
-        .arg("-C")
-        .arg(repo)
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .output()
+/// Sends the file at `path` to the guest as RepoChunks, the last one marked.
+async fn send_file_chunks(conn: &GuestConn, path: &std::path::Path) -> Result<()> {
+    use tokio::io::AsyncReadExt;
+    let mut file = tokio::fs::File::open(path)
         .await
-        .map_err(|e| Error::io("running git", e))?;
-    if !out.status.success() {
-        return Err(Error::FailedPrecondition(format!(
-            "git {} in {repo}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
+        .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+    let size = file
+        .metadata()
+        .await
+        .map_err(|e| Error::io(format!("reading {}", path.display()), e))?
+        .len();
+    let mut left = size;
+    let mut buf = vec![0u8; 256 * 1024];
+    loop {
+        let want = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
+        file.read_exact(&mut buf[..want])
+            .await
+            .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+        left -= want as u64;
+        conn.send(In::RepoChunk(RepoChunk {
+            data: buf[..want].to_vec(),
+            last: left == 0,
+        }))
+        .await?;
+        if left == 0 {
+            return Ok(());
+        }
     }
-    Ok(out.stdout)
 }

@@ -579,6 +579,18 @@ impl Store {
         })
     }
 
+    /// Bytes of audit JSON stored for the session.
+    pub fn audit_bytes(&self, session: &str) -> Result<u64> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT COALESCE(SUM(LENGTH(CAST(json AS BLOB))), 0) FROM audit WHERE session_id=?1",
+                [session],
+                |r| r.get::<_, i64>(0),
+            )
+        })
+        .map(|n| u64::try_from(n).unwrap_or(0))
+    }
+
     /// The session's audit record with the highest guest seq, if any.
     pub fn last_audit(&self, session: &str) -> Result<Option<AuditRow>> {
         self.with(|c| {

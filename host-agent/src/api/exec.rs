@@ -145,7 +145,7 @@ impl Exec for ExecApi {
                 }
             }
         });
-        let out = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).filter_map(move |m| {
+        let out = tokio_stream::wrappers::ReceiverStream::new(rx).filter_map(move |m| {
             use pb::exec_response::Kind as R;
             let kind = match m.kind? {
                 Out::ExecStarted(e) => {

@@ -6,6 +6,8 @@
 //! `cargo build -p vmm` (same profile). `HOST_AGENT_TEST_VMM` overrides it.
 #![allow(dead_code)]
 
+pub mod fake_guest;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -159,6 +161,105 @@ impl Agent {
             libc::kill(c.id() as i32, libc::SIGTERM);
         }
         c.wait().expect("reaping host-agent")
+    }
+
+    /// The host-agent process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("host-agent is running").id()
+    }
+
+    /// A `kB` field (`VmRSS`, `VmHWM`) of host-agent's /proc status, in bytes.
+    pub fn memory(&self, field: &str) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .expect("reading host-agent's /proc status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {field} in host-agent's status"))
+            * 1024
+    }
+
+    /// Registers the counter guest as the guest-init image "gi" and builds
+    /// its golden snapshot (the stand-in guest answers Hello).
+    pub async fn guest_init_image(&self) {
+        let mut im = self.images().await;
+        im.register_image(pb::RegisterImageRequest {
+            image_id: "gi".into(),
+            kernel_path: counter_kernel(),
+            cmdline: "interval=100000000".into(),
+            mem_mib: 32,
+            guest_init: true,
+            ..Default::default()
+        })
+        .await
+        .expect("register image");
+        im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+            image_id: "gi".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("golden snapshot after the guest's Hello");
+    }
+
+    /// Creates a session of image "gi" on `repo` for `agent` at `base_ref`.
+    pub async fn guest_session(
+        &self,
+        repo: &Path,
+        agent: &str,
+        base_ref: &str,
+    ) -> Result<pb::Session, tonic::Status> {
+        self.sessions()
+            .await
+            .create_session(pb::CreateSessionRequest {
+                image_id: "gi".into(),
+                repository_path: repo.display().to_string(),
+                agent: agent.into(),
+                base_ref: base_ref.into(),
+                ..Default::default()
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+
+    /// Stops session `id` and returns it.
+    pub async fn stop(&self, id: &str) -> pb::Session {
+        self.sessions()
+            .await
+            .stop_session(pb::SessionCall {
+                session_id: id.into(),
+                idempotency_key: String::new(),
+            })
+            .await
+            .expect("stop session")
+            .into_inner()
+    }
+
+    /// Every lifecycle event of session `id` so far.
+    pub async fn session_events(&self, id: &str) -> Vec<pb::Event> {
+        let mut w = self
+            .events()
+            .await
+            .watch(pb::WatchRequest {
+                since_seq: 0,
+                session_id: id.into(),
+            })
+            .await
+            .expect("watch")
+            .into_inner();
+        let mut out = Vec::new();
+        // Watch goes on live: the stored events are those before the last one
+        // Get shows (a terminal session has no more).
+        let state = self.get(id).await.state;
+        while let Ok(Ok(Some(e))) = tokio::time::timeout(Duration::from_secs(5), w.message()).await
+        {
+            let to = e.to;
+            out.push(e);
+            if to == state && (to == S::Stopped as i32 || to == S::Failed as i32) {
+                break;
+            }
+        }
+        out
     }
 
     pub fn state_dir(&self) -> PathBuf {

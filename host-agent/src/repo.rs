@@ -1,0 +1,278 @@
+//! The operator's repository on this node, as sessions use it: the bundle
+//! a session starts from, and the session branch fetched back at Stop.
+//!
+//! git runs as the repository's owner when that is not root (host-agent
+//! running as root would otherwise run the owner's hooks and config as root,
+//! and write root-owned objects into the owner's repository), trusts only
+//! that one path (`safe.directory`), and checks every object it receives
+//! from a guest (`transfer.fsckObjects`, `fetch.fsckObjects`).
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use tokio::io::AsyncWriteExt;
+
+use crate::error::{Error, Result};
+
+/// Name of the one ref in a bundle made for a base ref that is a commit,
+/// not a branch or tag.
+const COMMIT_BASE_REF: &str = "refs/heads/base";
+
+/// A repository path and who git runs as in it.
+#[derive(Debug, Clone)]
+pub struct Repo {
+    path: PathBuf,
+    /// (uid, gid) to run git as; None: as host-agent itself.
+    owner: Option<(u32, u32)>,
+}
+
+/// What [`Repo::write_base_bundle`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BaseBundle {
+    /// Bundle size in bytes.
+    pub size: u64,
+    /// The base ref to name in StartSession: the operator's branch or tag
+    /// name, or the commit it resolved to.
+    pub base_ref: String,
+}
+
+impl Repo {
+    /// The repository at `path` (resolved); git will run as its owner when
+    /// host-agent is root and the owner is not.
+    pub fn open(path: &str) -> Result<Repo> {
+        let path = std::fs::canonicalize(path)
+            .map_err(|e| Error::io(format!("resolving repository {path}"), e))?;
+        let meta = std::fs::metadata(&path)
+            .map_err(|e| Error::io(format!("reading repository {}", path.display()), e))?;
+        // SAFETY: geteuid has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        let owner = (euid == 0 && meta.uid() != 0).then_some((meta.uid(), meta.gid()));
+        Ok(Repo { path, owner })
+    }
+
+    /// The repository's resolved path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The (uid, gid) git runs as, when not host-agent's own.
+    pub fn owner(&self) -> Option<(u32, u32)> {
+        self.owner
+    }
+
+    /// `git` with this repository as its directory and only it trusted, as
+    /// the owner.
+    fn git(&self) -> tokio::process::Command {
+        let mut c = tokio::process::Command::new("git");
+        c.arg("-c")
+            .arg(format!("safe.directory={}", self.path.display()))
+            .arg("-C")
+            .arg(&self.path)
+            .current_dir("/")
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        if let Some((uid, gid)) = self.owner {
+            // std drops supplementary groups too when it changes the uid.
+            c.uid(uid).gid(gid);
+        }
+        c
+    }
+
+    /// Runs git with `args` and returns its stdout.
+    pub async fn run(&self, args: &[&str]) -> Result<Vec<u8>> {
+        let out = self
+            .git()
+            .args(args)
+            .output()
+            .await
+            .map_err(|e| Error::io("running git", e))?;
+        if !out.status.success() {
+            return Err(Error::FailedPrecondition(format!(
+                "git {} in {}: {}",
+                args.join(" "),
+                self.path.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(out.stdout)
+    }
+
+    async fn has_ref(&self, name: &str) -> bool {
+        self.run(&["show-ref", "--verify", "--quiet", name])
+            .await
+            .is_ok()
+    }
+
+    /// Writes to `dest` a bundle holding `base_ref` and what it needs, and no
+    /// other ref: a branch or tag as itself, a commit as [`COMMIT_BASE_REF`].
+    pub async fn write_base_bundle(&self, base_ref: &str, dest: &Path) -> Result<BaseBundle> {
+        if base_ref.is_empty() || base_ref.starts_with('-') {
+            return Err(Error::invalid(format!(
+                "base_ref {base_ref:?} is not a branch, tag or commit name"
+            )));
+        }
+        let mut file = create_new(dest).await?;
+        let (branch, tag) = (
+            format!("refs/heads/{base_ref}"),
+            format!("refs/tags/{base_ref}"),
+        );
+        let named = if self.has_ref(&branch).await {
+            Some(branch)
+        } else if self.has_ref(&tag).await {
+            Some(tag)
+        } else {
+            None
+        };
+        let sent_ref = if let Some(name) = named {
+            self.pipe_into(
+                &["bundle", "create", "--quiet", "-", &name],
+                None,
+                &mut file,
+            )
+            .await?;
+            base_ref.to_string()
+        } else {
+            let spec = format!("{base_ref}^{{commit}}");
+            let commit = self
+                .run(&[
+                    "rev-parse",
+                    "--verify",
+                    "--quiet",
+                    "--end-of-options",
+                    &spec,
+                ])
+                .await
+                .map_err(|_| {
+                    Error::FailedPrecondition(format!(
+                        "base_ref {base_ref:?} is not a branch, tag or commit of repository {}",
+                        self.path.display()
+                    ))
+                })?;
+            let commit = String::from_utf8_lossy(&commit).trim().to_string();
+            // A bundle's refs must be names; git bundle refuses a bare commit,
+            // so the (v2) header is written here and git writes the pack.
+            let header = format!("# v2 git bundle\n{commit} {COMMIT_BASE_REF}\n\n");
+            file.write_all(header.as_bytes())
+                .await
+                .map_err(|e| Error::io(format!("writing {}", dest.display()), e))?;
+            let revs = format!("{commit}\n");
+            self.pipe_into(
+                &["pack-objects", "--stdout", "--revs", "-q"],
+                Some(revs.into_bytes()),
+                &mut file,
+            )
+            .await?;
+            commit
+        };
+        file.flush()
+            .await
+            .map_err(|e| Error::io(format!("writing {}", dest.display()), e))?;
+        let size = file
+            .metadata()
+            .await
+            .map_err(|e| Error::io(format!("reading {}", dest.display()), e))?
+            .len();
+        Ok(BaseBundle {
+            size,
+            base_ref: sent_ref,
+        })
+    }
+
+    /// Runs git with `args` (and `input` on stdin), its stdout streamed into `out`.
+    async fn pipe_into(
+        &self,
+        args: &[&str],
+        input: Option<Vec<u8>>,
+        out: &mut tokio::fs::File,
+    ) -> Result<()> {
+        let mut cmd = self.git();
+        cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+        if input.is_some() {
+            cmd.stdin(Stdio::piped());
+        }
+        let mut child = cmd.spawn().map_err(|e| Error::io("running git", e))?;
+        if let (Some(mut stdin), Some(input)) = (child.stdin.take(), input) {
+            tokio::spawn(async move {
+                let _ = stdin.write_all(&input).await;
+            });
+        }
+        let mut stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| Error::Guest("git stdout was not captured".into()))?;
+        let copied = tokio::io::copy(&mut stdout, out).await;
+        // A failed copy must not leave git blocked on a full pipe.
+        drop(stdout);
+        let done = child
+            .wait_with_output()
+            .await
+            .map_err(|e| Error::io("running git", e))?;
+        if !done.status.success() {
+            return Err(Error::FailedPrecondition(format!(
+                "git {} in {}: {}",
+                args.join(" "),
+                self.path.display(),
+                String::from_utf8_lossy(&done.stderr).trim()
+            )));
+        }
+        copied.map_err(|e| Error::io("writing the repository bundle", e))?;
+        Ok(())
+    }
+
+    /// Fetches `src` from the bundle file `bundle` into `dst` (forced),
+    /// checking every object; a bundle with a corrupt or malformed object is
+    /// refused and the repository keeps its refs.
+    pub async fn fetch_bundle(&self, bundle: &Path, src: &str, dst: &str) -> Result<()> {
+        let file = std::fs::File::open(bundle)
+            .map_err(|e| Error::io(format!("opening {}", bundle.display()), e))?;
+        if let Some((uid, gid)) = self.owner {
+            // git, as the owner, reopens it through /dev/stdin: the file must
+            // be theirs; the directories above it need not be reachable.
+            std::os::unix::fs::fchown(&file, Some(uid), Some(gid))
+                .map_err(|e| Error::io(format!("handing {} to uid {uid}", bundle.display()), e))?;
+        }
+        let refspec = format!("+{src}:{dst}");
+        let args = [
+            "-c",
+            "transfer.fsckObjects=true",
+            "-c",
+            "fetch.fsckObjects=true",
+            "-c",
+            "receive.fsckObjects=true",
+            "fetch",
+            "--quiet",
+            "--no-write-fetch-head",
+            "--no-tags",
+            "/dev/stdin",
+            &refspec,
+        ];
+        let out = self
+            .git()
+            .args(args)
+            .stdin(file)
+            .output()
+            .await
+            .map_err(|e| Error::io("running git fetch", e))?;
+        if !out.status.success() {
+            return Err(Error::FailedPrecondition(format!(
+                "git fetch of the session branch into {} was refused: {}",
+                self.path.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Creates `path` (replacing an old one), private to host-agent.
+pub async fn create_new(path: &Path) -> Result<tokio::fs::File> {
+    let _ = tokio::fs::remove_file(path).await;
+    tokio::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .await
+        .map_err(|e| Error::io(format!("creating {}", path.display()), e))
+}
