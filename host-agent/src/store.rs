@@ -579,6 +579,35 @@ impl Store {
         })
     }
 
+    /// The session's audit records after guest seq `since`, in order, up to
+    /// about `max_bytes` of JSON (always at least one record when any is
+    /// left); true when more records follow.
+    pub fn audit_page(
+        &self,
+        session: &str,
+        since: u64,
+        max_bytes: usize,
+    ) -> Result<(Vec<AuditRow>, bool)> {
+        self.with(|c| {
+            let mut st = c.prepare(
+                "SELECT session_id, guest_seq, json, host_hash, received_at FROM audit \
+                 WHERE session_id=?1 AND guest_seq > ?2 ORDER BY guest_seq",
+            )?;
+            let mut rows = st.query_map(params![session, since as i64], audit_row)?;
+            let mut page = Vec::new();
+            let mut bytes = 0usize;
+            for row in rows.by_ref() {
+                let row = row?;
+                bytes = bytes.saturating_add(row.json.len() + row.host_hash.len());
+                if !page.is_empty() && bytes > max_bytes {
+                    return Ok((page, true));
+                }
+                page.push(row);
+            }
+            Ok((page, false))
+        })
+    }
+
     /// Bytes of audit JSON stored for the session.
     pub fn audit_bytes(&self, session: &str) -> Result<u64> {
         self.with(|c| {
@@ -824,5 +853,12 @@ INSERT INTO usage(session_id, execution_id, interval_start, interval_end, billed
         let last = store.last_audit("s1").unwrap().unwrap();
         assert_eq!((last.guest_seq, last.host_hash.as_str()), (7, "h7"));
         assert_eq!(store.audit_since("s1", 0).unwrap().len(), 3);
+        // Pages: at least one record each, `more` until the last.
+        let (page, more) = store.audit_page("s1", 0, 1).unwrap();
+        assert_eq!((page.len(), more), (1, true));
+        let (page, more) = store.audit_page("s1", page[0].guest_seq, 1 << 20).unwrap();
+        assert_eq!((page.len(), more), (2, false));
+        let (page, more) = store.audit_page("s1", 99, 1 << 20).unwrap();
+        assert!(page.is_empty() && !more);
     }
 }

@@ -299,15 +299,25 @@ async fn too_much_audit_or_audit_out_of_sequence_stops_the_session_on_record() {
 }
 
 async fn list_audit(agent: &Agent, s: &pb::Session) -> Vec<pb::AuditRecord> {
-    // ListAudit answers in one message: 64 MiB here.
-    pb::approvals_client::ApprovalsClient::new(agent.channel().await)
-        .max_decoding_message_size(256 << 20)
-        .list_audit(pb::ListAuditRequest {
-            session_id: s.session_id.clone(),
-            since_guest_seq: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .records
+    // 64 MiB of audit, in pages a default client (4 MiB per message) decodes.
+    let mut client = pb::approvals_client::ApprovalsClient::new(agent.channel().await);
+    let mut records: Vec<pb::AuditRecord> = Vec::new();
+    loop {
+        let page = client
+            .list_audit(pb::ListAuditRequest {
+                session_id: s.session_id.clone(),
+                since_guest_seq: records.last().map_or(0, |r| r.guest_seq),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            !page.records.is_empty() || !page.more,
+            "an empty page says more"
+        );
+        records.extend(page.records);
+        if !page.more {
+            return records;
+        }
+    }
 }

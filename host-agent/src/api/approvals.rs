@@ -14,6 +14,10 @@ use crate::error::Error;
 use crate::sessions::Manager;
 use proto::guest::{host_message::Kind as In, Answer as GAnswer};
 
+/// About how much audit JSON one ListAudit answer carries (tonic clients
+/// decode at most 4 MiB per message by default).
+const AUDIT_PAGE_BYTES: usize = 2 << 20;
+
 /// The Approvals service.
 pub struct ApprovalsApi(pub Arc<Manager>);
 
@@ -96,10 +100,11 @@ impl Approvals for ApprovalsApi {
         {
             return Err(Error::not_found("session", &r.session_id).into());
         }
-        let records = self
-            .0
-            .store
-            .audit_since(&r.session_id, r.since_guest_seq)?
+        let (page, more) =
+            self.0
+                .store
+                .audit_page(&r.session_id, r.since_guest_seq, AUDIT_PAGE_BYTES)?;
+        let records = page
             .into_iter()
             .map(|a| pb::AuditRecord {
                 session_id: a.session_id,
@@ -109,6 +114,6 @@ impl Approvals for ApprovalsApi {
                 received_at: a.received_at,
             })
             .collect();
-        Ok(Response::new(pb::ListAuditResponse { records }))
+        Ok(Response::new(pb::ListAuditResponse { records, more }))
     }
 }
