@@ -20,6 +20,7 @@ pub mod error;
 pub mod events;
 pub mod guest;
 pub mod images;
+pub mod jail_uids;
 pub mod metrics;
 pub mod pool;
 pub mod safe_fs;

@@ -88,6 +88,9 @@ pub struct SessionRow {
     pub agent: String,
     /// Base ref for guest-init.
     pub base_ref: String,
+    /// uid (= gid) of the session's jailed vmm, 0 when not jailed. Kept so a
+    /// restarted host-agent never hands a live session's uid to another VM.
+    pub jail_uid: u32,
 }
 
 /// One lifecycle event.
@@ -175,7 +178,8 @@ CREATE TABLE IF NOT EXISTS sessions(
   ended_at INTEGER NOT NULL, vmm_pid INTEGER NOT NULL, vmm_start_ticks INTEGER NOT NULL,
   dir TEXT NOT NULL, ttl_s INTEGER NOT NULL, idle_s INTEGER NOT NULL, labels TEXT NOT NULL,
   branch TEXT NOT NULL, head_commit TEXT NOT NULL, last_activity INTEGER NOT NULL,
-  repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL);
+  repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL,
+  jail_uid INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS events(
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
   at INTEGER NOT NULL, from_state INTEGER NOT NULL, to_state INTEGER NOT NULL,
@@ -222,7 +226,7 @@ fn image_from_row(r: &Row<'_>) -> rusqlite::Result<ImageRow> {
 
 const SESSION_COLS: &str = "id, image_id, state, execution_id, reason, detail, created_at, \
     ready_at, ended_at, vmm_pid, vmm_start_ticks, dir, ttl_s, idle_s, labels, branch, \
-    head_commit, last_activity, repository, agent, base_ref";
+    head_commit, last_activity, repository, agent, base_ref, jail_uid";
 
 fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
     let labels: String = r.get(14)?;
@@ -249,6 +253,7 @@ fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
         repository: r.get(18)?,
         agent: r.get(19)?,
         base_ref: r.get(20)?,
+        jail_uid: r.get::<_, i64>(21)? as u32,
     })
 }
 
@@ -295,6 +300,13 @@ fn migrate(conn: &Connection) -> rusqlite::Result<()> {
         .collect::<rusqlite::Result<_>>()?;
     if !columns.iter().any(|c| c == "initrd") {
         conn.execute_batch("ALTER TABLE images ADD COLUMN initrd TEXT NOT NULL DEFAULT '';")?;
+    }
+    let mut st = conn.prepare("SELECT name FROM pragma_table_info('sessions')")?;
+    let columns: Vec<String> = st
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    if !columns.iter().any(|c| c == "jail_uid") {
+        conn.execute_batch("ALTER TABLE sessions ADD COLUMN jail_uid INTEGER NOT NULL DEFAULT 0;")?;
     }
     Ok(())
 }
@@ -598,7 +610,7 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
     c.execute(
         &format!(
             "INSERT OR REPLACE INTO sessions({SESSION_COLS}) VALUES \
-             (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21)"
+             (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21,?22)"
         ),
         params![
             s.id,
@@ -621,7 +633,8 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
             s.last_activity,
             s.repository,
             s.agent,
-            s.base_ref
+            s.base_ref,
+            i64::from(s.jail_uid)
         ],
     )?;
     Ok(())
@@ -661,6 +674,43 @@ mod tests {
         drop(store);
         let store = Store::open(&path).unwrap();
         assert_eq!(store.images().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_sessions_jail_uid_is_kept_and_old_databases_gain_the_column() {
+        let t = tempfile::tempdir().unwrap();
+        let path = t.path().join("db");
+        {
+            let c = Connection::open(&path).unwrap();
+            c.execute_batch(
+                "CREATE TABLE sessions(
+                  id TEXT PRIMARY KEY, image_id TEXT NOT NULL, state INTEGER NOT NULL,
+                  execution_id TEXT NOT NULL, reason TEXT NOT NULL, detail TEXT NOT NULL,
+                  created_at INTEGER NOT NULL, ready_at INTEGER NOT NULL,
+                  ended_at INTEGER NOT NULL, vmm_pid INTEGER NOT NULL,
+                  vmm_start_ticks INTEGER NOT NULL, dir TEXT NOT NULL, ttl_s INTEGER NOT NULL,
+                  idle_s INTEGER NOT NULL, labels TEXT NOT NULL, branch TEXT NOT NULL,
+                  head_commit TEXT NOT NULL, last_activity INTEGER NOT NULL,
+                  repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL);
+                 INSERT INTO sessions VALUES ('old','i',5,'e','','',1,0,0,0,0,'/d',0,0,'{}',
+                  '','',0,'','','');",
+            )
+            .unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        assert_eq!(store.session("old").unwrap().unwrap().jail_uid, 0);
+        let row = SessionRow {
+            id: "new".into(),
+            jail_uid: 2_000_000_007,
+            ..Default::default()
+        };
+        store.put_session(&row).unwrap();
+        drop(store);
+        let store = Store::open(&path).unwrap();
+        assert_eq!(
+            store.session("new").unwrap().unwrap().jail_uid,
+            2_000_000_007
+        );
     }
 
     #[test]
