@@ -30,24 +30,115 @@ pub struct TlsConfig {
     pub key: PathBuf,
 }
 
-/// Sessions' vmm processes run through `vmm jail`: own mount, PID, IPC and
-/// UTS namespaces, the session's `jail/` directory as root, a cgroup
-/// `agentvm/<vm>` with a memory limit, and this unprivileged uid/gid.
+/// Sessions' vmm processes run through `vmm jail` (unless `no_jail`): own
+/// mount, PID, IPC, UTS and network namespaces, the session's `jail/`
+/// directory as root, a cgroup `agentvm/<vm>` with a memory limit, and a uid
+/// and gid of their own from `uid_range` (uid = gid, one per VM).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct JailSettings {
-    /// uid the vmm runs as (not 0).
-    pub uid: u32,
-    /// gid the vmm runs as (not 0).
-    pub gid: u32,
+    /// uids (and the same gids) handed to jailed VMs, one each, as
+    /// `FIRST-LAST` (inclusive). Must not overlap real users or /etc/subuid.
+    pub uid_range: UidRange,
     /// Memory limit of a VM's cgroup beyond the image's guest memory, MiB
     /// (0: no memory limit).
-    #[serde(default = "default_jail_overhead_mib")]
     pub memory_overhead_mib: u64,
 }
 
-fn default_jail_overhead_mib() -> u64 {
-    256
+impl Default for JailSettings {
+    fn default() -> Self {
+        JailSettings {
+            uid_range: UidRange::DEFAULT,
+            memory_overhead_mib: 256,
+        }
+    }
+}
+
+/// An inclusive range of uids, written `FIRST-LAST`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UidRange {
+    /// First uid (at least 1).
+    pub first: u32,
+    /// Last uid (at least `first`).
+    pub last: u32,
+}
+
+impl UidRange {
+    /// The default range: 65536 ids far above regular users (1000+), systemd's
+    /// dynamic users (61184-65519), the /etc/subuid blocks useradd hands out
+    /// (100000 up, 65536 each) and systemd-nspawn's container ids (up to
+    /// 1879048191).
+    pub const DEFAULT: UidRange = UidRange {
+        first: 2_000_000_000,
+        last: 2_000_065_535,
+    };
+
+    /// How many ids the range holds.
+    pub fn len(&self) -> u64 {
+        u64::from(self.last) - u64::from(self.first) + 1
+    }
+
+    /// Always false: a range holds at least one id.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Whether `uid` lies in the range.
+    pub fn contains(&self, uid: u32) -> bool {
+        (self.first..=self.last).contains(&uid)
+    }
+}
+
+impl std::str::FromStr for UidRange {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let bad = || {
+            format!(
+                "invalid uid range {s:?}: expected FIRST-LAST, e.g. {}-{}, with 0 < FIRST <= LAST < 4294967295",
+                UidRange::DEFAULT.first,
+                UidRange::DEFAULT.last
+            )
+        };
+        let (a, b) = s.trim().split_once('-').ok_or_else(bad)?;
+        let first: u32 = a.trim().parse().map_err(|_| bad())?;
+        let last: u32 = b.trim().parse().map_err(|_| bad())?;
+        // u32::MAX is (uid_t)-1, "no change" to setresuid.
+        if first == 0 || first > last || last == u32::MAX {
+            return Err(bad());
+        }
+        Ok(UidRange { first, last })
+    }
+}
+
+impl std::fmt::Display for UidRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.first, self.last)
+    }
+}
+
+impl<'de> Deserialize<'de> for UidRange {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Bounds on the files vmm processes write in the state directory.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogLimits {
+    /// Largest serial console log and vmm log of a VM, bytes: past it the
+    /// file is rotated (one previous file kept as `NAME.1`).
+    pub max_file_bytes: u64,
+}
+
+impl Default for LogLimits {
+    fn default() -> Self {
+        LogLimits {
+            max_file_bytes: 16 << 20,
+        }
+    }
 }
 
 /// Everything `host-agent serve` needs. Every field has a default, so an
@@ -97,9 +188,15 @@ pub struct Config {
     /// [`GUEST_CID`]) whose host socket is `guest_vsock_uds`. Off only where
     /// something else serves that socket (the tests' stand-in for a guest).
     pub vsock_device: bool,
-    /// Run sessions' (and warm VMs') vmm processes jailed. Golden snapshot
-    /// builds run unjailed: they boot the operator's own image once.
-    pub jail: Option<JailSettings>,
+    /// Run sessions' (and warm VMs') vmm processes unjailed: for development
+    /// only. By default they are jailed, which needs root; host-agent refuses
+    /// to start without root unless this is set. Golden snapshot builds always
+    /// run unjailed: they boot the operator's own image once.
+    pub no_jail: bool,
+    /// How jailed vmm processes are confined.
+    pub jail: JailSettings,
+    /// Size bounds of VMs' serial and vmm logs.
+    pub logs: LogLimits,
     /// How long READY may take for guest-init images (seconds).
     pub guest_ready_timeout_seconds: u64,
     /// Directories that RegisterImage's kernel_path, rootfs_path and
@@ -145,7 +242,9 @@ impl Default for Config {
             guest_vsock_uds: "{dir}/vsock.sock".to_string(),
             guest_port: proto::guest::DEFAULT_VSOCK_PORT,
             vsock_device: true,
-            jail: None,
+            no_jail: false,
+            jail: JailSettings::default(),
+            logs: LogLimits::default(),
             guest_ready_timeout_seconds: 120,
             allowed_image_roots: None,
             allowed_repository_roots: None,
@@ -201,19 +300,15 @@ impl Config {
                 "usage_interval_ms and limits_interval_ms must be at least 1",
             ));
         }
-        if let Some(j) = &self.jail {
-            if j.uid == 0 || j.gid == 0 {
-                return Err(Error::invalid(
-                    "jail.uid and jail.gid must not be 0: jailed vmm processes run unprivileged",
-                ));
-            }
-            if !self.guest_vsock_uds.starts_with("{dir}/") {
-                return Err(Error::invalid(format!(
-                    "guest_vsock_uds {:?} must lie in the VM's directory (\"{{dir}}/...\") when \
-                     vmm processes are jailed: a jailed vmm sees only its own directory",
-                    self.guest_vsock_uds
-                )));
-            }
+        // Only the vmm's own vsock device needs the socket inside its jail
+        // (without one, something else serves it, as in the tests).
+        if self.jailed() && self.vsock_device && !self.guest_vsock_uds.starts_with("{dir}/") {
+            return Err(Error::invalid(format!(
+                "guest_vsock_uds {:?} must lie in the VM's directory (\"{{dir}}/...\") when \
+                 vmm processes are jailed: a jailed vmm sees only its own directory \
+                 (or pass --no-jail for development)",
+                self.guest_vsock_uds
+            )));
         }
         if self.unauthenticated_local.is_some() && self.tls.is_some() {
             return Err(Error::invalid(
@@ -229,6 +324,38 @@ impl Config {
         }
         if self.max_sessions == 0 {
             return Err(Error::invalid("max_sessions must be at least 1"));
+        }
+        if self.jailed() && self.jail.uid_range.len() < u64::from(self.max_sessions) {
+            tracing::warn!(
+                range = %self.jail.uid_range,
+                max_sessions = self.max_sessions,
+                "jail.uid_range holds fewer uids than max_sessions: creates fail once it is used up"
+            );
+        }
+        if self.logs.max_file_bytes < 4096 {
+            return Err(Error::invalid(
+                "logs.max_file_bytes must be at least 4096 (--max-log-bytes)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether vmm processes of sessions and warm VMs run jailed.
+    pub fn jailed(&self) -> bool {
+        !self.no_jail
+    }
+
+    /// Refuses a jailed configuration where host-agent cannot jail (not
+    /// root): the operator must either run as root or say `--no-jail`.
+    pub fn check_privileges(&self, euid: u32) -> Result<()> {
+        if self.jailed() && euid != 0 {
+            return Err(Error::invalid(format!(
+                "host-agent jails every vmm by default (own namespaces, cgroup and uid from \
+                 {}), which needs root, but it runs as uid {euid}: run it as root, or pass \
+                 --no-jail (config: \"no_jail\": true) to run vmm processes unjailed, for \
+                 development only",
+                self.jail.uid_range
+            )));
         }
         Ok(())
     }
@@ -278,5 +405,48 @@ impl Config {
             }
         }
         PathBuf::from("vmm")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uid_ranges_parse_and_are_checked() {
+        let r: UidRange = "100000-165535".parse().unwrap();
+        assert_eq!((r.first, r.last, r.len()), (100000, 165535, 65536));
+        assert!(r.contains(100000) && r.contains(165535) && !r.contains(165536));
+        assert_eq!(r.to_string(), "100000-165535");
+        for bad in ["0-10", "10-5", "5", "a-b", "1-4294967295", ""] {
+            assert!(bad.parse::<UidRange>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn jailing_is_the_default_and_needs_root_or_no_jail() {
+        let cfg = Config::default();
+        assert!(cfg.jailed());
+        assert!(cfg.check_privileges(0).is_ok());
+        let err = cfg.check_privileges(1000).unwrap_err().to_string();
+        assert!(err.contains("--no-jail"), "{err}");
+        let dev = Config {
+            no_jail: true,
+            ..Config::default()
+        };
+        assert!(dev.check_privileges(1000).is_ok());
+    }
+
+    #[test]
+    fn the_config_file_says_no_jail_and_the_range() {
+        let cfg: Config = serde_json::from_str(
+            r#"{"no_jail": true, "jail": {"uid_range": "300000-300009"}, "logs": {"max_file_bytes": 65536}}"#,
+        )
+        .unwrap();
+        assert!(!cfg.jailed());
+        assert_eq!(cfg.jail.uid_range.len(), 10);
+        assert_eq!(cfg.jail.memory_overhead_mib, 256);
+        assert_eq!(cfg.logs.max_file_bytes, 65536);
+        assert!(serde_json::from_str::<Config>(r#"{"jail": {"uid_range": "0-9"}}"#).is_err());
     }
 }

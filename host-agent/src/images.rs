@@ -137,7 +137,11 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
     let settle = if settle_ms == 0 { 200 } else { settle_ms };
     let dir = mgr.image_dir(id);
     let build = dir.join(format!("build-{}", uuid::Uuid::new_v4().simple()));
-    let mut args = boot_args(&image, &build);
+    let mut args = vec![
+        "--log-max-bytes".to_string(),
+        mgr.cfg.logs.max_file_bytes.to_string(),
+    ];
+    args.extend(boot_args(&image, &build));
     if let Some(v) = mgr.cfg.vsock_device_arg(image.guest_init, &build) {
         args.push("--vsock".to_string());
         args.push(v);

@@ -21,6 +21,7 @@ pub mod error;
 pub mod events;
 pub mod guest;
 pub mod images;
+pub mod jail_uids;
 pub mod metrics;
 pub mod path_roots;
 pub mod pool;

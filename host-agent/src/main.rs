@@ -144,15 +144,23 @@ struct ServeArgs {
     /// --guest-vsock-uds (a stand-in for the guest, as in the tests).
     #[arg(long)]
     no_vsock_device: bool,
-    /// Run sessions' vmm processes jailed (`vmm jail`) as this uid (with --jail-gid).
-    #[arg(long, requires = "jail_gid")]
-    jail_uid: Option<u32>,
-    /// gid of jailed vmm processes.
-    #[arg(long, requires = "jail_uid")]
-    jail_gid: Option<u32>,
-    /// Memory limit of a jailed VM's cgroup beyond its guest memory, MiB (0: none).
-    #[arg(long, requires = "jail_uid")]
+    /// Run sessions' vmm processes unjailed (development only). By default
+    /// each runs through `vmm jail`, which needs root: without root and
+    /// without this flag host-agent refuses to start.
+    #[arg(long, conflicts_with_all = ["jail_uid_range", "jail_memory_overhead_mib"])]
+    no_jail: bool,
+    /// uids (= gids) for jailed VMs, one per VM: FIRST-LAST
+    /// [default: 2000000000-2000065535].
+    #[arg(long, value_name = "FIRST-LAST")]
+    jail_uid_range: Option<host_agent::config::UidRange>,
+    /// Memory limit of a jailed VM's cgroup beyond its guest memory, MiB (0: none)
+    /// [default: 256].
+    #[arg(long)]
     jail_memory_overhead_mib: Option<u64>,
+    /// Bound of each VM's serial log (rotated to serial.log.1) and vmm log
+    /// (capped), bytes [default: 16777216].
+    #[arg(long)]
+    max_log_bytes: Option<u64>,
     /// vsock port of guest-init.
     #[arg(long)]
     guest_port: Option<u32>,
@@ -317,15 +325,15 @@ async fn run_serve(a: ServeArgs) -> Result<(), String> {
     if a.no_vsock_device {
         cfg.vsock_device = false;
     }
-    if let (Some(uid), Some(gid)) = (a.jail_uid, a.jail_gid) {
-        cfg.jail = Some(host_agent::config::JailSettings {
-            uid,
-            gid,
-            memory_overhead_mib: a
-                .jail_memory_overhead_mib
-                .or(cfg.jail.as_ref().map(|j| j.memory_overhead_mib))
-                .unwrap_or(256),
-        });
+    cfg.no_jail |= a.no_jail;
+    if let Some(v) = a.jail_uid_range {
+        cfg.jail.uid_range = v;
+    }
+    if let Some(v) = a.jail_memory_overhead_mib {
+        cfg.jail.memory_overhead_mib = v;
+    }
+    if let Some(v) = a.max_log_bytes {
+        cfg.logs.max_file_bytes = v;
     }
     if let Some(v) = a.guest_vsock_uds {
         cfg.guest_vsock_uds = v;
@@ -352,6 +360,15 @@ async fn run_serve(a: ServeArgs) -> Result<(), String> {
     cfg.log_json |= a.log_json;
     init_logs(cfg.log_json);
     cfg.validate().map_err(|e| e.to_string())?;
+    // SAFETY: geteuid has no preconditions.
+    cfg.check_privileges(unsafe { libc::geteuid() })
+        .map_err(|e| e.to_string())?;
+    if !cfg.jailed() {
+        tracing::warn!(
+            "--no-jail: vmm processes run unjailed, as host-agent's own user, with the host's \
+             network; for development only, never with untrusted guests"
+        );
+    }
     let listener = if let Some(path) = &cfg.listen_unix {
         let _ = std::fs::remove_file(path);
         let l = tokio::net::UnixListener::bind(path)

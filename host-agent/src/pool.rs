@@ -3,7 +3,9 @@
 //!
 //! Warm VMs live in `<state>/pool/<uuid>/` with a `pid` file. They are not
 //! persisted as sessions: a host-agent that restarts kills the leftovers it
-//! finds there and fills the pool anew.
+//! finds there and fills the pool anew. A jailed warm VM holds a uid of its
+//! own ([`JailUids`]); the session that takes it keeps that uid, a warm VM
+//! dropped gives it back.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -13,17 +15,36 @@ use std::time::Duration;
 use crate::accounting::process_start_ticks;
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::jail_uids::JailUids;
 use crate::sessions::Manager;
 use crate::store::ImageRow;
 use crate::supervisor::{self, jail_id, run_dirs, JailLaunch, VmmProcess};
 
 /// The warm VMs of every image.
-#[derive(Default)]
 pub struct Pool {
     warm: Mutex<HashMap<String, VecDeque<VmmProcess>>>,
+    uids: Arc<JailUids>,
 }
 
 impl Pool {
+    /// An empty pool whose jailed VMs take their uids from `uids`.
+    pub fn new(uids: Arc<JailUids>) -> Pool {
+        Pool {
+            warm: Mutex::new(HashMap::new()),
+            uids,
+        }
+    }
+
+    /// Kills a warm VM that is not wanted, removes its directory and gives
+    /// its uid back.
+    fn discard(&self, vm: &VmmProcess) {
+        vm.kill();
+        let _ = std::fs::remove_dir_all(&vm.dir);
+        if let Some(uid) = vm.jail_uid {
+            self.uids.release(uid);
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, VecDeque<VmmProcess>>> {
         self.warm.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -34,14 +55,14 @@ impl Pool {
         loop {
             let vm = self.lock().get_mut(image)?.pop_front()?;
             if vm.exit_status().is_some() {
-                let _ = std::fs::remove_dir_all(&vm.dir);
+                self.discard(&vm);
                 continue;
             }
             if let Some(parent) = dest.parent() {
                 let _ = std::fs::create_dir_all(parent);
             }
             if std::fs::rename(&vm.dir, dest).is_err() {
-                vm.kill();
+                self.discard(&vm);
                 continue;
             }
             let _ = std::fs::remove_file(dest.join("pid"));
@@ -62,23 +83,22 @@ impl Pool {
         let Some(q) = map.get_mut(image) else {
             return 0;
         };
-        q.retain(|v| {
-            let alive = v.exit_status().is_none();
-            if !alive {
-                let _ = std::fs::remove_dir_all(&v.dir);
-            }
-            alive
-        });
-        q.len()
+        let (alive, dead): (VecDeque<_>, VecDeque<_>) =
+            q.drain(..).partition(|v| v.exit_status().is_none());
+        *q = alive;
+        let n = q.len();
+        drop(map);
+        for vm in &dead {
+            self.discard(vm);
+        }
+        n
     }
 
     /// Drops (kills) the warm VMs of `image`.
     pub fn drain(&self, image: &str) {
-        if let Some(q) = self.lock().remove(image) {
-            for vm in q {
-                vm.kill();
-                let _ = std::fs::remove_dir_all(&vm.dir);
-            }
+        let removed = self.lock().remove(image);
+        for vm in removed.into_iter().flatten() {
+            self.discard(&vm);
         }
     }
 
@@ -86,21 +106,36 @@ impl Pool {
     pub fn drain_all(&self) {
         let all: Vec<VmmProcess> = self.lock().drain().flat_map(|(_, q)| q).collect();
         for vm in all {
-            vm.kill();
-            let _ = std::fs::remove_dir_all(&vm.dir);
+            self.discard(&vm);
         }
     }
 
     async fn spawn_one(mgr: &Manager, image: &ImageRow) -> Result<VmmProcess> {
         let dir = mgr.pool_dir().join(uuid::Uuid::new_v4().to_string());
-        prepare_disk(&mgr.cfg, image, &dir).await?;
-        let (args, jail) = restore_launch(&mgr.cfg, image, &dir, true, Source::Golden);
-        let vm = supervisor::spawn(&mgr.vmm_path, &dir, &args, jail.as_ref())?;
-        std::fs::write(dir.join("pid"), format!("{} {}", vm.pid, vm.start_ticks))
-            .map_err(|e| Error::io(format!("writing {}/pid", dir.display()), e))?;
-        if let Err(e) = supervisor::wait_for_state(&vm, "paused", Duration::from_secs(30)).await {
-            vm.kill();
-            let _ = std::fs::remove_dir_all(&dir);
+        let uid = mgr.allocate_jail_uid()?;
+        let started = async {
+            prepare_disk(image, &dir, uid).await?;
+            let (args, jail) = restore_launch(&mgr.cfg, image, &dir, true, Source::Golden, uid);
+            supervisor::spawn(&mgr.vmm_path, &dir, &args, jail.as_ref())
+        }
+        .await;
+        let vm = match started {
+            Ok(vm) => vm,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                if let Some(uid) = uid {
+                    mgr.jail_uids.release(uid);
+                }
+                return Err(e);
+            }
+        };
+        let ready = match std::fs::write(dir.join("pid"), format!("{} {}", vm.pid, vm.start_ticks))
+        {
+            Ok(()) => supervisor::wait_for_state(&vm, "paused", Duration::from_secs(30)).await,
+            Err(e) => Err(Error::io(format!("writing {}/pid", dir.display()), e)),
+        };
+        if let Err(e) = ready {
+            mgr.pool.discard(&vm);
             return Err(e);
         }
         Ok(vm)
@@ -122,8 +157,7 @@ impl Pool {
                                 .or_default()
                                 .push_back(vm);
                         } else {
-                            vm.kill();
-                            let _ = std::fs::remove_dir_all(&vm.dir);
+                            self.discard(&vm);
                             break;
                         }
                     }
@@ -170,18 +204,19 @@ impl Pool {
 }
 
 /// How to start a restore of `image` for a VM in `dir`: the vmm arguments
-/// (paths as the vmm sees them) and, when sessions are jailed, the jail. The
-/// golden snapshot has a vsock device exactly when the VM gets one: both
-/// follow [`Config::vsock_device_arg`].
+/// (paths as the vmm sees them) and, for a VM jailed as `uid` (= gid), the
+/// jail. The golden snapshot has a vsock device exactly when the VM gets one:
+/// both follow [`Config::vsock_device_arg`].
 pub fn restore_launch(
     cfg: &Config,
     image: &ImageRow,
     dir: &Path,
     paused: bool,
     from: Source<'_>,
+    uid: Option<u32>,
 ) -> (Vec<String>, Option<JailLaunch>) {
-    let (_, inside) = run_dirs(dir, cfg.jail.is_some());
-    let (snapshot, binds) = match (from, cfg.jail.is_some()) {
+    let (_, inside) = run_dirs(dir, uid.is_some());
+    let (snapshot, binds) = match (from, uid.is_some()) {
         (Source::Golden, false) => (image.golden_dir.clone(), vec![]),
         (Source::Golden, true) => (
             GOLDEN_IN_JAIL.to_string(),
@@ -193,15 +228,17 @@ pub fn restore_launch(
             vec![],
         ),
     };
-    let jail = cfg.jail.as_ref().map(|j| JailLaunch {
+    let overhead = cfg.jail.memory_overhead_mib;
+    let jail = uid.map(|uid| JailLaunch {
         id: jail_id(dir),
-        uid: j.uid,
-        gid: j.gid,
+        uid,
+        gid: uid,
         binds,
-        memory_max_mib: (j.memory_overhead_mib > 0)
-            .then(|| u64::from(image.mem_mib) + j.memory_overhead_mib),
+        memory_max_mib: (overhead > 0).then(|| u64::from(image.mem_mib) + overhead),
     });
     let mut args = vec![
+        "--log-max-bytes".to_string(),
+        cfg.logs.max_file_bytes.to_string(),
         "restore".to_string(),
         "--snapshot".to_string(),
         snapshot,
@@ -250,15 +287,16 @@ pub async fn copy_disk(from: &Path, to: &Path, owner: Option<(u32, u32)>) -> Res
 }
 
 /// Gives a VM in `dir` its own writable copy of the golden snapshot's root
-/// disk (images with a rootfs only), owned by the jail's uid when jailed.
-pub async fn prepare_disk(cfg: &Config, image: &ImageRow, dir: &Path) -> Result<()> {
+/// disk (images with a rootfs only), owned by `uid` (and gid) for a VM jailed
+/// as that uid.
+pub async fn prepare_disk(image: &ImageRow, dir: &Path, uid: Option<u32>) -> Result<()> {
     if image.rootfs.is_empty() {
         return Ok(());
     }
-    let (run, _) = run_dirs(dir, cfg.jail.is_some());
+    let (run, _) = run_dirs(dir, uid.is_some());
     std::fs::create_dir_all(&run)
         .map_err(|e| Error::io(format!("creating {}", run.display()), e))?;
-    let owner = cfg.jail.as_ref().map(|j| (j.uid, j.gid));
+    let owner = uid.map(|u| (u, u));
     copy_disk(
         &Path::new(&image.golden_dir).join(GOLDEN_DISK),
         &run.join(VM_DISK),
@@ -302,8 +340,9 @@ mod tests {
     fn guest_init_vms_get_a_vsock_device_at_their_own_socket() {
         let cfg = Config::default();
         let dir = Path::new("/state/sessions/s1");
-        let (args, jail) = restore_launch(&cfg, &image(true), dir, true, Source::Golden);
+        let (args, jail) = restore_launch(&cfg, &image(true), dir, true, Source::Golden, None);
         assert_eq!(jail, None);
+        assert_eq!(args[..2], ["--log-max-bytes", "16777216"]);
         let at = args.iter().position(|a| a == "--vsock").expect("--vsock");
         assert_eq!(args[at + 1], "3:/state/sessions/s1/vsock.sock");
         assert!(args.contains(&"--paused".to_string()));
@@ -313,7 +352,7 @@ mod tests {
             "guest-init images get entropy"
         );
 
-        let (args, _) = restore_launch(&cfg, &image(false), dir, false, Source::Golden);
+        let (args, _) = restore_launch(&cfg, &image(false), dir, false, Source::Golden, None);
         assert!(!args.contains(&"--vsock".to_string()), "{args:?}");
         assert!(!args.contains(&"--rng".to_string()), "{args:?}");
 
@@ -327,18 +366,18 @@ mod tests {
     #[test]
     fn jailed_vms_see_their_golden_snapshot_and_run_directory_inside_the_jail() {
         let cfg = Config {
-            jail: Some(crate::config::JailSettings {
-                uid: 1000,
-                gid: 1001,
+            jail: crate::config::JailSettings {
                 memory_overhead_mib: 128,
-            }),
+                ..Default::default()
+            },
             ..Config::default()
         };
         let dir = Path::new("/state/sessions/0b5e-s1");
-        let (args, jail) = restore_launch(&cfg, &image(true), dir, false, Source::Golden);
+        let (args, jail) =
+            restore_launch(&cfg, &image(true), dir, false, Source::Golden, Some(1000));
         let jail = jail.expect("a jail");
         assert_eq!(jail.id, "0b5e-s1");
-        assert_eq!((jail.uid, jail.gid), (1000, 1001));
+        assert_eq!((jail.uid, jail.gid), (1000, 1000));
         assert_eq!(
             jail.binds,
             vec![(PathBuf::from("/images/i/golden-1"), "/golden".to_string())]
@@ -356,12 +395,26 @@ mod tests {
             PathBuf::from("/state/sessions/0b5e-s1/jail/run")
         );
         // A session's own snapshot: in its run directory, nothing bound in.
-        let (args, jail) = restore_launch(&cfg, &image(true), dir, false, Source::Own("123-ab"));
+        let (args, jail) = restore_launch(
+            &cfg,
+            &image(true),
+            dir,
+            false,
+            Source::Own("123-ab"),
+            Some(1000),
+        );
         let at = args.iter().position(|a| a == "--snapshot").unwrap();
         assert_eq!(args[at + 1], "/run/snapshots/123-ab");
         assert!(jail.unwrap().binds.is_empty());
         let plain = Config::default();
-        let (args, _) = restore_launch(&plain, &image(false), dir, false, Source::Own("123-ab"));
+        let (args, _) = restore_launch(
+            &plain,
+            &image(false),
+            dir,
+            false,
+            Source::Own("123-ab"),
+            None,
+        );
         let at = args.iter().position(|a| a == "--snapshot").unwrap();
         assert_eq!(args[at + 1], "/state/sessions/0b5e-s1/snapshots/123-ab");
     }

@@ -23,6 +23,7 @@ use crate::config::{Config, DEFAULT_IMAGE_ROOT, DEFAULT_REPOSITORY_ROOT};
 use crate::error::{Error, Result};
 use crate::events::EventBus;
 use crate::guest::{self, GuestConn};
+use crate::jail_uids::JailUids;
 use crate::metrics;
 use crate::path_roots::PathRoots;
 use crate::pool::{copy_disk, prepare_disk, restore_launch, Pool, Source, VM_DISK};
@@ -229,6 +230,8 @@ pub struct Manager {
     pub image_roots: PathRoots,
     /// Where CreateSession's repository may lie.
     pub repository_roots: PathRoots,
+    /// uids of jailed VMs.
+    pub jail_uids: Arc<JailUids>,
 }
 
 impl Manager {
@@ -259,18 +262,29 @@ impl Manager {
         let store = Arc::new(Store::open(&cfg.state_dir.join("host-agent.db"))?);
         let events = EventBus::new(&store)?;
         let vmm_path = cfg.vmm_path();
+        let jail_uids = Arc::new(JailUids::new(cfg.jail.uid_range));
         Ok(Arc::new(Manager {
             cfg,
             store,
             events,
             vmm_path,
-            pool: Pool::default(),
+            pool: Pool::new(jail_uids.clone()),
+            jail_uids,
             sessions: Mutex::new(HashMap::new()),
             create_lock: tokio::sync::Mutex::new(()),
             golden_lock: tokio::sync::Mutex::new(()),
             image_roots,
             repository_roots,
         }))
+    }
+
+    /// A uid for a new jailed VM, or `None` when VMs run unjailed.
+    pub fn allocate_jail_uid(&self) -> Result<Option<u32>> {
+        if self.cfg.jailed() {
+            self.jail_uids.allocate().map(Some)
+        } else {
+            Ok(None)
+        }
     }
 
     /// Where warm VMs live.
@@ -400,6 +414,10 @@ impl Manager {
         }
         let now = now_ms();
         inner.row.state = to;
+        if is_terminal(to) {
+            // The session is over: its uid may go to another VM.
+            self.jail_uids.release(inner.row.jail_uid);
+        }
         if matches!(
             S::try_from(to),
             Ok(S::Paused | S::Stopping | S::Stopped | S::Failed)
@@ -622,12 +640,24 @@ impl Manager {
         let dir = PathBuf::from(sess.row().dir);
         let result = async {
             let (vmm, from_pool) = match self.pool.take(&image.id, &dir) {
-                Some(vm) => (vm, true),
+                Some(vm) => {
+                    // The warm VM's uid is the session's from now on.
+                    sess.lock().row.jail_uid = vm.jail_uid.unwrap_or(0);
+                    (vm, true)
+                }
                 None => (
                     {
-                        prepare_disk(&self.cfg, image, &dir).await?;
+                        let uid = self.allocate_jail_uid()?;
+                        // Recorded at once: a failure from here on fails the
+                        // session, which gives the uid back.
+                        {
+                            let mut i = sess.lock();
+                            i.row.jail_uid = uid.unwrap_or(0);
+                            self.store.put_session(&i.row)?;
+                        }
+                        prepare_disk(image, &dir, uid).await?;
                         let (args, jail) =
-                            restore_launch(&self.cfg, image, &dir, false, Source::Golden);
+                            restore_launch(&self.cfg, image, &dir, false, Source::Golden, uid);
                         supervisor::spawn(&self.vmm_path, &dir, &args, jail.as_ref())?
                     },
                     false,
@@ -639,6 +669,7 @@ impl Manager {
                 i.vmm = Some(vmm.clone());
                 i.row.vmm_pid = vmm.pid;
                 i.row.vmm_start_ticks = vmm.start_ticks;
+                i.row.jail_uid = vmm.jail_uid.unwrap_or(0);
                 self.store.put_session(&i.row)?;
             }
             self.watch_exit(sess.clone(), vmm.clone());
@@ -904,7 +935,7 @@ impl Manager {
     /// Where the session's VM keeps its sockets, as the host sees it (inside
     /// the jail for a jailed vmm, whatever the configuration says now).
     fn run_dir(&self, sess: &Session) -> PathBuf {
-        let jailed = sess.vmm().map_or(self.cfg.jail.is_some(), |v| v.jailed);
+        let jailed = sess.vmm().map_or(self.cfg.jailed(), |v| v.jailed);
         supervisor::run_dirs(&PathBuf::from(sess.row().dir), jailed).0
     }
 
@@ -974,12 +1005,7 @@ impl Manager {
         let (run_host, run_inside) =
             supervisor::run_dirs(&PathBuf::from(sess.row().dir), vmm.jailed);
         let snaps = run_host.join("snapshots");
-        let owner = self
-            .cfg
-            .jail
-            .as_ref()
-            .filter(|_| vmm.jailed)
-            .map(|j| (j.uid, j.gid));
+        let owner = vmm.jail_uid.filter(|_| vmm.jailed).map(|u| (u, u));
         crate::safe_fs::ensure_dir(&snaps, owner)
             .map_err(|e| Error::io(format!("preparing {}", snaps.display()), e))?;
         if was_running {
@@ -1042,17 +1068,17 @@ impl Manager {
         let old = sess
             .vmm()
             .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
-        if old.jailed != self.cfg.jail.is_some() {
+        if old.jailed != self.cfg.jailed() || (old.jailed && old.jail_uid.is_none()) {
             // The snapshot was written by a vmm jailed (or not) as the session
             // started; a vmm of the other kind must not read it.
             return Err(Error::FailedPrecondition(format!(
                 "session {id} runs {} but host-agent now runs {}; restart host-agent with the \
                  jail setting the session started with to restore it",
                 if old.jailed { "jailed" } else { "unjailed" },
-                if self.cfg.jail.is_some() {
-                    "with --jail-uid"
+                if self.cfg.jailed() {
+                    "jailed"
                 } else {
-                    "without --jail-uid"
+                    "unjailed (--no-jail)"
                 },
             )));
         }
@@ -1075,7 +1101,7 @@ impl Manager {
                     kept.display()
                 )));
             }
-            let owner = self.cfg.jail.as_ref().map(|j| (j.uid, j.gid));
+            let owner = old.jail_uid.map(|u| (u, u));
             copy_disk(&kept, &staged, owner).await?;
         }
 
@@ -1120,7 +1146,15 @@ impl Manager {
             // The old vmm's socket: the new vmm binds its own at the same path.
             let _ = std::fs::remove_file(self.cfg.vsock_path(&run_host));
         }
-        let (args, jail) = restore_launch(&self.cfg, &image, &dir, false, Source::Own(&name));
+        // The same uid as before: the run directory and its files are its.
+        let (args, jail) = restore_launch(
+            &self.cfg,
+            &image,
+            &dir,
+            false,
+            Source::Own(&name),
+            old.jail_uid,
+        );
         let vmm =
             Arc::new(supervisor::spawn(&self.vmm_path, &dir, &args, jail.as_ref()).map_err(fail)?);
         let recorded = {
@@ -1304,7 +1338,13 @@ impl Manager {
     /// processes; sessions whose vmm is gone become FAILED (vmm_crash).
     pub async fn recover(self: &Arc<Self>) -> Result<()> {
         Pool::clean_leftovers(&self.pool_dir());
-        for row in self.store.sessions()? {
+        let rows = self.store.sessions()?;
+        // Every uid a session that is not over holds stays its own, before
+        // anything (the warm pool included) is handed one.
+        for row in rows.iter().filter(|r| !is_terminal(r.state)) {
+            self.jail_uids.mark_used(row.jail_uid);
+        }
+        for row in rows {
             let image = match self.store.image(&row.image_id)? {
                 Some(i) => i,
                 None => ImageRow {

@@ -91,6 +91,9 @@ pub struct SessionRow {
     /// The client that created the session (`legacy` for sessions from
     /// before owners were recorded).
     pub owner: String,
+    /// uid (= gid) of the session's jailed vmm, 0 when not jailed. Kept so a
+    /// restarted host-agent never hands a live session's uid to another VM.
+    pub jail_uid: u32,
 }
 
 /// One lifecycle event.
@@ -179,7 +182,7 @@ CREATE TABLE IF NOT EXISTS sessions(
   dir TEXT NOT NULL, ttl_s INTEGER NOT NULL, idle_s INTEGER NOT NULL, labels TEXT NOT NULL,
   branch TEXT NOT NULL, head_commit TEXT NOT NULL, last_activity INTEGER NOT NULL,
   repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL,
-  owner TEXT NOT NULL DEFAULT 'legacy');
+  owner TEXT NOT NULL DEFAULT 'legacy', jail_uid INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS events(
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
   at INTEGER NOT NULL, from_state INTEGER NOT NULL, to_state INTEGER NOT NULL,
@@ -227,7 +230,7 @@ fn image_from_row(r: &Row<'_>) -> rusqlite::Result<ImageRow> {
 
 const SESSION_COLS: &str = "id, image_id, state, execution_id, reason, detail, created_at, \
     ready_at, ended_at, vmm_pid, vmm_start_ticks, dir, ttl_s, idle_s, labels, branch, \
-    head_commit, last_activity, repository, agent, base_ref, owner";
+    head_commit, last_activity, repository, agent, base_ref, owner, jail_uid";
 
 fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
     let labels: String = r.get(14)?;
@@ -255,6 +258,7 @@ fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
         agent: r.get(19)?,
         base_ref: r.get(20)?,
         owner: r.get(21)?,
+        jail_uid: r.get::<_, i64>(22)? as u32,
     })
 }
 
@@ -317,6 +321,9 @@ fn migrate(conn: &Connection) -> rusqlite::Result<()> {
                 crate::auth::LEGACY_OWNER
             ))?;
         }
+    }
+    if !has_column(conn, "sessions", "jail_uid")? {
+        conn.execute_batch("ALTER TABLE sessions ADD COLUMN jail_uid INTEGER NOT NULL DEFAULT 0;")?;
     }
     Ok(())
 }
@@ -669,7 +676,7 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
     c.execute(
         &format!(
             "INSERT OR REPLACE INTO sessions({SESSION_COLS}) VALUES \
-             (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21,?22)"
+             (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21,?22,?23)"
         ),
         params![
             s.id,
@@ -693,7 +700,8 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
             s.repository,
             s.agent,
             s.base_ref,
-            s.owner
+            s.owner,
+            i64::from(s.jail_uid)
         ],
     )?;
     Ok(())
@@ -832,6 +840,43 @@ INSERT INTO usage(session_id, execution_id, interval_start, interval_end, billed
         let store = Store::open(&path).unwrap();
         assert_eq!(store.sessions().unwrap().len(), 2);
         assert_eq!(store.session("old").unwrap().unwrap().owner, "legacy");
+    }
+
+    #[test]
+    fn a_sessions_jail_uid_is_kept_and_old_databases_gain_the_column() {
+        let t = tempfile::tempdir().unwrap();
+        let path = t.path().join("db");
+        {
+            let c = Connection::open(&path).unwrap();
+            c.execute_batch(
+                "CREATE TABLE sessions(
+                  id TEXT PRIMARY KEY, image_id TEXT NOT NULL, state INTEGER NOT NULL,
+                  execution_id TEXT NOT NULL, reason TEXT NOT NULL, detail TEXT NOT NULL,
+                  created_at INTEGER NOT NULL, ready_at INTEGER NOT NULL,
+                  ended_at INTEGER NOT NULL, vmm_pid INTEGER NOT NULL,
+                  vmm_start_ticks INTEGER NOT NULL, dir TEXT NOT NULL, ttl_s INTEGER NOT NULL,
+                  idle_s INTEGER NOT NULL, labels TEXT NOT NULL, branch TEXT NOT NULL,
+                  head_commit TEXT NOT NULL, last_activity INTEGER NOT NULL,
+                  repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL);
+                 INSERT INTO sessions VALUES ('old','i',5,'e','','',1,0,0,0,0,'/d',0,0,'{}',
+                  '','',0,'','','');",
+            )
+            .unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        assert_eq!(store.session("old").unwrap().unwrap().jail_uid, 0);
+        let row = SessionRow {
+            id: "new".into(),
+            jail_uid: 2_000_000_007,
+            ..Default::default()
+        };
+        store.put_session(&row).unwrap();
+        drop(store);
+        let store = Store::open(&path).unwrap();
+        assert_eq!(
+            store.session("new").unwrap().unwrap().jail_uid,
+            2_000_000_007
+        );
     }
 
     #[test]

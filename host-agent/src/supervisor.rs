@@ -8,7 +8,14 @@
 //!
 //! vmm processes run in their own process group with stdin from /dev/null
 //! and stdout/stderr to a log file in their directory, so they outlive a
-//! host-agent that is killed and never write to a pipe nobody reads.
+//! host-agent that is killed and never write to a pipe nobody reads. Both
+//! that log and the serial log are bounded by the vmm itself
+//! (`--log-max-bytes`, from `logs.max_file_bytes`): the serial log rotates to
+//! `serial.log.1`, the vmm's log stops at the bound with a line saying so.
+//!
+//! Sessions' and warm VMs' vmm processes run through `vmm jail` unless
+//! host-agent runs with `--no-jail`: each with a uid and gid of its own
+//! ([`crate::jail_uids`]) and its own network namespace.
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -60,6 +67,8 @@ pub struct VmmProcess {
     /// Started through `vmm jail`: `pid` is the jailer, the vmm is its child,
     /// and the sockets lie in `dir/jail/run`.
     pub jailed: bool,
+    /// The uid (= gid) a jailed vmm runs as.
+    pub jail_uid: Option<u32>,
     /// The jailed vmm's pid, once found (it lives exactly as long as its jailer).
     jailed_vmm: std::sync::OnceLock<u32>,
     exited: watch::Receiver<Option<ExitStatus>>,
@@ -323,6 +332,7 @@ pub fn spawn(
         control,
         dir: dir.to_path_buf(),
         jailed: jail.is_some(),
+        jail_uid: jail.map(|j| j.uid),
         jailed_vmm: std::sync::OnceLock::new(),
         exited: rx,
     })
@@ -359,14 +369,25 @@ pub fn attach(pid: u32, start_ticks: u64, dir: &Path) -> Option<VmmProcess> {
         let _ = afd.readable().await;
         let _ = tx.send(Some(ExitStatus::Unknown));
     });
-    let jailed = std::fs::read(format!("/proc/{pid}/cmdline"))
-        .is_ok_and(|c| c.split(|b| *b == 0).nth(1) == Some(b"jail"));
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    let jailed = args.get(1) == Some(&&b"jail"[..]);
+    // The jailer's own options come before `--`.
+    let jail_uid = args
+        .iter()
+        .take_while(|a| **a != b"--")
+        .collect::<Vec<_>>()
+        .windows(2)
+        .find(|w| *w[0] == b"--uid")
+        .and_then(|w| std::str::from_utf8(w[1]).ok()?.parse().ok())
+        .filter(|_| jailed);
     Some(VmmProcess {
         pid,
         start_ticks,
         control: run_dirs(dir, jailed).0.join("control.sock"),
         dir: dir.to_path_buf(),
         jailed,
+        jail_uid,
         jailed_vmm: std::sync::OnceLock::new(),
         exited: rx,
     })

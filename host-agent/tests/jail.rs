@@ -1,7 +1,8 @@
-//! host-agent running sessions' vmm processes through `vmm jail`
-//! (`--jail-uid/--jail-gid`): the vmm of a session (and of a warm VM) runs
-//! as the unprivileged uid in its own namespaces with the session's jail
-//! directory as root; pause, resume, snapshot, usage and stop work through
+//! host-agent running sessions' vmm processes through `vmm jail`, its
+//! default as root: the vmm of a session (and of a warm VM) runs as a uid of
+//! its own from the jail range, in its own namespaces (network included)
+//! with the session's jail directory as root; uids are never shared by two
+//! live sessions, also across a restart; pause, resume, snapshot, usage and stop work through
 //! the jail, and so does rolling back to a snapshot; a restarted host-agent
 //! re-attaches to it; SIGKILLing the jailer
 //! takes the vmm down and fails the session.
@@ -49,7 +50,11 @@ fn session_dir(agent: &Agent, id: &str) -> PathBuf {
     agent.state_dir().join("sessions").join(id)
 }
 
-fn assert_confined(vmm: u32, dir: &Path) {
+/// The default uid range of jailed VMs (host-agent's README).
+const DEFAULT_UIDS: std::ops::RangeInclusive<u32> = 2_000_000_000..=2_000_065_535;
+
+/// Checks `vmm` is jailed as its session in `dir` should be; returns its uid.
+fn assert_confined(vmm: u32, dir: &Path, uids: std::ops::RangeInclusive<u32>) -> u32 {
     // The vmm's main thread installs its filter just after its control
     // socket appears: wait for it rather than race it.
     let start = Instant::now();
@@ -64,11 +69,20 @@ fn assert_confined(vmm: u32, dir: &Path) {
         );
         std::thread::sleep(Duration::from_millis(5));
     };
-    assert!(
-        status.contains("Uid:\t65534\t65534\t65534\t65534"),
-        "{status}"
-    );
-    for ns in ["mnt", "pid"] {
+    let ids = |key: &str| -> Vec<u32> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .unwrap()
+            .split_whitespace()
+            .map(|v| v.parse().unwrap())
+            .collect()
+    };
+    let uid = ids("Uid:")[0];
+    assert!(uids.contains(&uid), "uid {uid} outside {uids:?}: {status}");
+    assert_eq!(ids("Uid:"), vec![uid; 4], "{status}");
+    assert_eq!(ids("Gid:"), vec![uid; 4], "gid = uid: {status}");
+    for ns in ["mnt", "pid", "net"] {
         assert_ne!(
             std::fs::read_link(format!("/proc/{vmm}/ns/{ns}")).unwrap(),
             std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap(),
@@ -84,6 +98,10 @@ fn assert_confined(vmm: u32, dir: &Path) {
     );
     let cgroups = std::fs::read_to_string(format!("/proc/{vmm}/cgroup")).unwrap();
     assert!(cgroups.contains("/agentvm/"), "{cgroups}");
+    // Its files are its own.
+    let disk_dir = std::fs::metadata(dir.join("jail/run")).unwrap();
+    assert_eq!((disk_dir.uid(), disk_dir.gid()), (uid, uid));
+    uid
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -91,21 +109,14 @@ async fn sessions_run_jailed_through_their_whole_life() {
     if !jail_supported() {
         return;
     }
-    let jail = [
-        "--jail-uid",
-        "65534",
-        "--jail-gid",
-        "65534",
-        "--usage-interval-ms",
-        "200",
-    ];
-    let mut agent = Agent::start(&jail);
+    // No jail option: jailing is the default.
+    let mut agent = Agent::start(&["--usage-interval-ms", "200"]);
     agent.counter_image("counter").await;
     let s = agent.create("counter", "jailed").await;
     assert_eq!(s.state, S::Running as i32);
     let dir = session_dir(&agent, &s.session_id);
     let vmm = jailed_vmm(s.vmm_pid);
-    assert_confined(vmm, &dir);
+    let uid = assert_confined(vmm, &dir, DEFAULT_UIDS);
 
     let mut c = agent.sessions().await;
     let call = || pb::SessionCall {
@@ -137,7 +148,11 @@ async fn sessions_run_jailed_through_their_whole_life() {
     assert_eq!(s.state, S::Running as i32);
     wait_gone(vmm, "the replaced jailed vmm still runs");
     let vmm = jailed_vmm(s.vmm_pid);
-    assert_confined(vmm, &dir);
+    assert_eq!(
+        assert_confined(vmm, &dir, DEFAULT_UIDS),
+        uid,
+        "the rolled-back vmm keeps the session's uid"
+    );
 
     // Usage is sampled from the jailed vmm, not its jailer.
     let start = Instant::now();
@@ -179,14 +194,7 @@ async fn warm_vms_are_jailed_and_a_killed_jailer_fails_its_session() {
     if !jail_supported() {
         return;
     }
-    let agent = Agent::start(&[
-        "--jail-uid",
-        "65534",
-        "--jail-gid",
-        "65534",
-        "--warm-pool",
-        "1",
-    ]);
+    let agent = Agent::start(&["--warm-pool", "1"]);
     agent.counter_image("counter").await;
     // Wait until the pool holds a warm VM, so the create takes it.
     let start = Instant::now();
@@ -211,7 +219,7 @@ async fn warm_vms_are_jailed_and_a_killed_jailer_fails_its_session() {
     assert_eq!(s.state, S::Running as i32);
     let dir = session_dir(&agent, &s.session_id);
     let vmm = jailed_vmm(s.vmm_pid);
-    assert_confined(vmm, &dir);
+    assert_confined(vmm, &dir, DEFAULT_UIDS);
     // Its control socket followed the warm VM's directory into the session's.
     agent
         .sessions()
@@ -227,4 +235,95 @@ async fn warm_vms_are_jailed_and_a_killed_jailer_fails_its_session() {
     let f = agent.wait_state(&s.session_id, S::Failed).await;
     assert_eq!(f.reason, "vmm_crash", "{f:?}");
     wait_gone(vmm, "the jailed vmm outlived its jailer");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_session_has_its_own_uid_and_a_restart_reuses_none_in_use() {
+    if !jail_supported() {
+        return;
+    }
+    // Two uids: enough for two live sessions, not three.
+    let range = "3000000-3000001";
+    let uids = 3_000_000..=3_000_001;
+    let mut agent = Agent::start(&["--jail-uid-range", range]);
+    agent.counter_image("counter").await;
+    let a = agent.create("counter", "uid-a").await;
+    let uid_a = assert_confined(
+        jailed_vmm(a.vmm_pid),
+        &session_dir(&agent, &a.session_id),
+        uids.clone(),
+    );
+
+    // A restarted host-agent knows uid_a is taken.
+    agent.kill9();
+    agent.spawn();
+    let b = agent.create("counter", "uid-b").await;
+    let uid_b = assert_confined(
+        jailed_vmm(b.vmm_pid),
+        &session_dir(&agent, &b.session_id),
+        uids.clone(),
+    );
+    assert_ne!(uid_a, uid_b, "two live sessions share a uid");
+
+    // The range is used up: a third session is refused, with the fix named.
+    let err = agent
+        .sessions()
+        .await
+        .create_session(pb::CreateSessionRequest {
+            image_id: "counter".into(),
+            idempotency_key: "uid-c".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("a third session with two uids");
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
+    assert!(err.message().contains("--jail-uid-range"), "{err}");
+
+    // A session that ends gives its uid back.
+    let st = agent
+        .sessions()
+        .await
+        .stop_session(pb::SessionCall {
+            session_id: a.session_id.clone(),
+            idempotency_key: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.state, S::Stopped as i32);
+    let c = agent.create("counter", "uid-c2").await;
+    let uid_c = assert_confined(
+        jailed_vmm(c.vmm_pid),
+        &session_dir(&agent, &c.session_id),
+        uids,
+    );
+    assert_eq!(uid_c, uid_a);
+}
+
+#[test]
+fn without_root_host_agent_refuses_to_start_unless_told_no_jail() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipped: needs root to start host-agent as another user");
+        return;
+    }
+    use std::os::unix::process::CommandExt;
+    let t = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_host-agent"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(t.path().join("state"))
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "started unjailed without root: {err}"
+    );
+    assert!(
+        err.contains("needs root") && err.contains("--no-jail"),
+        "{err}"
+    );
+    assert!(!t.path().join("state").exists(), "it created state first");
 }

@@ -251,12 +251,13 @@ async fn vmm_exit_zero_not_requested_is_a_guest_exit() {
     agent.counter_image("counter").await;
     let s = agent.create("counter", "").await;
     // Stop the VM behind host-agent's back, as a guest reset would: the vmm
-    // exits with code 0 without host-agent having asked.
+    // exits with code 0 without host-agent having asked. (Jailed, host-agent's
+    // default, its control socket is in the jail's run directory.)
     let sock = agent
         .state_dir()
         .join("sessions")
         .join(&s.session_id)
-        .join("control.sock");
+        .join("jail/run/control.sock");
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
     let mut c = tokio::net::UnixStream::connect(&sock).await.unwrap();
     c.write_all(b"{\"op\":\"stop\"}\n").await.unwrap();

@@ -85,7 +85,9 @@ async fn a_session_rolls_back_to_its_own_snapshot() {
     .unwrap();
     let s = agent.create("count", "").await;
     let dir = agent.state_dir().join("sessions").join(&s.session_id);
-    let log = dir.join("serial.log");
+    // The vmm is jailed (host-agent's default): its files are in its run directory.
+    let run = dir.join("jail/run");
+    let log = run.join("serial.log");
     wait_for_counts(&log, 0, 2);
 
     let mut c = agent.sessions().await;
@@ -107,7 +109,7 @@ async fn a_session_rolls_back_to_its_own_snapshot() {
         "the snapshot's copy of the disk is kept out of the VM's reach"
     );
     // After the snapshot the "guest" writes its disk and counts on.
-    std::fs::write(dir.join("disk.ext4"), b"later").unwrap();
+    std::fs::write(run.join("disk.ext4"), b"later").unwrap();
     let before = wait_for_counts(&log, 0, counts(&log, 0).len() + 6);
     let last_before = *before.last().unwrap();
     let log_len = std::fs::metadata(&log).unwrap().len() as usize;
@@ -152,7 +154,7 @@ async fn a_session_rolls_back_to_its_own_snapshot() {
                 .contains(") Z "),
         "the replaced vmm still runs"
     );
-    assert_eq!(std::fs::read(dir.join("disk.ext4")).unwrap(), original);
+    assert_eq!(std::fs::read(run.join("disk.ext4")).unwrap(), original);
     // The guest counts on from the snapshot's point, not from where it was.
     let after = wait_for_counts(&log, log_len, 1);
     assert!(

@@ -11,6 +11,7 @@ pub mod devices;
 pub mod exit;
 pub mod jail;
 pub mod kvm;
+pub mod logfile;
 pub mod machine;
 pub mod memory;
 pub mod seccomp;

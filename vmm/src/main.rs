@@ -32,10 +32,16 @@ struct Cli {
     /// free to make any system call).
     #[arg(long, global = true)]
     no_seccomp: bool,
-    /// Test hook: make a thread of this kind (main, vcpu, control, device) call a
-    /// forbidden system call right after its filter is installed.
+    /// Test hook: `KIND[:CALL]`: make a thread of this kind (main, vcpu, control,
+    /// device) make a forbidden call right after its filter is installed: getppid
+    /// (default), socket-inet, clone-process, prctl, ioctl or mprotect-exec.
     #[arg(long, global = true, hide = true)]
     seccomp_selftest: Option<String>,
+    /// Bound of the serial file (`--serial file:PATH`, rotated to PATH.1 when
+    /// full) and of this process's log where stderr is a file (capped): bytes, or
+    /// K/M/G; at least 4K.
+    #[arg(long, global = true, default_value = "16M")]
+    log_max_bytes: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -72,10 +78,11 @@ struct JailArgs {
     /// gid the vmm runs as (not 0).
     #[arg(long)]
     gid: u32,
-    /// Give the VM its own network namespace.
-    #[arg(long)]
+    /// Accepted for compatibility and ignored: a jailed vmm always has its own
+    /// network namespace (only loopback and the --tap interfaces in it).
+    #[arg(long, hide = true)]
     netns: bool,
-    /// A tap for the VM (repeatable, needs --netns): a host tap of that name is moved
+    /// A tap for the VM (repeatable): a host tap of that name is moved
     /// into the jail's namespace and back when the VM ends; any other is created
     /// there. Either way it is persistent, owned by --uid and up.
     #[arg(long = "tap", value_name = "NAME")]
@@ -193,7 +200,7 @@ fn init_logging(format: LogFormat, level: &str) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(|| vmm::logfile::CappedStderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -266,6 +273,8 @@ fn restore(args: RestoreArgs) -> Result<i32, (i32, String)> {
 }
 
 fn jail(args: JailArgs) -> Result<i32, (i32, String)> {
+    // --netns is what every jail gets now; the flag stays accepted for old scripts.
+    let _always_on = args.netns;
     let bad = |e: String| (EXIT_BAD_INPUT, e);
     let limits = CgroupLimits {
         cpu_max: args
@@ -286,7 +295,6 @@ fn jail(args: JailArgs) -> Result<i32, (i32, String)> {
         root: args.root,
         uid: args.uid,
         gid: args.gid,
-        netns: args.netns,
         taps: args.taps,
         binds: args
             .binds
@@ -349,15 +357,38 @@ fn serve(
     Ok(code)
 }
 
+/// Parses `--seccomp-selftest KIND[:CALL]`.
+fn parse_selftest(s: &str) -> Option<(ThreadKind, seccomp::SelftestCall)> {
+    let (kind, call) = s.split_once(':').unwrap_or((s, "getppid"));
+    Some((
+        ThreadKind::from_name(kind)?,
+        seccomp::SelftestCall::from_name(call)?,
+    ))
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format, &cli.log_level);
-    let selftest = match cli.seccomp_selftest.as_deref().map(ThreadKind::from_name) {
-        Some(None) => {
-            eprintln!("vmm: --seccomp-selftest takes main, vcpu, control or device");
+    match parse_size(&cli.log_max_bytes) {
+        Ok(n) if n >= vmm::logfile::MIN_MAX_BYTES => vmm::logfile::set_max_bytes(n),
+        _ => {
+            eprintln!(
+                "vmm: invalid --log-max-bytes {:?}: bytes, or K/M/G, at least 4K",
+                cli.log_max_bytes
+            );
             return ExitCode::from(EXIT_BAD_INPUT as u8);
         }
-        Some(Some(kind)) => Some(kind),
+    }
+    vmm::logfile::init_stderr();
+    init_logging(cli.log_format, &cli.log_level);
+    let selftest = match cli.seccomp_selftest.as_deref().map(parse_selftest) {
+        Some(None) => {
+            eprintln!(
+                "vmm: --seccomp-selftest takes KIND[:CALL]: main, vcpu, control or device, \
+                 and getppid, socket-inet, clone-process, prctl, ioctl or mprotect-exec"
+            );
+            return ExitCode::from(EXIT_BAD_INPUT as u8);
+        }
+        Some(Some(test)) => Some(test),
         None => None,
     };
     if let Err(e) = seccomp::init(!cli.no_seccomp, selftest) {

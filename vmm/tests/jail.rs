@@ -224,6 +224,67 @@ fn a_jailed_vmm_dies_with_its_jailer() {
     }
 }
 
+/// Tries a TCP connection to `addr` from inside the network namespace of
+/// process `pid` (on a fresh thread: setns changes only the calling thread).
+fn connect_from_netns_of(pid: &str, addr: std::net::SocketAddr) -> std::io::Result<()> {
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).unwrap();
+    std::thread::spawn(move || {
+        use std::os::fd::AsRawFd;
+        // SAFETY: setns on an open namespace fd; it changes only this thread.
+        assert_eq!(
+            unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) },
+            0
+        );
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map(drop)
+    })
+    .join()
+    .unwrap()
+}
+
+#[test]
+fn a_jailed_vmm_has_its_own_network_namespace_and_cannot_reach_host_loopback() {
+    if !jail_supported() {
+        return;
+    }
+    // A host service on loopback, as host-agent's gRPC port is.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("root");
+    let id = format!("netns-{}", std::process::id());
+    let kernel_bind = format!("{}:/kernel:ro", guest("counter").display());
+    // No network option at all: the namespace is the default.
+    let child = jailed(
+        &id,
+        &root,
+        &kernel_bind,
+        &[],
+        &["run", "--kernel", "/kernel", "--serial", "none"],
+    );
+    let pid = find_jailed_vmm(child.id());
+    let ctl = Control::connect(&root.join("run/ctl.sock"));
+    assert_ne!(
+        ns(&pid, "net"),
+        ns("self", "net"),
+        "the jailed vmm shares the host's network namespace"
+    );
+    // The test's own namespace reaches the service...
+    connect_from_netns_of("self", addr).expect("the host reaches its own loopback service");
+    // ...the jail's does not: its loopback is its own, and nothing else is there.
+    let err = connect_from_netns_of(&pid, addr)
+        .expect_err("the jailed vmm's namespace reached a host loopback port");
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+    let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
+    let links: Vec<&str> = dev
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split(':').next())
+        .map(str::trim)
+        .collect();
+    assert_eq!(links, vec!["lo"], "{dev}");
+    stop(ctl, child);
+}
+
 /// A host tap for a test, removed on drop wherever it ended up.
 struct HostTap(String);
 
@@ -258,7 +319,7 @@ fn a_host_tap_moves_into_the_jails_network_namespace_and_back() {
         &id,
         &root,
         &kernel_bind,
-        &["--netns", "--tap", &tap.0],
+        &["--tap", &tap.0],
         &[
             "run",
             "--kernel",
@@ -412,13 +473,7 @@ fn jail_options_are_checked_before_anything_is_created() {
         ),
         (
             vec![
-                "--id", "x", "--root", r, "--uid", "1", "--gid", "1", "--tap", "tap0",
-            ],
-            "add --netns",
-        ),
-        (
-            vec![
-                "--id", "x", "--root", r, "--uid", "1", "--gid", "1", "--netns", "--tap", "a/b",
+                "--id", "x", "--root", r, "--uid", "1", "--gid", "1", "--tap", "a/b",
             ],
             "invalid tap name",
         ),

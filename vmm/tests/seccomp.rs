@@ -139,6 +139,67 @@ fn a_forbidden_call_from_any_thread_kind_is_fatal() {
     }
 }
 
+/// Starts the counter guest with `--seccomp-selftest SELFTEST` and returns
+/// (exit code, stderr): 1 where the handler ended it, 3 where the call was
+/// let through (the hook then exits by itself).
+fn selftest(selftest: &str) -> (Option<i32>, String) {
+    let g = guest("counter");
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("vm.sock");
+    let child = vmm()
+        .args([
+            "--seccomp-selftest",
+            selftest,
+            "run",
+            "--kernel",
+            g.to_str().unwrap(),
+        ])
+        .args([
+            "--serial",
+            "none",
+            "--control-socket",
+            sock.to_str().unwrap(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait_with_deadline(child, Duration::from_secs(20));
+    (out.status.code(), stderr(&out))
+}
+
+#[test]
+fn a_forbidden_argument_from_any_thread_kind_is_fatal() {
+    // Each call is allowed to some thread kinds with other arguments (socket for
+    // Unix sockets, clone for threads, prctl for naming threads, ioctl for the
+    // KVM requests in use, mprotect without PROT_EXEC); with these arguments it
+    // is refused to every kind.
+    let calls = [
+        ("socket-inet", libc::SYS_socket),
+        ("clone-process", libc::SYS_clone),
+        ("prctl", libc::SYS_prctl),
+        ("ioctl", libc::SYS_ioctl),
+        ("mprotect-exec", libc::SYS_mprotect),
+    ];
+    let mut failures = Vec::new();
+    for (kind, name) in [
+        ("vcpu", "vCPU"),
+        ("main", "main"),
+        ("control", "control"),
+        ("device", "device"),
+    ] {
+        for (call, nr) in calls {
+            let (code, err) = selftest(&format!("{kind}:{call}"));
+            let expected =
+                format!("vmm: seccomp: a {name} thread made forbidden system call {nr} ");
+            if code != Some(1) || !err.contains(&expected) {
+                failures.push(format!("{kind}:{call}: exit {code:?}, stderr {err:?}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "let through:\n{}", failures.join("\n"));
+}
+
 #[test]
 fn no_seccomp_runs_and_warns() {
     let g = guest("hello");

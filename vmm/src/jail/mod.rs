@@ -1,12 +1,17 @@
 //! `vmm jail`: starts a vmm confined to a per-VM directory. The jailer (this
 //! process, running as root) prepares the directory, a cgroup with CPU and
-//! memory limits, and new mount, PID, IPC, UTS and (optionally) network
-//! namespaces; the child pivots into the directory, applies resource limits,
+//! memory limits, and new mount, PID, IPC, UTS and network namespaces; the
+//! child pivots into the directory, applies resource limits,
 //! drops to an unprivileged uid/gid and execs the vmm copied into it. The
 //! jailer waits, forwards SIGTERM/SIGINT/SIGHUP, and exits with the vmm's code.
 //!
 //! Paths given to the jailed vmm are paths inside the jail: bring files in
 //! with `--bind HOST_PATH:JAIL_PATH[:ro]`.
+//!
+//! The network namespace is not optional: a jailed vmm always gets its own,
+//! with only loopback up (plus the taps given with `--tap`), so a compromised
+//! device model cannot reach the host's loopback services, the cloud metadata
+//! address or abstract Unix sockets of the host's namespace.
 
 pub mod cgroup;
 mod network;
@@ -66,8 +71,6 @@ pub struct JailConfig {
     pub uid: u32,
     /// gid the vmm runs as.
     pub gid: u32,
-    /// Give the VM its own network namespace.
-    pub netns: bool,
     /// Taps for the jail's network namespace: a host tap of that name is moved
     /// in (and back out when the VM ends), any other is created inside.
     pub taps: Vec<String>,
@@ -180,12 +183,6 @@ impl JailConfig {
                 return invalid(format!("tap {tap:?} given twice"));
             }
         }
-        if !self.taps.is_empty() && !self.netns {
-            return invalid(
-                "--tap moves or creates the tap in the jail's own network namespace: add --netns"
-                    .into(),
-            );
-        }
         for d in &self.devices {
             if !setup::KNOWN_DEVICES.iter().any(|(name, ..)| name == d) {
                 return invalid(format!(
@@ -237,26 +234,20 @@ pub fn run(config: &JailConfig) -> Result<i32, JailError> {
     let root = setup::prepare_root(config)?;
     let cgroup = Cgroup::create(&config.cgroup_root, &config.id, &config.limits)?;
 
-    let mut flags =
-        libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
-    if config.netns {
-        flags |= libc::CLONE_NEWNET;
-    }
-    let host_netns = if config.netns {
-        Some(network::current_netns()?)
-    } else {
-        None
-    };
+    // Always a network namespace of its own: only loopback and the jail's taps.
+    let flags = libc::CLONE_NEWNS
+        | libc::CLONE_NEWPID
+        | libc::CLONE_NEWIPC
+        | libc::CLONE_NEWUTS
+        | libc::CLONE_NEWNET;
+    let host_netns = network::current_netns()?;
     // SAFETY: unshare only changes this process's namespaces; the jailer is single-threaded
     // here (no vmm threads exist in `vmm jail`), which CLONE_NEWNS requires.
     if unsafe { libc::unshare(flags) } != 0 {
         return Err(JailError::Unshare(std::io::Error::last_os_error()));
     }
     // Dropped after the vmm ends (or on an error below): host taps go back to the host.
-    let _network = match host_netns {
-        Some(host) => Some(network::JailNetwork::setup(host, &config.taps, config.uid)?),
-        None => None,
-    };
+    let _network = network::JailNetwork::setup(host_netns, &config.taps, config.uid)?;
 
     let child_setup = setup::ChildSetup::new(config, &root, &cgroup)?;
     let mut command = Command::new("/vmm");

@@ -9,7 +9,6 @@ mod snapshot;
 pub use restore::RestoreConfig;
 pub use snapshot::SnapshotRequestError;
 
-use std::fs::OpenOptions;
 use std::io::LineWriter;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -272,10 +271,8 @@ fn serial_output(cfg: &SerialConfig) -> Result<SerialOut, StartError> {
         SerialConfig::Stdout => buffered(Box::new(std::io::stdout()))?,
         SerialConfig::None => Box::new(std::io::sink()),
         SerialConfig::File(path) => {
-            let file = OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
+            // Rotated at the log bound: a guest cannot fill the disk through it.
+            let file = crate::logfile::RotatingFile::open(path, crate::logfile::max_bytes())
                 .map_err(|source| StartError::SerialFile {
                     path: path.clone(),
                     source,

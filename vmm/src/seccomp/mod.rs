@@ -7,6 +7,12 @@
 //! raises SIGSYS; the handler writes one line naming the thread kind and the
 //! call to stderr and ends the process with exit code 1.
 //!
+//! Arguments are checked where they decide what a call can do (see
+//! `rules.rs`): `socket` only for Unix sockets, `clone` only with the thread
+//! flags, `clone3` always ENOSYS (a second filter; glibc falls back to clone),
+//! `prctl`, `fcntl` and `ioctl` only with the options and requests the vmm
+//! uses, `mmap`/`mprotect` never executable.
+//!
 //! `vmm --no-seccomp` turns the filters off for debugging and says so loudly.
 
 mod handler;
@@ -17,6 +23,7 @@ use std::sync::OnceLock;
 
 use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 
+pub use handler::SelftestCall;
 pub use rules::ThreadKind;
 
 /// Errors building or installing filters.
@@ -43,30 +50,50 @@ pub enum SeccompError {
     Handler(std::io::Error),
 }
 
-/// Compiled filters for every thread kind, or `None` when seccomp is off.
-static FILTERS: OnceLock<Option<BTreeMap<ThreadKind, BpfProgram>>> = OnceLock::new();
-/// A thread kind that must make a forbidden call right after its filter is
-/// installed (test hook for `--seccomp-selftest`).
-static SELFTEST: OnceLock<Option<ThreadKind>> = OnceLock::new();
+/// The filters of one thread kind, installed in this order.
+struct Filters {
+    /// clone3 → ENOSYS, everything else passes (to the next filter).
+    clone3: BpfProgram,
+    /// The kind's allow list; anything else raises SIGSYS.
+    main: BpfProgram,
+}
 
-fn compile(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
+/// Compiled filters for every thread kind, or `None` when seccomp is off.
+static FILTERS: OnceLock<Option<BTreeMap<ThreadKind, Filters>>> = OnceLock::new();
+/// A thread kind that must make a forbidden call right after its filter is
+/// installed, and which (test hook for `--seccomp-selftest`).
+static SELFTEST: OnceLock<Option<(ThreadKind, SelftestCall)>> = OnceLock::new();
+
+fn compile(kind: ThreadKind) -> Result<Filters, SeccompError> {
     let build = |message: String| SeccompError::Build {
         kind: kind.name(),
         message,
     };
-    let filter = SeccompFilter::new(
-        rules::rules(kind).map_err(|e| build(e.to_string()))?,
-        SeccompAction::Trap,
-        SeccompAction::Allow,
-        TargetArch::x86_64,
-    )
-    .map_err(|e| build(e.to_string()))?;
-    BpfProgram::try_from(filter).map_err(|e| build(e.to_string()))
+    let program = |rules, mismatch, matched| {
+        let filter = SeccompFilter::new(rules, mismatch, matched, TargetArch::x86_64)
+            .map_err(|e| build(e.to_string()))?;
+        BpfProgram::try_from(filter).map_err(|e| build(e.to_string()))
+    };
+    Ok(Filters {
+        clone3: program(
+            rules::clone3_rules().map_err(|e| build(e.to_string()))?,
+            SeccompAction::Allow,
+            SeccompAction::Errno(libc::ENOSYS as u32),
+        )?,
+        main: program(
+            rules::rules(kind).map_err(|e| build(e.to_string()))?,
+            SeccompAction::Trap,
+            SeccompAction::Allow,
+        )?,
+    })
 }
 
 /// Compiles every filter and installs the SIGSYS handler (call once, early in
 /// main). With `enabled == false` every later `apply` does nothing.
-pub fn init(enabled: bool, selftest: Option<ThreadKind>) -> Result<(), SeccompError> {
+pub fn init(
+    enabled: bool,
+    selftest: Option<(ThreadKind, SelftestCall)>,
+) -> Result<(), SeccompError> {
     let filters = if enabled {
         handler::install().map_err(SeccompError::Handler)?;
         let mut map = BTreeMap::new();
@@ -90,16 +117,22 @@ pub fn apply(kind: ThreadKind) -> Result<(), SeccompError> {
     let Some(Some(filters)) = FILTERS.get() else {
         return Ok(());
     };
-    let Some(program) = filters.get(&kind) else {
+    let Some(filters) = filters.get(&kind) else {
         return Ok(());
     };
     handler::set_thread_kind(kind);
-    seccompiler::apply_filter(program).map_err(|e| SeccompError::Install {
-        kind: kind.name(),
-        message: e.to_string(),
-    })?;
-    if SELFTEST.get().copied().flatten() == Some(kind) {
-        handler::forbidden_call();
+    // The clone3 filter first: once the main one is on, a vCPU thread may no
+    // longer call prctl or seccomp to add another.
+    for program in [&filters.clone3, &filters.main] {
+        seccompiler::apply_filter(program).map_err(|e| SeccompError::Install {
+            kind: kind.name(),
+            message: e.to_string(),
+        })?;
+    }
+    if let Some((selftest_kind, call)) = SELFTEST.get().copied().flatten() {
+        if selftest_kind == kind {
+            handler::forbidden_call(call);
+        }
     }
     Ok(())
 }
@@ -121,8 +154,9 @@ mod tests {
     #[test]
     fn every_filter_compiles() {
         for kind in ThreadKind::ALL {
-            let program = compile(kind).unwrap();
-            assert!(program.len() > 10, "{kind:?}");
+            let filters = compile(kind).unwrap();
+            assert!(filters.main.len() > 10, "{kind:?}");
+            assert!(!filters.clone3.is_empty(), "{kind:?}");
         }
     }
 }

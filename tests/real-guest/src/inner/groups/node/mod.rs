@@ -179,7 +179,14 @@ fn keep_logs(ctx: &Ctx) {
             .and_then(|n| n.to_str())
             .unwrap_or("session")
             .to_string();
-        for f in ["serial.log", "vmm.log", "jail/run/serial.log"] {
+        // Jailed (host-agent's default) the console is in the jail's run
+        // directory; a long one was rotated once into serial.log.1.
+        for f in [
+            "serial.log",
+            "vmm.log",
+            "jail/run/serial.log",
+            "jail/run/serial.log.1",
+        ] {
             let p = session.join(f);
             if p.exists() {
                 let name = f.rsplit('/').next().unwrap_or(f);
