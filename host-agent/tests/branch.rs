@@ -12,36 +12,10 @@ use std::process::Command;
 use common::fake_guest::FakeGuest;
 use common::*;
 
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(["-c", "user.name=Test", "-c", "user.email=test@example.com"])
-        .args(["-c", "safe.directory=*"])
-        .args(args)
-        .env("GIT_CONFIG_NOSYSTEM", "1")
-        .env("GIT_CONFIG_GLOBAL", "/dev/null")
-        .output()
-        .expect("git runs");
-    assert!(
-        out.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
 /// A repository (in a directory everyone may enter) with `main`, a
 /// `feature` branch and another session's branch, each with its own commit.
 fn repo(dir: &Path) -> PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let repo = dir.join("repo");
-    std::fs::create_dir_all(&repo).unwrap();
-    git(&repo, &["init", "-q", "-b", "main"]);
-    std::fs::write(repo.join("README.md"), "hello\n").unwrap();
-    git(&repo, &["add", "-A"]);
-    git(&repo, &["commit", "-q", "-m", "initial"]);
+    let repo = repo_with_main(dir);
     for branch in ["feature", "session/other"] {
         git(&repo, &["checkout", "-q", "-b", branch, "main"]);
         git(&repo, &["commit", "-q", "--allow-empty", "-m", branch]);

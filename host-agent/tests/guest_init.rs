@@ -13,7 +13,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -38,24 +38,6 @@ permission:
 ---
 # Coder
 "#;
-
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(["-c", "user.name=Test", "-c", "user.email=test@example.com"])
-        .args(args)
-        .env("GIT_CONFIG_NOSYSTEM", "1")
-        .env("GIT_CONFIG_GLOBAL", "/dev/null")
-        .output()
-        .expect("git runs");
-    assert!(
-        out.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
 
 struct Guest {
     dir: tempfile::TempDir,
@@ -202,7 +184,7 @@ async fn guest_init_session_exec_approvals_audit_branch() {
     let guest = start_guest().await;
     let vsock = guest.vsock().display().to_string();
     let agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
-    guest_init_image(&agent).await;
+    agent.guest_init_image().await;
 
     let mut se = agent.sessions().await;
     // guest-init images need a repository, agent and base ref.
@@ -462,27 +444,6 @@ async fn host_audit(agent: &Agent, s: &pb::Session) -> Vec<pb::AuditRecord> {
     audit
 }
 
-/// Registers the guest-init image "gi" and builds its golden snapshot.
-async fn guest_init_image(agent: &Agent) {
-    let mut im = agent.images().await;
-    im.register_image(pb::RegisterImageRequest {
-        image_id: "gi".into(),
-        kernel_path: counter_kernel(),
-        cmdline: "interval=100000000".into(),
-        mem_mib: 32,
-        guest_init: true,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
-        image_id: "gi".into(),
-        ..Default::default()
-    })
-    .await
-    .expect("golden snapshot after guest-init's Hello");
-}
-
 /// Creates a session of the guest-init image on the guest's repository.
 async fn guest_init_session(agent: &Agent, guest: &Guest) -> pb::Session {
     agent
@@ -505,7 +466,7 @@ async fn the_guest_session_is_resumed_after_host_agent_restarts() {
     let guest = start_guest().await;
     let vsock = guest.vsock().display().to_string();
     let mut agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
-    guest_init_image(&agent).await;
+    agent.guest_init_image().await;
     let s = guest_init_session(&agent, &guest).await;
     let (_, stdout) = exec(&agent, &s, &["echo", "before"], vec![]).await.unwrap();
     assert_eq!(stdout, "before\n");
@@ -581,7 +542,7 @@ async fn a_restored_guest_init_session_takes_commands_under_its_new_execution() 
     let guest = start_guest().await;
     let vsock = guest.vsock().display().to_string();
     let agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
-    guest_init_image(&agent).await;
+    agent.guest_init_image().await;
     // Created through the operator CLI this time.
     let out = Command::new(env!("CARGO_BIN_EXE_host-agent"))
         .args(["--addr", &agent.addr, "sessions", "create", "gi"])

@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::fake_guest::{FakeGuest, BIG, FLOOD_OUTPUT};
@@ -20,37 +18,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// How far host-agent's peak RSS may rise over its level before the flood.
 /// The flood sends well over 1 GiB that host-agent used to keep.
 const RSS_BOUND: u64 = 384 << 20;
-
-/// A repository with one commit on `main`, readable by everyone.
-fn repo(dir: &Path) -> PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let repo = dir.join("repo");
-    std::fs::create_dir_all(&repo).unwrap();
-    git(&repo, &["init", "-q", "-b", "main"]);
-    std::fs::write(repo.join("README.md"), "hello\n").unwrap();
-    git(&repo, &["add", "-A"]);
-    git(&repo, &["commit", "-q", "-m", "initial"]);
-    repo
-}
-
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(["-c", "user.name=Test", "-c", "user.email=test@example.com"])
-        .args(args)
-        .env("GIT_CONFIG_NOSYSTEM", "1")
-        .env("GIT_CONFIG_GLOBAL", "/dev/null")
-        .output()
-        .expect("git runs");
-    assert!(
-        out.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -101,7 +68,7 @@ async fn a_flooding_guest_cannot_grow_host_agent_and_other_sessions_keep_working
     ]);
     agent.guest_init_image().await;
     let dir = tempfile::tempdir().unwrap();
-    let repo = repo(dir.path());
+    let repo = repo_with_main(dir.path());
     let good = agent.guest_session(&repo, "good", "main").await.unwrap();
     let flood = agent.guest_session(&repo, "flood", "main").await.unwrap();
     let before = agent.memory("VmHWM");
@@ -230,7 +197,7 @@ async fn too_much_audit_or_audit_out_of_sequence_stops_the_session_on_record() {
     let agent = Agent::start(&["--guest-vsock-uds", &guest.sock(), "--no-vsock-device"]);
     agent.guest_init_image().await;
     let dir = tempfile::tempdir().unwrap();
-    let repo = repo(dir.path());
+    let repo = repo_with_main(dir.path());
     let full = agent
         .guest_session(&repo, "audit-flood", "main")
         .await

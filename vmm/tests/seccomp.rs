@@ -98,37 +98,15 @@ fn thread_modes(pid: u32) -> Vec<(String, String)> {
 
 #[test]
 fn a_forbidden_call_from_any_thread_kind_is_fatal() {
-    let g = guest("counter");
     for (kind, name) in [
         ("vcpu", "vCPU"),
         ("main", "main"),
         ("control", "control"),
         ("device", "device"),
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("vm.sock");
-        let child = vmm()
-            .args([
-                "--seccomp-selftest",
-                kind,
-                "run",
-                "--kernel",
-                g.to_str().unwrap(),
-            ])
-            .args([
-                "--serial",
-                "none",
-                "--control-socket",
-                sock.to_str().unwrap(),
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
         // The control thread only starts its filter once the socket exists.
-        let out = wait_with_deadline(child, Duration::from_secs(20));
-        let err = stderr(&out);
-        assert_eq!(out.status.code(), Some(1), "{kind}: {err}");
+        let (code, err) = selftest(kind);
+        assert_eq!(code, Some(1), "{kind}: {err}");
         assert!(
             err.contains(&format!(
                 "vmm: seccomp: a {name} thread made forbidden system call {}",

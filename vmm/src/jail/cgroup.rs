@@ -70,6 +70,21 @@ fn v2_has_controllers(root: &Path) -> bool {
         .unwrap_or(false)
 }
 
+/// Makes `group` hand cpu and memory down to its children (its
+/// `cgroup.subtree_control`), unless it already does. On the root group
+/// systemd does this at boot; under a minimal init (a container, an
+/// initramfs, the real-guest harness's outer VM) nothing does, and enabling
+/// the controllers one level down then fails with ENOENT.
+fn delegate_cpu_and_memory(group: &Path) -> Result<(), CgroupError> {
+    let control = group.join("cgroup.subtree_control");
+    let enabled = std::fs::read_to_string(&control).unwrap_or_default();
+    let enabled: Vec<&str> = enabled.split_whitespace().collect();
+    if enabled.contains(&"cpu") && enabled.contains(&"memory") {
+        return Ok(());
+    }
+    write(&control, "+cpu +memory")
+}
+
 /// Groups of VMs that ended without removing theirs (a SIGKILLed jailer)
 /// are removed once older than this; younger ones may belong to a jailer that
 /// has created its group but not yet moved its vmm in.
@@ -104,6 +119,7 @@ impl Cgroup {
     /// removed on the way.
     pub fn create(root: &Path, id: &str, limits: &CgroupLimits) -> Result<Cgroup, CgroupError> {
         if v2_has_controllers(root) {
+            delegate_cpu_and_memory(root)?;
             let parent = root.join("agentvm");
             create(&parent)?;
             sweep_stale(&parent, id);
@@ -209,6 +225,38 @@ mod tests {
         assert!(parse_size("0").is_err());
         assert!(parse_size("lots").is_err());
         assert!(parse_size("99999999999G").is_err());
+    }
+
+    #[test]
+    fn a_v2_root_that_does_not_delegate_cpu_and_memory_is_made_to() {
+        // A fake v2 hierarchy as a minimal init leaves it: the controllers
+        // exist, the root hands none down (a real guest's outer VM without
+        // systemd; the jail failed there with ENOENT on agentvm's
+        // cgroup.subtree_control).
+        let t = tempfile::tempdir().unwrap();
+        std::fs::write(
+            t.path().join("cgroup.controllers"),
+            "cpuset cpu io memory pids\n",
+        )
+        .unwrap();
+        std::fs::write(t.path().join("cgroup.subtree_control"), "\n").unwrap();
+        let limits = CgroupLimits {
+            cpu_max: None,
+            memory_max: Some(1 << 30),
+        };
+        let cg = Cgroup::create(t.path(), "vm1", &limits).unwrap();
+        assert!(matches!(&cg, Cgroup::V2(dir) if dir.ends_with("agentvm/vm1")));
+        assert_eq!(
+            std::fs::read_to_string(t.path().join("cgroup.subtree_control")).unwrap(),
+            "+cpu +memory"
+        );
+        // A root that already delegates them (systemd) is not written.
+        std::fs::write(t.path().join("cgroup.subtree_control"), "cpu io memory\n").unwrap();
+        Cgroup::create(t.path(), "vm2", &limits).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(t.path().join("cgroup.subtree_control")).unwrap(),
+            "cpu io memory\n"
+        );
     }
 
     #[test]

@@ -578,8 +578,9 @@ fn a_host_connection_to_a_guest_that_never_starts_the_device_is_closed() {
     let _ = std::fs::remove_file(&uds);
 }
 
-#[test]
-fn a_host_connection_the_guest_never_answers_is_closed_and_the_guest_reset() {
+/// A started device with [`SHORT`] limits, a host that asked for guest port
+/// 52, and the REQUEST the guest got for it.
+fn host_connect_with_short_limits() -> (Harness, UnixStream, PacketHeader) {
     let mut h = Harness::new();
     h.dev.lock().unwrap().set_handshake_limits(SHORT);
     h.post_rx(NRX);
@@ -588,6 +589,12 @@ fn a_host_connection_the_guest_never_answers_is_closed_and_the_guest_reset() {
     h.pump();
     let (req, _) = h.recv().expect("REQUEST to the guest");
     assert_eq!((req.op, req.dst_port), (OP_REQUEST, 52));
+    (h, host, req)
+}
+
+#[test]
+fn a_host_connection_the_guest_never_answers_is_closed_and_the_guest_reset() {
+    let (mut h, host, req) = host_connect_with_short_limits();
     // The guest answers nothing.
     assert!(closed_by_device(&mut h.em, &host), "still open after 20 s");
     let (rst, _) = h.recv().expect("a reset for the abandoned request");
@@ -604,13 +611,7 @@ fn a_host_connection_the_guest_never_answers_is_closed_and_the_guest_reset() {
 
 #[test]
 fn an_answered_connection_outlives_the_handshake_deadline() {
-    let mut h = Harness::new();
-    h.dev.lock().unwrap().set_handshake_limits(SHORT);
-    h.post_rx(NRX);
-    let mut host = UnixStream::connect(&h.uds).unwrap();
-    host.write_all(b"CONNECT 52\n").unwrap();
-    h.pump();
-    let (req, _) = h.recv().expect("REQUEST to the guest");
+    let (mut h, mut host, req) = host_connect_with_short_limits();
     h.send(h.hdr(OP_RESPONSE, 52, req.src_port), &[]);
     host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut line = [0u8; 32];
