@@ -227,8 +227,9 @@ impl Repo {
         let file = std::fs::File::open(bundle)
             .map_err(|e| Error::io(format!("opening {}", bundle.display()), e))?;
         if let Some((uid, gid)) = self.owner {
-            // git, as the owner, reopens it through /dev/stdin: the file must
-            // be theirs; the directories above it need not be reachable.
+            // git, as the owner, reopens it through its standard input: the
+            // file must be theirs; the directories above it need not be
+            // reachable.
             std::os::unix::fs::fchown(&file, Some(uid), Some(gid))
                 .map_err(|e| Error::io(format!("handing {} to uid {uid}", bundle.display()), e))?;
         }
@@ -244,7 +245,12 @@ impl Repo {
             "--quiet",
             "--no-write-fetch-head",
             "--no-tags",
-            "/dev/stdin",
+            // Not /dev/stdin: that link is made by udev or systemd, and a
+            // host without them (a minimal init, a container) has none;
+            // git failed with "'/dev/stdin' does not appear to be a git
+            // repository" there. /proc, which host-agent needs anyway,
+            // always has this one.
+            "/proc/self/fd/0",
             &refspec,
         ];
         let out = self
