@@ -39,31 +39,7 @@ use crate::metrics;
 use crate::sessions::now_ms;
 use crate::store::{AuditRow, Store};
 
-/// What one guest channel may make host-agent hold. A frame is at most
-/// [`DEFAULT_MAX_FRAME`] (4 MiB); larger ones are discarded unread.
-pub mod limits {
-    use std::time::Duration;
-
-    /// Messages queued per exec for its gRPC client. When the queue is full
-    /// the channel is not read until the client takes one (backpressure).
-    pub const EXEC_OUTPUT_QUEUE: usize = 4;
-    /// Pending asks per session; more are answered REJECT at once.
-    pub const MAX_PENDING_ASKS: usize = 64;
-    /// Largest ask (encoded); a larger one is answered REJECT at once.
-    pub const MAX_ASK_BYTES: usize = 64 * 1024;
-    /// Control messages (Ready, Error, ...) kept for a waiter; when more
-    /// arrive, the oldest are dropped.
-    pub const CONTROL_QUEUE: usize = 32;
-    /// Largest control message (encoded); a larger one is dropped.
-    pub const MAX_CONTROL_BYTES: usize = 64 * 1024;
-    /// Bundle chunks queued for the file the branch is written to.
-    pub const BUNDLE_QUEUE: usize = 4;
-    /// Longest a branch fetch may take, however the chunks trickle in.
-    pub const BUNDLE_TIMEOUT: Duration = Duration::from_secs(600);
-    /// How long a message to the guest may wait for room in its channel: a
-    /// guest that stops reading cannot hold a call (a Stop) forever.
-    pub const SEND_TIMEOUT: Duration = Duration::from_secs(10);
-}
+pub mod limits;
 
 /// Why a session must be stopped because of what its guest sent.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -697,63 +673,4 @@ impl Reader {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn chain(dir: &tempfile::TempDir, max_bytes: u64) -> AuditChain {
-        let store = Arc::new(Store::open(&dir.path().join("db")).unwrap());
-        AuditChain::load(AuditSink { store, max_bytes }, "s").unwrap()
-    }
-
-    fn event(seq: u64, json: &str) -> AuditEvent {
-        AuditEvent {
-            seq,
-            json: json.to_string(),
-        }
-    }
-
-    #[test]
-    fn audit_events_must_come_in_sequence() {
-        for (bad, due) in [(0, 3), (2, 3), (1, 3), (4, 3), (u64::MAX, 3)] {
-            let dir = tempfile::tempdir().unwrap();
-            let mut c = chain(&dir, 1 << 20);
-            assert_eq!(c.accept("s", event(1, "{}")), None);
-            assert_eq!(c.accept("s", event(2, "{}")), None);
-            let v = c.accept("s", event(bad, "{}")).expect("refused");
-            assert_eq!(v.reason, "audit_out_of_order");
-            assert!(
-                v.detail
-                    .contains(&format!("seq {bad} where seq {due} was due")),
-                "{v:?}"
-            );
-            // Later events are not stored either, and stop nothing more.
-            assert_eq!(c.accept("s", event(3, "{}")), None);
-            let stored = c.sink.store.audit_since("s", 0).unwrap();
-            assert_eq!(
-                stored.iter().map(|a| a.guest_seq).collect::<Vec<_>>(),
-                [1, 2]
-            );
-        }
-    }
-
-    #[test]
-    fn audit_over_the_volume_is_refused_and_recorded() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut c = chain(&dir, 10);
-        assert_eq!(c.accept("s", event(1, "12345")), None);
-        let v = c.accept("s", event(2, "123456")).expect("over the volume");
-        assert_eq!(v.reason, "audit_limit");
-        assert_eq!(c.accept("s", event(3, "1")), None);
-        let stored = c.sink.store.audit_since("s", 0).unwrap();
-        assert_eq!(stored.len(), 2);
-        assert_eq!(stored[0].json, "12345");
-        assert!(
-            stored[1].json.contains("audit.limit_exceeded"),
-            "{stored:?}"
-        );
-        // The chain holds across a reconnect: the volume counts what is stored.
-        let again = AuditChain::load(c.sink.clone(), "s").unwrap();
-        assert_eq!(again.last_seq, 2);
-        assert!(again.stored_bytes > 10);
-    }
-}
+mod tests;

@@ -1,0 +1,71 @@
+//! The database's tables, and the migration of a database an older
+//! host-agent wrote.
+
+use rusqlite::Connection;
+
+/// Every table, created where missing.
+pub(super) const SCHEMA: &str = r#"
+PRAGMA journal_mode=WAL;
+CREATE TABLE IF NOT EXISTS images(
+  id TEXT PRIMARY KEY, kernel TEXT NOT NULL, rootfs TEXT NOT NULL, cmdline TEXT NOT NULL,
+  mem_mib INTEGER NOT NULL, vcpus INTEGER NOT NULL, guest_init INTEGER NOT NULL,
+  golden_dir TEXT NOT NULL, created_at INTEGER NOT NULL, golden_built_at INTEGER NOT NULL,
+  initrd TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS sessions(
+  id TEXT PRIMARY KEY, image_id TEXT NOT NULL, state INTEGER NOT NULL, execution_id TEXT NOT NULL,
+  reason TEXT NOT NULL, detail TEXT NOT NULL, created_at INTEGER NOT NULL, ready_at INTEGER NOT NULL,
+  ended_at INTEGER NOT NULL, vmm_pid INTEGER NOT NULL, vmm_start_ticks INTEGER NOT NULL,
+  dir TEXT NOT NULL, ttl_s INTEGER NOT NULL, idle_s INTEGER NOT NULL, labels TEXT NOT NULL,
+  branch TEXT NOT NULL, head_commit TEXT NOT NULL, last_activity INTEGER NOT NULL,
+  repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL,
+  owner TEXT NOT NULL DEFAULT 'legacy', jail_uid INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS events(
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
+  at INTEGER NOT NULL, from_state INTEGER NOT NULL, to_state INTEGER NOT NULL,
+  reason TEXT NOT NULL, detail TEXT NOT NULL, owner TEXT NOT NULL DEFAULT 'legacy');
+CREATE TABLE IF NOT EXISTS usage(
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
+  interval_start INTEGER NOT NULL, interval_end INTEGER NOT NULL, billed_ms INTEGER NOT NULL,
+  vcpu_ns INTEGER NOT NULL, mem_alloc REAL NOT NULL, mem_res REAL NOT NULL, disk INTEGER NOT NULL,
+  final INTEGER NOT NULL, raw_cpu_ns INTEGER NOT NULL, raw_disk INTEGER NOT NULL,
+  owner TEXT NOT NULL DEFAULT 'legacy');
+CREATE INDEX IF NOT EXISTS usage_session ON usage(session_id, seq);
+CREATE TABLE IF NOT EXISTS audit(
+  session_id TEXT NOT NULL, guest_seq INTEGER NOT NULL, json TEXT NOT NULL,
+  host_hash TEXT NOT NULL, received_at INTEGER NOT NULL, PRIMARY KEY(session_id, guest_seq));
+CREATE TABLE IF NOT EXISTS idempotency(
+  key TEXT PRIMARY KEY, method TEXT NOT NULL, fingerprint TEXT NOT NULL,
+  response BLOB NOT NULL, at INTEGER NOT NULL);
+"#;
+
+/// Whether `table` has `column`.
+fn has_column(conn: &Connection, table: &str, column: &str) -> rusqlite::Result<bool> {
+    let mut st = conn.prepare("SELECT name FROM pragma_table_info(?1)")?;
+    let columns: Vec<String> = st
+        .query_map([table], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    Ok(columns.iter().any(|c| c == column))
+}
+
+/// Brings a database written by an older host-agent up to [`SCHEMA`]:
+/// columns added since are added with their defaults. Sessions, events and
+/// usage from before owners were recorded belong to
+/// [`LEGACY_OWNER`](crate::auth::LEGACY_OWNER): only admin clients see them.
+pub(super) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
+    if !has_column(conn, "images", "initrd")? {
+        conn.execute_batch("ALTER TABLE images ADD COLUMN initrd TEXT NOT NULL DEFAULT '';")?;
+    }
+    for table in ["sessions", "events", "usage"] {
+        if !has_column(conn, table, "owner")? {
+            // The table name is one of the constants above.
+            conn.execute_batch(&format!(
+                "ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT '{}';",
+                crate::auth::LEGACY_OWNER
+            ))?;
+        }
+    }
+    if !has_column(conn, "sessions", "jail_uid")? {
+        conn.execute_batch("ALTER TABLE sessions ADD COLUMN jail_uid INTEGER NOT NULL DEFAULT 0;")?;
+    }
+    Ok(())
+}
