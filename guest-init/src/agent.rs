@@ -9,6 +9,11 @@
 //! are killed (and audited) but the session is kept; the next connection may
 //! take it over with ResumeSession, or replace it with StartSession.
 //! Shutdown ends the session and makes [`serve`] return.
+//!
+//! Size: this file is over the project's 700-line guide. Splitting it by
+//! responsibility (connection and dispatch, session start, exec and asks)
+//! is the next planned redesign of guest-init and host-agent, done as one
+//! change with its tests rather than piecemeal here.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;

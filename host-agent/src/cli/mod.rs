@@ -1,0 +1,3 @@
+//! The `host-agent` binary's subcommands that are more than a few lines.
+
+pub mod serve;

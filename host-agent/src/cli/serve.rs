@@ -1,0 +1,233 @@
+//! `host-agent serve`: its options and the daemon's start.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Args;
+use host_agent::config::Config;
+
+/// Options of `serve` (flags win over the config file).
+#[derive(Args)]
+pub struct ServeArgs {
+    /// JSON config file (fields of the Config struct; flags win).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// gRPC listen address (loopback).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Serve on this Unix socket instead of TCP.
+    #[arg(long)]
+    listen_unix: Option<PathBuf>,
+    /// State directory (database, images, sessions).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// vmm binary.
+    #[arg(long)]
+    vmm: Option<PathBuf>,
+    /// Prometheus metrics listen address (loopback).
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
+    /// Most live sessions.
+    #[arg(long)]
+    max_sessions: Option<u32>,
+    /// Warm VMs per image.
+    #[arg(long)]
+    warm_pool: Option<u32>,
+    /// Default session TTL, seconds.
+    #[arg(long)]
+    default_ttl: Option<u64>,
+    /// Default idle timeout before auto-pause, seconds.
+    #[arg(long)]
+    default_idle_timeout: Option<u64>,
+    /// Maximum session lifetime, seconds.
+    #[arg(long)]
+    max_lifetime: Option<u64>,
+    /// Usage sampling period, milliseconds.
+    #[arg(long)]
+    usage_interval_ms: Option<u64>,
+    /// Limits check period, milliseconds.
+    #[arg(long)]
+    limits_interval_ms: Option<u64>,
+    /// Stop all sessions on SIGTERM/SIGINT.
+    #[arg(long)]
+    stop_sessions_on_shutdown: bool,
+    /// Log JSON lines.
+    #[arg(long)]
+    log_json: bool,
+    /// Host side of each VM's vsock (Unix socket, CONNECT convention);
+    /// `{dir}` is the VM's directory. Default `{dir}/vsock.sock`.
+    #[arg(long)]
+    guest_vsock_uds: Option<String>,
+    /// Give guest-init VMs no virtio-vsock device: something else serves
+    /// --guest-vsock-uds (a stand-in for the guest, as in the tests).
+    #[arg(long)]
+    no_vsock_device: bool,
+    /// Run sessions' vmm processes unjailed (development only). By default
+    /// each runs through `vmm jail`, which needs root: without root and
+    /// without this flag host-agent refuses to start.
+    #[arg(long, conflicts_with_all = ["jail_uid_range", "jail_memory_overhead_mib"])]
+    no_jail: bool,
+    /// uids (= gids) for jailed VMs, one per VM: FIRST-LAST
+    /// [default: 2000000000-2000065535].
+    #[arg(long, value_name = "FIRST-LAST")]
+    jail_uid_range: Option<host_agent::config::UidRange>,
+    /// Memory limit of a jailed VM's cgroup beyond its guest memory, MiB (0: none)
+    /// [default: 256].
+    #[arg(long)]
+    jail_memory_overhead_mib: Option<u64>,
+    /// Bound of each VM's serial log (rotated to serial.log.1) and vmm log
+    /// (capped), bytes [default: 16777216].
+    #[arg(long)]
+    max_log_bytes: Option<u64>,
+    /// vsock port of guest-init.
+    #[arg(long)]
+    guest_port: Option<u32>,
+    /// Mutual TLS: CA of client certificates (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
+    /// Mutual TLS: server certificate (PEM).
+    #[arg(long, requires_all = ["tls_ca", "tls_key"])]
+    tls_cert: Option<PathBuf>,
+    /// Mutual TLS: server private key (PEM).
+    #[arg(long, requires_all = ["tls_ca", "tls_cert"])]
+    tls_key: Option<PathBuf>,
+    /// Clients file: `NAME SCOPES sha256:HEX|mtls` per line (see the README).
+    #[arg(long)]
+    clients_file: Option<PathBuf>,
+    /// Treat calls without credentials on the Unix socket or from loopback
+    /// (without TLS) as the admin client `local`.
+    #[arg(long)]
+    allow_unauthenticated_local: bool,
+    /// A directory RegisterImage's files may lie in (repeatable; replaces
+    /// allowed_image_roots of the config file).
+    #[arg(long)]
+    allowed_image_root: Vec<PathBuf>,
+    /// A directory CreateSession's repository may lie in (repeatable;
+    /// replaces allowed_repository_roots of the config file).
+    #[arg(long)]
+    allowed_repository_root: Vec<PathBuf>,
+}
+
+fn init_logs(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        b.json().init();
+    } else {
+        b.init();
+    }
+}
+
+pub async fn run_serve(a: ServeArgs) -> Result<(), String> {
+    let mut cfg = match &a.config {
+        Some(p) => Config::from_file(p).map_err(|e| e.to_string())?,
+        None => Config::default(),
+    };
+    if let Some(v) = a.listen {
+        cfg.listen = v;
+    }
+    if let Some(v) = a.listen_unix {
+        cfg.listen_unix = Some(v);
+    }
+    if let Some(v) = a.state_dir {
+        cfg.state_dir = v;
+    }
+    if let Some(v) = a.vmm {
+        cfg.vmm = Some(v);
+    }
+    if let Some(v) = a.metrics_listen {
+        cfg.metrics_listen = Some(v);
+    }
+    if let Some(v) = a.max_sessions {
+        cfg.max_sessions = v;
+    }
+    if let Some(v) = a.warm_pool {
+        cfg.warm_pool_size = v;
+    }
+    if let Some(v) = a.default_ttl {
+        cfg.default_ttl_seconds = v;
+    }
+    if let Some(v) = a.default_idle_timeout {
+        cfg.default_idle_timeout_seconds = v;
+    }
+    if let Some(v) = a.max_lifetime {
+        cfg.max_lifetime_seconds = v;
+    }
+    if let Some(v) = a.usage_interval_ms {
+        cfg.usage_interval_ms = v;
+    }
+    if let Some(v) = a.limits_interval_ms {
+        cfg.limits_interval_ms = v;
+    }
+    if a.no_vsock_device {
+        cfg.vsock_device = false;
+    }
+    cfg.no_jail |= a.no_jail;
+    if let Some(v) = a.jail_uid_range {
+        cfg.jail.uid_range = v;
+    }
+    if let Some(v) = a.jail_memory_overhead_mib {
+        cfg.jail.memory_overhead_mib = v;
+    }
+    if let Some(v) = a.max_log_bytes {
+        cfg.logs.max_file_bytes = v;
+    }
+    if let Some(v) = a.guest_vsock_uds {
+        cfg.guest_vsock_uds = v;
+    }
+    if let Some(v) = a.guest_port {
+        cfg.guest_port = v;
+    }
+    if let (Some(ca), Some(cert), Some(key)) = (a.tls_ca, a.tls_cert, a.tls_key) {
+        cfg.tls = Some(host_agent::config::TlsConfig { ca, cert, key });
+    }
+    if let Some(v) = a.clients_file {
+        cfg.clients_file = Some(v);
+    }
+    if a.allow_unauthenticated_local {
+        cfg.unauthenticated_local = Some(host_agent::auth::Scope::Admin);
+    }
+    if !a.allowed_image_root.is_empty() {
+        cfg.allowed_image_roots = Some(a.allowed_image_root);
+    }
+    if !a.allowed_repository_root.is_empty() {
+        cfg.allowed_repository_roots = Some(a.allowed_repository_root);
+    }
+    cfg.stop_sessions_on_shutdown |= a.stop_sessions_on_shutdown;
+    cfg.log_json |= a.log_json;
+    init_logs(cfg.log_json);
+    cfg.validate().map_err(|e| e.to_string())?;
+    // SAFETY: geteuid has no preconditions.
+    cfg.check_privileges(unsafe { libc::geteuid() })
+        .map_err(|e| e.to_string())?;
+    if !cfg.jailed() {
+        tracing::warn!(
+            "--no-jail: vmm processes run unjailed, as host-agent's own user, with the host's \
+             network; for development only, never with untrusted guests"
+        );
+    }
+    let listener = if let Some(path) = &cfg.listen_unix {
+        let _ = std::fs::remove_file(path);
+        let l = tokio::net::UnixListener::bind(path)
+            .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| format!("chmod {}: {e}", path.display()))?;
+        println!("host-agent listening on unix:{}", path.display());
+        host_agent::Listener::Unix(l)
+    } else {
+        let l = tokio::net::TcpListener::bind(cfg.listen)
+            .await
+            .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
+        let local = l.local_addr().map_err(|e| e.to_string())?;
+        // Tests and scripts read this line to learn the port (--listen :0).
+        println!("host-agent listening on {local}");
+        host_agent::Listener::Tcp(l)
+    };
+    host_agent::serve(cfg, listener, host_agent::shutdown_signal())
+        .await
+        .map_err(|e| e.to_string())
+}
