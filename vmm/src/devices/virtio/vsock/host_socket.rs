@@ -113,7 +113,9 @@ impl Vsock {
     /// line is complete, once the device is started and no restore reset
     /// holds connections back.
     pub(super) fn admit_waiting_hosts(&mut self, ops: &mut EventOps) {
-        if !self.is_activated() || self.reset_hold.holding() {
+        // Runs after every event: nothing to do on the data path's usual
+        // case, no host waiting.
+        if self.pending_hosts.is_empty() || !self.is_activated() || self.reset_hold.holding() {
             return;
         }
         let ready: Vec<RawFd> = self
