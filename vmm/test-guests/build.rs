@@ -10,6 +10,7 @@ const GUESTS: &[&str] = &[
     "report",
     "triplefault",
     "flood",
+    "sequence",
     "dirtier",
     "virtio_blk",
     "virtio_rng",

@@ -49,6 +49,9 @@ enum Request {
 pub enum Next {
     /// Enter the guest.
     Run,
+    /// Re-enter KVM_RUN without running the guest (immediate_exit set) to
+    /// finish the I/O exit just handled, then ask again: the VM is pausing.
+    CompleteIo,
     /// Leave the run loop.
     Exit,
 }
@@ -142,11 +145,23 @@ impl Coordinator {
 
     /// Called by a vCPU thread before each KVM_RUN: parks while paused.
     pub fn next(&self) -> Next {
+        self.next_after(false)
+    }
+
+    /// [`Coordinator::next`] for a vCPU whose last exit may be an I/O exit
+    /// (`io_pending`). KVM finishes such an instruction (stores what an IN
+    /// or MMIO read returned, moves RIP past an OUT) only when KVM_RUN is
+    /// entered again, and its saved state is not consistent before that:
+    /// a snapshot of a vCPU parked right after an OUT would replay that
+    /// OUT when restored. So a pausing vCPU with I/O pending is told to
+    /// complete it first ([`Next::CompleteIo`]) and parks on its next call.
+    pub fn next_after(&self, io_pending: bool) -> Next {
         let mut inner = self.lock();
         loop {
             match inner.request {
                 Request::Run => return Next::Run,
                 Request::Stop => return Next::Exit,
+                Request::Pause if io_pending => return Next::CompleteIo,
                 Request::Pause => {
                     inner.parked += 1;
                     self.changed.notify_all();
@@ -327,6 +342,32 @@ mod tests {
             h.join().unwrap();
         }
         assert_eq!(coord.pause(), Err(CoordinatorError::Stopping));
+    }
+
+    #[test]
+    fn a_pausing_vcpu_with_io_pending_completes_it_before_it_parks() {
+        let coord = Arc::new(Coordinator::new(1));
+        assert_eq!(coord.next_after(true), Next::Run, "running: no detour");
+        let pauser = {
+            let c = coord.clone();
+            std::thread::spawn(move || c.pause())
+        };
+        while coord.state() != VmState::Paused {
+            std::thread::yield_now();
+        }
+        // Told to finish the I/O first; only then does it park (and the
+        // pause, waiting for every vCPU to park, returns).
+        assert_eq!(coord.next_after(true), Next::CompleteIo);
+        assert!(!pauser.is_finished(), "not parked yet");
+        let vcpu = {
+            let c = coord.clone();
+            std::thread::spawn(move || c.next_after(false))
+        };
+        pauser.join().unwrap().unwrap();
+        coord.resume().unwrap();
+        assert_eq!(vcpu.join().unwrap(), Next::Run);
+        coord.request_exit(ExitReason::StopRequested);
+        assert_eq!(coord.next_after(true), Next::Exit, "stopping: no detour");
     }
 
     fn counting_hook(count: &Arc<std::sync::atomic::AtomicUsize>) -> FirstRunHook {

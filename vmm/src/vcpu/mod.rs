@@ -184,12 +184,25 @@ impl Vcpu {
         kick::set_immediate_exit_target(target);
         coordinator.register_current_thread();
         crate::seccomp::apply_or_die(crate::seccomp::ThreadKind::Vcpu);
-        while coordinator.next() == Next::Run {
-            let exit = {
-                let mut fd = lock_fd(&self.fd);
-                run_once(&mut fd, self.index, &self.buses)
+        let mut io_pending = false;
+        loop {
+            let ran = match coordinator.next_after(io_pending) {
+                Next::Exit => break,
+                Next::Run => {
+                    let mut fd = lock_fd(&self.fd);
+                    run_once(&mut fd, self.index, &self.buses)
+                }
+                Next::CompleteIo => {
+                    let mut fd = lock_fd(&self.fd);
+                    // KVM finishes the pending instruction first, then sees
+                    // immediate_exit and returns EINTR without running the
+                    // guest (or one more I/O exit for a split access).
+                    fd.set_kvm_immediate_exit(1);
+                    run_once(&mut fd, self.index, &self.buses)
+                }
             };
-            if let Some(reason) = exit {
+            io_pending = ran.io_pending;
+            if let Some(reason) = ran.exit {
                 tracing::debug!(vcpu = self.index, %reason, "vCPU ends the VM");
                 coordinator.request_exit(reason);
             }
@@ -199,74 +212,93 @@ impl Vcpu {
     }
 }
 
-/// Runs the guest until one exit; returns a reason when the VM must end.
-fn run_once(fd: &mut VcpuFd, index: u8, buses: &Buses) -> Option<ExitReason> {
+/// What one KVM_RUN led to.
+struct Ran {
+    /// Why the VM must end, if it must.
+    exit: Option<ExitReason>,
+    /// The exit was an I/O or MMIO access that KVM completes only on the
+    /// next KVM_RUN.
+    io_pending: bool,
+}
+
+/// Runs the guest until one exit and handles it.
+fn run_once(fd: &mut VcpuFd, index: u8, buses: &Buses) -> Ran {
     let index = usize::from(index);
-    {
-        match fd.run() {
-            Ok(exit) => match exit {
-                VcpuExit::IoIn(port, data) => {
-                    if !buses.io.read(u64::from(port), data) {
-                        data.fill(0xff);
-                    }
-                    None
+    let io = Ran {
+        exit: None,
+        io_pending: true,
+    };
+    let ends = |exit: ExitReason| Ran {
+        exit: Some(exit),
+        io_pending: false,
+    };
+    let nothing = Ran {
+        exit: None,
+        io_pending: false,
+    };
+    match fd.run() {
+        Ok(exit) => match exit {
+            VcpuExit::IoIn(port, data) => {
+                if !buses.io.read(u64::from(port), data) {
+                    data.fill(0xff);
                 }
-                VcpuExit::IoOut(port, data) => {
-                    buses.io.write(u64::from(port), data);
-                    None
-                }
-                VcpuExit::MmioRead(addr, data) => {
-                    if !buses.mmio.read(addr, data) {
-                        data.fill(0);
-                    }
-                    None
-                }
-                VcpuExit::MmioWrite(addr, data) => {
-                    buses.mmio.write(addr, data);
-                    None
-                }
-                // Only seen without an in-kernel LAPIC: the vCPU stopped for good.
-                VcpuExit::Hlt => Some(ExitReason::GuestHalted { vcpu: index }),
-                VcpuExit::Shutdown => Some(ExitReason::TripleFault { vcpu: index }),
-                VcpuExit::SystemEvent(kind, _) => match kind {
-                    KVM_SYSTEM_EVENT_SHUTDOWN => Some(ExitReason::GuestPoweroff),
-                    KVM_SYSTEM_EVENT_RESET => Some(ExitReason::GuestReset),
-                    KVM_SYSTEM_EVENT_CRASH => Some(ExitReason::VmmError {
-                        vcpu: Some(index),
-                        message: "guest reported a crash (KVM_SYSTEM_EVENT_CRASH)".into(),
-                    }),
-                    other => Some(ExitReason::VmmError {
-                        vcpu: Some(index),
-                        message: format!("unexpected KVM system event {other}"),
-                    }),
-                },
-                VcpuExit::InternalError => {
-                    // SAFETY: exit_reason is KVM_EXIT_INTERNAL_ERROR, so `internal` is the
-                    // active union member.
-                    let suberror = unsafe { fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
-                    Some(ExitReason::KvmInternalError {
-                        vcpu: index,
-                        suberror,
-                    })
-                }
-                VcpuExit::FailEntry(reason, _) => Some(ExitReason::FailEntry {
-                    vcpu: index,
-                    reason,
-                }),
-                VcpuExit::Intr => None,
-                other => Some(ExitReason::VmmError {
-                    vcpu: Some(index),
-                    message: format!("unexpected vCPU exit {other:?}"),
-                }),
-            },
-            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-                fd.set_kvm_immediate_exit(0);
-                None
+                io
             }
-            Err(e) => Some(ExitReason::VmmError {
-                vcpu: Some(index),
-                message: format!("KVM_RUN failed: {e}"),
+            VcpuExit::IoOut(port, data) => {
+                buses.io.write(u64::from(port), data);
+                io
+            }
+            VcpuExit::MmioRead(addr, data) => {
+                if !buses.mmio.read(addr, data) {
+                    data.fill(0);
+                }
+                io
+            }
+            VcpuExit::MmioWrite(addr, data) => {
+                buses.mmio.write(addr, data);
+                io
+            }
+            // Only seen without an in-kernel LAPIC: the vCPU stopped for good.
+            VcpuExit::Hlt => ends(ExitReason::GuestHalted { vcpu: index }),
+            VcpuExit::Shutdown => ends(ExitReason::TripleFault { vcpu: index }),
+            VcpuExit::SystemEvent(kind, _) => ends(match kind {
+                KVM_SYSTEM_EVENT_SHUTDOWN => ExitReason::GuestPoweroff,
+                KVM_SYSTEM_EVENT_RESET => ExitReason::GuestReset,
+                KVM_SYSTEM_EVENT_CRASH => ExitReason::VmmError {
+                    vcpu: Some(index),
+                    message: "guest reported a crash (KVM_SYSTEM_EVENT_CRASH)".into(),
+                },
+                other => ExitReason::VmmError {
+                    vcpu: Some(index),
+                    message: format!("unexpected KVM system event {other}"),
+                },
             }),
+            VcpuExit::InternalError => {
+                // SAFETY: exit_reason is KVM_EXIT_INTERNAL_ERROR, so `internal` is the
+                // active union member.
+                let suberror = unsafe { fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
+                ends(ExitReason::KvmInternalError {
+                    vcpu: index,
+                    suberror,
+                })
+            }
+            VcpuExit::FailEntry(reason, _) => ends(ExitReason::FailEntry {
+                vcpu: index,
+                reason,
+            }),
+            VcpuExit::Intr => nothing,
+            other => ends(ExitReason::VmmError {
+                vcpu: Some(index),
+                message: format!("unexpected vCPU exit {other:?}"),
+            }),
+        },
+        Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+            fd.set_kvm_immediate_exit(0);
+            nothing
         }
+        Err(e) => ends(ExitReason::VmmError {
+            vcpu: Some(index),
+            message: format!("KVM_RUN failed: {e}"),
+        }),
     }
 }

@@ -8,6 +8,7 @@
 //!   and MP table it was given, then resets.
 //! * `triplefault`: loads an empty IDT and faults.
 //! * `flood`: writes to the serial port as fast as it can, forever.
+//! * `sequence`: writes lines of a..z to the serial port, one OUT per byte, forever.
 //! * `virtio_blk`: reads, writes, flushes and gets the ID of the first virtio-blk disk.
 //! * `virtio_rng`: reads 64 random bytes twice from virtio-rng.
 //! * `virtio_net`: sends one frame through virtio-net, optionally waits for one.
@@ -29,6 +30,7 @@ pub const ALL: &[&str] = &[
     "report",
     "triplefault",
     "flood",
+    "sequence",
     "dirtier",
     "virtio_blk",
     "virtio_rng",

@@ -1,0 +1,14 @@
+/* Writes the line "abcdefghijklmnopqrstuvwxyz\n" to the serial port over
+ * and over, one OUT instruction per byte and without polling the line
+ * status: nearly every vCPU exit is a port write, so a pause lands right
+ * after one. Each byte follows the one before, so output replayed or lost
+ * across a snapshot and restore shows as a break in the sequence. */
+#include "guest.h"
+
+void guest_main(const u8 *zero_page) {
+    (void)zero_page;
+    for (;;) {
+        for (u8 c = 'a'; c <= 'z'; c++) outb(COM1, c);
+        outb(COM1, '\n');
+    }
+}
