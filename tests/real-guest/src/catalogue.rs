@@ -48,6 +48,7 @@ pub const GROUPS: &[Group] = &[
         name: "snapshot",
         about: "a running guest snapshotted and restored in new vmm processes",
         scenarios: &[
+            "pause-after-io",
             "restore-file",
             "restore-uffd",
             "diff-chain-checksums",

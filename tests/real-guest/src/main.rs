@@ -52,6 +52,10 @@ struct RunArgs {
     /// Groups to run (default: all, in order).
     #[arg(long = "group")]
     groups: Vec<String>,
+    /// Scenarios to run (default: every scenario of the chosen groups); a
+    /// group none of them belongs to is left out.
+    #[arg(long = "scenario")]
+    scenarios: Vec<String>,
     /// Outer-VM sessions per group before its remaining scenarios are given
     /// up as infrastructure failures.
     #[arg(long, default_value_t = 3)]
@@ -119,6 +123,7 @@ fn run(args: RunArgs) -> Result<i32, String> {
             })
             .collect::<Result<_, _>>()?
     };
+    let groups = select_scenarios(groups, &args.scenarios)?;
     let root = prepare::workspace_root();
     let work = args.work.unwrap_or_else(|| root.join("target/real-guest"));
     let _ = std::fs::remove_dir_all(&work);
@@ -211,4 +216,39 @@ fn main() -> ExitCode {
         }
     };
     ExitCode::from(u8::try_from(code).unwrap_or(1))
+}
+
+/// `groups` cut down to `wanted` scenarios (all of them when `wanted` is empty).
+fn select_scenarios(
+    groups: Vec<&'static catalogue::Group>,
+    wanted: &[String],
+) -> Result<Vec<&'static catalogue::Group>, String> {
+    if wanted.is_empty() {
+        return Ok(groups);
+    }
+    for w in wanted {
+        if !groups.iter().any(|g| g.scenarios.contains(&w.as_str())) {
+            return Err(format!(
+                "no scenario {w:?} in the chosen groups (`real-guest list` names them)"
+            ));
+        }
+    }
+    Ok(groups
+        .into_iter()
+        .filter_map(|g| {
+            let picked: Vec<&'static str> = g
+                .scenarios
+                .iter()
+                .copied()
+                .filter(|s| wanted.iter().any(|w| w == s))
+                .collect();
+            // Leaked once per run: the catalogue's groups are 'static.
+            (!picked.is_empty()).then(|| {
+                &*Box::leak(Box::new(catalogue::Group {
+                    scenarios: Box::leak(picked.into_boxed_slice()),
+                    ..*g
+                }))
+            })
+        })
+        .collect())
 }

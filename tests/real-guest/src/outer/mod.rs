@@ -212,7 +212,14 @@ fn session(
     let logs = opts.work.join("logs");
     std::fs::create_dir_all(&logs)?;
     let script = opts.work.join(format!("l1-{}-{attempt}.sh", group.name));
-    let skip: Vec<&str> = results.keys().map(String::as_str).collect();
+    // Everything of the group in the catalogue but what is still to run here
+    // (`group` may be a `--scenario` selection of it).
+    let full = crate::catalogue::group(group.name).map_or(group.scenarios, |g| g.scenarios);
+    let skip: Vec<&str> = full
+        .iter()
+        .copied()
+        .filter(|s| results.contains_key(*s) || !group.scenarios.contains(s))
+        .collect();
     std::fs::write(
         &script,
         format!(

@@ -3,6 +3,7 @@
 mod boot;
 mod checks;
 mod node;
+mod pause_io;
 mod snapshot;
 mod virtio;
 
@@ -61,6 +62,7 @@ pub fn run(ctx: &mut Ctx, name: &str) -> Check {
         "virtio-rng" => virtio::rng(ctx, name),
         "virtio-net" => virtio::net(ctx, name),
         "virtio-vsock" => virtio::vsock(ctx, name),
+        "pause-after-io" => pause_io::pause_after_io(ctx, name),
         "restore-file" => snapshot::restore(ctx, name, "file"),
         "restore-uffd" => snapshot::restore(ctx, name, "uffd"),
         "diff-chain-checksums" => snapshot::diff_chain(ctx, name),

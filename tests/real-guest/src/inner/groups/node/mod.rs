@@ -301,6 +301,31 @@ fn create_running(a: &HostAgent, ch: &Channel, repo: &Path) -> Result<(pb::Sessi
     Ok((s, t0.elapsed().as_secs_f64()))
 }
 
+/// The detail of the session's RUNNING event: where its VM came from
+/// (`from a warm VM`, `from the golden snapshot`, or the golden snapshot
+/// after a warm VM failed, with why).
+fn running_detail(a: &HostAgent, ch: &Channel, session_id: &str) -> Result<String, String> {
+    a.block_on(async {
+        let mut stream = pb::events_client::EventsClient::new(ch.clone())
+            .watch(pb::WatchRequest {
+                since_seq: 0,
+                session_id: session_id.into(),
+            })
+            .await
+            .map_err(|e| format!("Watch: {}", e.message()))?
+            .into_inner();
+        loop {
+            match tokio::time::timeout(Duration::from_secs(60), stream.message()).await {
+                Ok(Ok(Some(e))) if e.to == pb::SessionState::Running as i32 => return Ok(e.detail),
+                Ok(Ok(Some(_))) => continue,
+                Ok(Ok(None)) => return Err("the event stream ended before RUNNING".into()),
+                Ok(Err(e)) => return Err(format!("Watch: {}", e.message())),
+                Err(_) => return Err("no RUNNING event within 60 s".into()),
+            }
+        }
+    })
+}
+
 fn session_flow(ctx: &mut Ctx, name: &str, repo: &Path) -> Check {
     let guest_init = ctx.env.vmm.with_file_name("guest-init");
     let a = agent(ctx)?;
@@ -450,6 +475,9 @@ fn pool_timing_runs(ctx: &mut Ctx, name: &str) -> Check {
     let repo = repository(ctx)?;
     agent(ctx)?;
     let mut results = Vec::new();
+    // Warm creates that got their warm VM, and the warm VMs that failed when
+    // taken (the session then came from the golden snapshot).
+    let (mut from_warm, mut fallbacks) = (0, Vec::<String>::new());
     for warm in [0u32, 1] {
         // The pool size is per node: restart host-agent on the same state.
         ctx.fixtures.agent = None;
@@ -479,6 +507,17 @@ fn pool_timing_runs(ctx: &mut Ctx, name: &str) -> Check {
             let (s, secs) =
                 create_running(&a, &ch, &repo).map_err(|e| format!("create {i}: {e}"))?;
             times.push(secs);
+            if warm > 0 {
+                let detail = running_detail(&a, &ch, &s.session_id)?;
+                if detail == "from a warm VM" {
+                    from_warm += 1;
+                } else {
+                    // host-agent restored it from the golden snapshot instead
+                    // (its fallback); said here, so the run shows why.
+                    ctx.info(name, &format!("create {i}: {detail}"));
+                    fallbacks.push(detail);
+                }
+            }
             a.block_on(async {
                 let mut c = pb::sessions_client::SessionsClient::new(ch.clone());
                 let call = pb::SessionCall {
@@ -506,8 +545,25 @@ fn pool_timing_runs(ctx: &mut Ctx, name: &str) -> Check {
         results.push(format!("from a {label} median {m:.2} s"));
         ctx.fixtures.agent = Some(a);
     }
+    // One warm VM failing on resume is survivable (host-agent falls back),
+    // and the nested emulation has shown rare guest faults; a warm path that
+    // fails most of the time is a product failure.
+    if from_warm * 2 < TIMED_CREATES {
+        return Err(format!(
+            "only {from_warm} of {TIMED_CREATES} warm creates got their warm VM: {}",
+            fallbacks.join("; ")
+        ));
+    }
+    let fell_back = if fallbacks.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; {} warm VM(s) failed when taken and were replaced from the golden snapshot",
+            fallbacks.len()
+        )
+    };
     Ok(format!(
-        "CreateSession to READY (5 each, nested emulation): {}",
+        "CreateSession to READY (5 each, nested emulation): {}{fell_back}",
         results.join(", ")
     ))
 }
