@@ -16,6 +16,7 @@ const BUCKETS: [f64; 10] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 
 static RESTORE_BUCKETS: [AtomicU64; 11] = [const { AtomicU64::new(0) }; 11];
 static RESTORE_SUM_US: AtomicU64 = AtomicU64::new(0);
 static RESTORE_COUNT: AtomicU64 = AtomicU64::new(0);
+static WARM_FALLBACKS: AtomicU64 = AtomicU64::new(0);
 
 /// Counts an API error by gRPC code.
 pub fn api_error(code: tonic::Code) {
@@ -54,6 +55,12 @@ pub fn restore_latency(d: std::time::Duration) {
     RESTORE_COUNT.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Counts a warm VM that failed when a session took it (the session was
+/// restored from the golden snapshot instead).
+pub fn warm_fallback() {
+    WARM_FALLBACKS.fetch_add(1, Ordering::Relaxed);
+}
+
 /// Renders all metrics in Prometheus text format.
 pub fn render(mgr: &Manager) -> String {
     let mut out = String::new();
@@ -78,6 +85,12 @@ pub fn render(mgr: &Manager) -> String {
         out,
         "hostagent_restore_seconds_count {}",
         RESTORE_COUNT.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(out, "# TYPE hostagent_warm_pool_fallbacks_total counter");
+    let _ = writeln!(
+        out,
+        "hostagent_warm_pool_fallbacks_total {}",
+        WARM_FALLBACKS.load(Ordering::Relaxed)
     );
     let u = mgr.usage_totals();
     let _ = writeln!(out, "# TYPE hostagent_usage_billed_seconds_total counter");

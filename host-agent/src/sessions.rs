@@ -11,7 +11,7 @@
 //! with its tests rather than piecemeal here.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -643,52 +643,34 @@ impl Manager {
         self.transition(sess, S::Restoring, "restore", "")?;
         let t0 = Instant::now();
         let dir = PathBuf::from(sess.row().dir);
-        let result = async {
-            let (vmm, from_pool) = match self.pool.take(&image.id, &dir) {
-                Some(vm) => {
-                    // The warm VM's uid is the session's from now on.
-                    sess.lock().row.jail_uid = vm.jail_uid.unwrap_or(0);
-                    (vm, true)
+        let mut source = "from the golden snapshot".to_string();
+        let mut warm_done = false;
+        if let Some(vm) = self.pool.take(&image.id, &dir) {
+            match self.start_warm(sess, image, vm).await {
+                Ok(()) => {
+                    source = "from a warm VM".into();
+                    warm_done = true;
                 }
-                None => (
-                    {
-                        let uid = self.allocate_jail_uid()?;
-                        // Recorded at once: a failure from here on fails the
-                        // session, which gives the uid back.
-                        {
-                            let mut i = sess.lock();
-                            i.row.jail_uid = uid.unwrap_or(0);
-                            self.store.put_session(&i.row)?;
-                        }
-                        prepare_disk(image, &dir, uid).await?;
-                        let (args, jail) =
-                            restore_launch(&self.cfg, image, &dir, false, Source::Golden, uid);
-                        supervisor::spawn(&self.vmm_path, &dir, &args, jail.as_ref())?
-                    },
-                    false,
-                ),
-            };
-            let vmm = Arc::new(vmm);
-            {
-                let mut i = sess.lock();
-                i.vmm = Some(vmm.clone());
-                i.row.vmm_pid = vmm.pid;
-                i.row.vmm_start_ticks = vmm.start_ticks;
-                i.row.jail_uid = vmm.jail_uid.unwrap_or(0);
-                self.store.put_session(&i.row)?;
+                Err(e) => {
+                    // A warm VM is prepared ahead on speculation; one that
+                    // fails when taken (killed, out of memory, a guest that
+                    // does not come back) costs the session a cold restore,
+                    // not its start. The failure is logged and counted.
+                    metrics::warm_fallback();
+                    tracing::warn!(
+                        session = %sess.id,
+                        error = %e,
+                        "the warm VM failed when taken; restoring from the golden snapshot"
+                    );
+                    source = format!("from the golden snapshot (the warm VM failed: {e})");
+                }
             }
-            self.watch_exit(sess.clone(), vmm.clone());
-            if from_pool {
-                vmm.control(json!({"op":"resume"})).await?;
-            }
-            supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await?;
-            if image.guest_init {
-                let conn = self.start_guest(sess).await?;
-                sess.lock().guest = Some(Arc::new(conn));
-            }
-            Ok::<(), Error>(())
         }
-        .await;
+        let result = if warm_done {
+            Ok(())
+        } else {
+            self.start_cold(sess, image, &dir).await
+        };
         if let Err(e) = result {
             if let Some(v) = sess.vmm() {
                 v.kill();
@@ -697,8 +679,101 @@ impl Manager {
             return Err(e);
         }
         metrics::restore_latency(t0.elapsed());
-        self.transition(sess, S::Ready, "guest_running", "")?;
-        self.transition(sess, S::Running, "started", "")?;
+        self.transition(sess, S::Ready, "guest_running", &source)?;
+        self.transition(sess, S::Running, "started", &source)?;
+        Ok(())
+    }
+
+    /// Makes `vmm` the session's and records it.
+    fn adopt_vmm(&self, sess: &Session, vmm: &Arc<VmmProcess>) -> Result<()> {
+        let mut i = sess.lock();
+        i.vmm = Some(vmm.clone());
+        i.row.vmm_pid = vmm.pid;
+        i.row.vmm_start_ticks = vmm.start_ticks;
+        i.row.jail_uid = vmm.jail_uid.unwrap_or(0);
+        self.store.put_session(&i.row)
+    }
+
+    /// Starts the session on a warm VM (restored paused, moved into the
+    /// session's directory): resume, then the guest channel. The vmm is
+    /// watched only once this has worked; if it fails (the vmm exiting
+    /// included), the VM is killed and its directory emptied, so the caller
+    /// can restore from the golden snapshot in its place.
+    async fn start_warm(
+        self: &Arc<Self>,
+        sess: &Arc<Session>,
+        image: &ImageRow,
+        vm: VmmProcess,
+    ) -> Result<()> {
+        let vmm = Arc::new(vm);
+        let attempt = async {
+            self.adopt_vmm(sess, &vmm)?;
+            vmm.control(json!({"op":"resume"})).await?;
+            supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await?;
+            if image.guest_init {
+                let conn = self.start_guest(sess).await?;
+                sess.lock().guest = Some(Arc::new(conn));
+            }
+            Ok::<(), Error>(())
+        };
+        let result = tokio::select! {
+            r = attempt => r,
+            status = vmm.wait() => Err(Error::Vmm(format!("{status}: {}", vmm.log_tail()))),
+        };
+        match result {
+            Ok(()) => {
+                self.watch_exit(sess.clone(), vmm);
+                Ok(())
+            }
+            Err(e) => {
+                {
+                    let mut i = sess.lock();
+                    i.vmm = None;
+                    i.guest = None;
+                    i.row.vmm_pid = 0;
+                    i.row.vmm_start_ticks = 0;
+                }
+                vmm.kill();
+                let _ = tokio::time::timeout(Duration::from_secs(10), vmm.wait()).await;
+                let _ = std::fs::remove_dir_all(&vmm.dir);
+                if let Some(uid) = vmm.jail_uid {
+                    self.pool.release_uid(uid);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts the session on a new vmm restored from the golden snapshot.
+    async fn start_cold(
+        self: &Arc<Self>,
+        sess: &Arc<Session>,
+        image: &ImageRow,
+        dir: &Path,
+    ) -> Result<()> {
+        let uid = self.allocate_jail_uid()?;
+        // Recorded at once: a failure from here on fails the session, which
+        // gives the uid back.
+        {
+            let mut i = sess.lock();
+            i.row.jail_uid = uid.unwrap_or(0);
+            self.store.put_session(&i.row)?;
+        }
+        prepare_disk(image, dir, uid).await?;
+        let (args, jail) = restore_launch(&self.cfg, image, dir, false, Source::Golden, uid);
+        let vmm = Arc::new(supervisor::spawn(
+            &self.vmm_path,
+            dir,
+            &args,
+            jail.as_ref(),
+        )?);
+        self.adopt_vmm(sess, &vmm)?;
+        self.watch_exit(sess.clone(), vmm.clone());
+        supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await?;
+        if image.guest_init {
+            let conn = self.start_guest(sess).await?;
+            sess.lock().guest = Some(Arc::new(conn));
+        }
         Ok(())
     }
 

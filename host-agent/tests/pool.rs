@@ -116,3 +116,114 @@ async fn fifty_concurrent_creates_all_succeed() {
         .sessions;
     assert_eq!(list.len(), 50);
 }
+
+/// The detail of the session's RUNNING event.
+async fn running_detail(agent: &Agent, session_id: &str) -> String {
+    let mut stream = agent
+        .events()
+        .await
+        .watch(proto::hostagent::WatchRequest {
+            since_seq: 0,
+            session_id: session_id.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(60), stream.message())
+            .await
+            .expect("an event in time")
+            .unwrap()
+            .expect("the stream stays open");
+        if e.to == S::Running as i32 {
+            return e.detail;
+        }
+    }
+}
+
+fn find_named(dir: &std::path::Path, name: &str) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.file_name().is_some_and(|n| n == name) {
+            found.push(p.clone());
+        }
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            found.extend(find_named(&p, name));
+        }
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_vm_that_fails_when_taken_costs_a_cold_restore_not_the_session() {
+    let agent = Agent::start(&["--warm-pool", "1"]);
+    agent.counter_image("counter").await;
+    let mut node = agent.node().await;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while node
+        .get_capacity(proto::hostagent::GetCapacityRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .warm_pool_ready
+        < 1
+    {
+        assert!(Instant::now() < deadline, "the pool never filled");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pool = agent.state_dir().join("pool");
+    let warm_pid: u32 = find_named(&pool, "pid")
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .find_map(|t| t.split_whitespace().next().and_then(|p| p.parse().ok()))
+        .expect("the warm VM's pid file");
+    // The warm VM is alive but cannot be resumed: its control socket is gone.
+    let sockets = find_named(&pool, "control.sock");
+    assert_eq!(sockets.len(), 1, "{sockets:?}");
+    std::fs::remove_file(&sockets[0]).unwrap();
+
+    let s = agent.create("counter", "").await;
+    assert_eq!(s.state, S::Running as i32, "{s:?}");
+    assert_ne!(s.vmm_pid, warm_pid, "the session runs on a new vmm");
+    let detail = running_detail(&agent, &s.session_id).await;
+    assert!(
+        detail.contains("from the golden snapshot (the warm VM failed:"),
+        "the RUNNING event says where the VM came from and why: {detail:?}"
+    );
+    // The failed warm VM was killed and reaped.
+    let gone = Instant::now() + Duration::from_secs(20);
+    while std::path::Path::new(&format!("/proc/{warm_pid}")).exists() {
+        assert!(Instant::now() < gone, "warm vmm {warm_pid} still runs");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The session works, and the next create takes a warm VM again.
+    let st = agent
+        .sessions()
+        .await
+        .stop_session(proto::hostagent::SessionCall {
+            session_id: s.session_id.clone(),
+            idempotency_key: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.state, S::Stopped as i32);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while node
+        .get_capacity(proto::hostagent::GetCapacityRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .warm_pool_ready
+        < 1
+    {
+        assert!(Instant::now() < deadline, "the pool never refilled");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let again = agent.create("counter", "").await;
+    assert_eq!(
+        running_detail(&agent, &again.session_id).await,
+        "from a warm VM"
+    );
+}
