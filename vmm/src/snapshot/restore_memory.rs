@@ -19,9 +19,10 @@ use vm_memory::{
     bitmap::AtomicBitmap, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestRegionMmap,
 };
 
-use super::manifest::{Extent, Layer, RegionLayout, MEMORY_FILE};
+use super::manifest::{Layer, RegionLayout, MEMORY_FILE};
 use super::memory_file::{file_offset_to_gpa, split_by_region};
-use crate::memory::{GuestMemoryMmap, PAGE_SIZE};
+pub use super::pages::RestoreMemoryError;
+use crate::memory::GuestMemoryMmap;
 
 /// How restored guest memory is populated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -45,26 +46,6 @@ impl FromStr for MemoryBackend {
             )),
         }
     }
-}
-
-/// Errors building restored memory.
-#[derive(Debug, thiserror::Error)]
-pub enum RestoreMemoryError {
-    /// A memory file cannot be opened or read.
-    #[error("cannot read snapshot memory {path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The mapping failed.
-    #[error("cannot map snapshot memory: {0}")]
-    Map(String),
-    /// userfaultfd is unavailable or failed.
-    #[error("userfaultfd backend unavailable: {0} (use --memory-backend file)")]
-    Uffd(String),
 }
 
 fn open_memory(layer: &Layer) -> Result<(PathBuf, File), RestoreMemoryError> {
@@ -153,58 +134,9 @@ fn apply_diff(
     Ok(())
 }
 
-/// Where the newest copy of a memory-file page lives.
-pub(super) enum PageSource {
-    /// In layer `i`'s memory file, at the same offset.
-    Layer(usize),
-    /// Nowhere: the page is zero.
-    Zero,
-}
-
-/// Finds the newest layer holding the page at memory-file offset `offset`.
-pub(super) fn page_source(extents: &[Vec<Extent>], offset: u64) -> PageSource {
-    for (i, layer) in extents.iter().enumerate().rev() {
-        let idx = layer.partition_point(|e| e.offset + e.len <= offset);
-        if layer.get(idx).is_some_and(|e| e.offset <= offset) {
-            return PageSource::Layer(i);
-        }
-    }
-    PageSource::Zero
-}
-
-/// Page size as usize, for buffers.
-pub(super) const PAGE: usize = PAGE_SIZE as usize;
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn newest_layer_wins_and_gaps_are_zero() {
-        let e = |offset: u64, len: u64| Extent { offset, len };
-        let layers = vec![
-            vec![e(0, 8 * PAGE_SIZE)],
-            vec![e(2 * PAGE_SIZE, PAGE_SIZE)],
-            vec![e(3 * PAGE_SIZE, 2 * PAGE_SIZE)],
-        ];
-        assert!(matches!(page_source(&layers, 0), PageSource::Layer(0)));
-        assert!(matches!(
-            page_source(&layers, 2 * PAGE_SIZE),
-            PageSource::Layer(1)
-        ));
-        assert!(matches!(
-            page_source(&layers, 4 * PAGE_SIZE),
-            PageSource::Layer(2)
-        ));
-        assert!(matches!(
-            page_source(&layers, 7 * PAGE_SIZE),
-            PageSource::Layer(0)
-        ));
-        assert!(matches!(
-            page_source(&layers, 9 * PAGE_SIZE),
-            PageSource::Zero
-        ));
-    }
 
     #[test]
     fn backend_names_parse() {

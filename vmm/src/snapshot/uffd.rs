@@ -9,7 +9,7 @@ use userfaultfd::{Event, Uffd, UffdBuilder};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 use super::manifest::{Extent, Layer, RegionLayout, MEMORY_FILE};
-use super::restore_memory::{page_source, PageSource, RestoreMemoryError, PAGE};
+use super::pages::{page_source, PageSource, RestoreMemoryError, PAGE};
 use crate::memory::GuestMemoryMmap;
 
 /// One registered region: host range and its place in the memory files.
