@@ -249,7 +249,9 @@ pub fn run(config: &JailConfig) -> Result<i32, JailError> {
     // Dropped after the vmm ends (or on an error below): host taps go back to the host.
     let _network = network::JailNetwork::setup(host_netns, &config.taps, config.uid)?;
 
-    let child_setup = setup::ChildSetup::new(config, &root, &cgroup)?;
+    // Held until the vmm has ended: the vmm checks it is still open.
+    let alive = setup::AlivePipe::new()?;
+    let child_setup = setup::ChildSetup::new(config, &root, &cgroup, &alive)?;
     let mut command = Command::new("/vmm");
     command.args(&config.vmm_args);
     // SAFETY: the closure runs in the forked child before exec; it only makes system calls
@@ -260,6 +262,7 @@ pub fn run(config: &JailConfig) -> Result<i32, JailError> {
     }
     let child = command.spawn().map_err(JailError::Spawn)?;
     let code = setup::wait_forwarding_signals(child);
+    drop(alive);
     cgroup.remove();
     Ok(code)
 }

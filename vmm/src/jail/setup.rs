@@ -2,7 +2,7 @@
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{chown, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -121,6 +121,47 @@ pub(super) struct ChildSetup {
     gid: u32,
     nofile: u64,
     fsize: Option<u64>,
+    /// The ends of the jailer-alive pipe (see [`AlivePipe`]) as the child sees them.
+    alive_read: RawFd,
+    alive_write: RawFd,
+}
+
+/// A pipe whose write end only the jailer holds, so the jailed child can
+/// tell whether its jailer is still alive: PR_SET_PDEATHSIG covers a jailer
+/// that dies after the child set it, and this covers one that died before
+/// (the read end then reports a hang-up). Both ends are close-on-exec.
+pub(super) struct AlivePipe {
+    read: OwnedFd,
+    write: OwnedFd,
+}
+
+impl AlivePipe {
+    /// Makes the pipe; keep it until the child has exited.
+    pub(super) fn new() -> Result<Self, JailError> {
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 writes two new descriptors into `fds`, which has room for them.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(JailError::Spawn(std::io::Error::last_os_error()));
+        }
+        // SAFETY: both descriptors were just created by pipe2 and are owned by nothing else.
+        let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        Ok(AlivePipe { read, write })
+    }
+}
+
+/// Whether every write end of the pipe whose read end is `fd` is closed
+/// (without waiting). Only a system call: safe between fork and exec.
+fn hung_up(fd: RawFd) -> std::io::Result<bool> {
+    let mut poll = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: `poll` is one valid pollfd; a zero timeout never blocks.
+    if unsafe { libc::poll(&mut poll, 1, 0) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(poll.revents & libc::POLLHUP != 0)
 }
 
 fn check(rc: libc::c_int) -> std::io::Result<()> {
@@ -136,6 +177,7 @@ impl ChildSetup {
         config: &JailConfig,
         root: &Path,
         cgroup: &Cgroup,
+        alive: &AlivePipe,
     ) -> Result<Self, JailError> {
         let old = root.join("old_root");
         std::fs::create_dir_all(&old).map_err(prep(&old, "creating the old-root mount point"))?;
@@ -173,6 +215,8 @@ impl ChildSetup {
             gid: config.gid,
             nofile: config.nofile,
             fsize: config.fsize,
+            alive_read: alive.read.as_raw_fd(),
+            alive_write: alive.write.as_raw_fd(),
         })
     }
 
@@ -266,6 +310,12 @@ impl ChildSetup {
             // The vmm dies with its jailer (a SIGKILLed jailer cannot forward anything).
             // Set after the uid change, which clears it.
             check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0))?;
+            // A jailer that died before that line sent no signal: then the
+            // pipe's write end is closed everywhere once this copy is.
+            check(libc::close(self.alive_write))?;
+            if hung_up(self.alive_read)? {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
         }
         Ok(())
     }
@@ -304,5 +354,19 @@ pub(super) fn wait_forwarding_signals(mut child: Child) -> i32 {
                 return crate::exit::EXIT_VM_FAILURE;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_alive_pipe_hangs_up_once_the_jailers_end_is_closed() {
+        let pipe = AlivePipe::new().unwrap();
+        assert!(!hung_up(pipe.read.as_raw_fd()).unwrap(), "jailer alive");
+        let AlivePipe { read, write } = pipe;
+        drop(write);
+        assert!(hung_up(read.as_raw_fd()).unwrap(), "jailer gone");
     }
 }
