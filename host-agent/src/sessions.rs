@@ -732,6 +732,9 @@ impl Manager {
                     i.guest = None;
                     i.row.vmm_pid = 0;
                     i.row.vmm_start_ticks = 0;
+                    // The uid goes back to the range below, not with the
+                    // session (were it to fail, it would be released twice).
+                    i.row.jail_uid = 0;
                 }
                 vmm.kill();
                 let _ = tokio::time::timeout(Duration::from_secs(10), vmm.wait()).await;
