@@ -17,6 +17,7 @@ static RESTORE_BUCKETS: [AtomicU64; 11] = [const { AtomicU64::new(0) }; 11];
 static RESTORE_SUM_US: AtomicU64 = AtomicU64::new(0);
 static RESTORE_COUNT: AtomicU64 = AtomicU64::new(0);
 static WARM_FALLBACKS: AtomicU64 = AtomicU64::new(0);
+static RESTORE_RETRIES: AtomicU64 = AtomicU64::new(0);
 
 /// Counts an API error by gRPC code.
 pub fn api_error(code: tonic::Code) {
@@ -61,6 +62,12 @@ pub fn warm_fallback() {
     WARM_FALLBACKS.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Counts a restore from the golden snapshot tried again because its vmm
+/// exited before the guest was ready.
+pub fn restore_retry() {
+    RESTORE_RETRIES.fetch_add(1, Ordering::Relaxed);
+}
+
 /// Renders all metrics in Prometheus text format.
 pub fn render(mgr: &Manager) -> String {
     let mut out = String::new();
@@ -91,6 +98,12 @@ pub fn render(mgr: &Manager) -> String {
         out,
         "hostagent_warm_pool_fallbacks_total {}",
         WARM_FALLBACKS.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(out, "# TYPE hostagent_restore_retries_total counter");
+    let _ = writeln!(
+        out,
+        "hostagent_restore_retries_total {}",
+        RESTORE_RETRIES.load(Ordering::Relaxed)
     );
     let u = mgr.usage_totals();
     let _ = writeln!(out, "# TYPE hostagent_usage_billed_seconds_total counter");

@@ -45,11 +45,6 @@ impl Pool {
         }
     }
 
-    /// Gives back the jail uid of a warm VM that was taken and then failed.
-    pub fn release_uid(&self, uid: u32) {
-        self.uids.release(uid);
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, VecDeque<VmmProcess>>> {
         self.warm.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -643,45 +643,79 @@ impl Manager {
         self.transition(sess, S::Restoring, "restore", "")?;
         let t0 = Instant::now();
         let dir = PathBuf::from(sess.row().dir);
-        let mut source = "from the golden snapshot".to_string();
-        let mut warm_done = false;
-        if let Some(vm) = self.pool.take(&image.id, &dir) {
-            match self.start_warm(sess, image, vm).await {
-                Ok(()) => {
-                    source = "from a warm VM".into();
-                    warm_done = true;
+        let result = self.start_vm(sess, image, &dir).await;
+        let source = match result {
+            Ok(source) => source,
+            Err(e) => {
+                if let Some(v) = sess.vmm() {
+                    v.kill();
                 }
-                Err(e) => {
-                    // A warm VM is prepared ahead on speculation; one that
-                    // fails when taken (killed, out of memory, a guest that
-                    // does not come back) costs the session a cold restore,
-                    // not its start. The failure is logged and counted.
+                let _ = self.transition(sess, S::Failed, reason::RESTORE_FAILED, &e.to_string());
+                return Err(e);
+            }
+        };
+        metrics::restore_latency(t0.elapsed());
+        self.transition(sess, S::Ready, "guest_running", &source)?;
+        self.transition(sess, S::Running, "started", &source)?;
+        Ok(())
+    }
+
+    /// Gets the session a running VM whose guest is ready: a warm VM if the
+    /// pool has one, else one restored from the golden snapshot. Returns
+    /// where it came from, for the READY and RUNNING events.
+    ///
+    /// A warm VM is prepared ahead on speculation; one that fails when taken
+    /// (killed, out of memory, a guest that does not come back) costs the
+    /// session a restore from the golden snapshot, not its start. A VM
+    /// restored from the golden snapshot whose vmm exits before its guest is
+    /// ready (a guest fault) is restored once more. Each such failure is
+    /// logged with the vmm's last lines, counted, and said in the result;
+    /// any other failure (no disk, no uid, no vmm binary, a guest that
+    /// refuses the session) ends the attempt at once.
+    async fn start_vm(
+        self: &Arc<Self>,
+        sess: &Arc<Session>,
+        image: &ImageRow,
+        dir: &Path,
+    ) -> Result<String> {
+        let mut failures = Vec::new();
+        if let Some(vm) = self.pool.take(&image.id, dir) {
+            match self.try_vm(sess, image, vm, true).await {
+                Ok(()) => return Ok("from a warm VM".into()),
+                Err((e, _)) => {
                     metrics::warm_fallback();
                     tracing::warn!(
                         session = %sess.id,
                         error = %e,
                         "the warm VM failed when taken; restoring from the golden snapshot"
                     );
-                    source = format!("from the golden snapshot (the warm VM failed: {e})");
+                    failures.push(format!("the warm VM failed: {e}"));
                 }
             }
         }
-        let result = if warm_done {
-            Ok(())
-        } else {
-            self.start_cold(sess, image, &dir).await
-        };
-        if let Err(e) = result {
-            if let Some(v) = sess.vmm() {
-                v.kill();
+        let mut retried = false;
+        loop {
+            let vm = self.spawn_cold(sess, image, dir).await?;
+            match self.try_vm(sess, image, vm, false).await {
+                Ok(()) => break,
+                Err((e, true)) if !retried => {
+                    retried = true;
+                    metrics::restore_retry();
+                    tracing::warn!(
+                        session = %sess.id,
+                        error = %e,
+                        "the restored VM exited before its guest was ready; restoring once more"
+                    );
+                    failures.push(format!("a restore failed: {e}"));
+                }
+                Err((e, _)) => return Err(e),
             }
-            let _ = self.transition(sess, S::Failed, reason::RESTORE_FAILED, &e.to_string());
-            return Err(e);
         }
-        metrics::restore_latency(t0.elapsed());
-        self.transition(sess, S::Ready, "guest_running", &source)?;
-        self.transition(sess, S::Running, "started", &source)?;
-        Ok(())
+        Ok(if failures.is_empty() {
+            "from the golden snapshot".into()
+        } else {
+            format!("from the golden snapshot ({})", failures.join("; "))
+        })
     }
 
     /// Makes `vmm` the session's and records it.
@@ -694,21 +728,24 @@ impl Manager {
         self.store.put_session(&i.row)
     }
 
-    /// Starts the session on a warm VM (restored paused, moved into the
-    /// session's directory): resume, then the guest channel. The vmm is
-    /// watched only once this has worked; if it fails (the vmm exiting
-    /// included), the VM is killed and its directory emptied, so the caller
-    /// can restore from the golden snapshot in its place.
-    async fn start_warm(
+    /// Brings up the session on `vm` (`resume` for a warm VM restored
+    /// paused), then its guest channel. The vmm is watched only once this
+    /// has worked. If it fails, the VM is killed, its directory emptied and
+    /// its uid given back, so the caller can try another; the flag says
+    /// whether the vmm had exited by itself.
+    async fn try_vm(
         self: &Arc<Self>,
         sess: &Arc<Session>,
         image: &ImageRow,
         vm: VmmProcess,
-    ) -> Result<()> {
+        resume: bool,
+    ) -> std::result::Result<(), (Error, bool)> {
         let vmm = Arc::new(vm);
         let attempt = async {
             self.adopt_vmm(sess, &vmm)?;
-            vmm.control(json!({"op":"resume"})).await?;
+            if resume {
+                vmm.control(json!({"op":"resume"})).await?;
+            }
             supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await?;
             if image.guest_init {
                 let conn = self.start_guest(sess).await?;
@@ -720,43 +757,40 @@ impl Manager {
             r = attempt => r,
             status = vmm.wait() => Err(Error::Vmm(format!("{status}: {}", vmm.log_tail()))),
         };
-        match result {
-            Ok(()) => {
-                self.watch_exit(sess.clone(), vmm);
-                Ok(())
-            }
-            Err(e) => {
-                {
-                    let mut i = sess.lock();
-                    i.vmm = None;
-                    i.guest = None;
-                    i.row.vmm_pid = 0;
-                    i.row.vmm_start_ticks = 0;
-                    // The uid goes back to the range below, not with the
-                    // session (were it to fail, it would be released twice).
-                    i.row.jail_uid = 0;
-                }
-                vmm.kill();
-                let _ = tokio::time::timeout(Duration::from_secs(10), vmm.wait()).await;
-                let _ = std::fs::remove_dir_all(&vmm.dir);
-                if let Some(uid) = vmm.jail_uid {
-                    self.pool.release_uid(uid);
-                }
-                Err(e)
-            }
+        let Err(e) = result else {
+            self.watch_exit(sess.clone(), vmm);
+            return Ok(());
+        };
+        let exited = vmm.exit_status().is_some();
+        {
+            let mut i = sess.lock();
+            i.vmm = None;
+            i.guest = None;
+            i.row.vmm_pid = 0;
+            i.row.vmm_start_ticks = 0;
+            // The uid goes back to the range below, not with the session
+            // (were it to fail, it would be released twice).
+            i.row.jail_uid = 0;
         }
+        vmm.kill();
+        let _ = tokio::time::timeout(Duration::from_secs(10), vmm.wait()).await;
+        let _ = std::fs::remove_dir_all(&vmm.dir);
+        if let Some(uid) = vmm.jail_uid {
+            self.jail_uids.release(uid);
+        }
+        Err((e, exited))
     }
 
-    /// Starts the session on a new vmm restored from the golden snapshot.
-    async fn start_cold(
+    /// A new vmm restoring the golden snapshot into `dir`, not yet adopted.
+    async fn spawn_cold(
         self: &Arc<Self>,
         sess: &Arc<Session>,
         image: &ImageRow,
         dir: &Path,
-    ) -> Result<()> {
+    ) -> Result<VmmProcess> {
         let uid = self.allocate_jail_uid()?;
-        // Recorded at once: a failure from here on fails the session, which
-        // gives the uid back.
+        // Recorded at once: a failure before the vmm is adopted fails the
+        // session, which gives the uid back.
         {
             let mut i = sess.lock();
             i.row.jail_uid = uid.unwrap_or(0);
@@ -764,20 +798,7 @@ impl Manager {
         }
         prepare_disk(image, dir, uid).await?;
         let (args, jail) = restore_launch(&self.cfg, image, dir, false, Source::Golden, uid);
-        let vmm = Arc::new(supervisor::spawn(
-            &self.vmm_path,
-            dir,
-            &args,
-            jail.as_ref(),
-        )?);
-        self.adopt_vmm(sess, &vmm)?;
-        self.watch_exit(sess.clone(), vmm.clone());
-        supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await?;
-        if image.guest_init {
-            let conn = self.start_guest(sess).await?;
-            sess.lock().guest = Some(Arc::new(conn));
-        }
-        Ok(())
+        supervisor::spawn(&self.vmm_path, dir, &args, jail.as_ref())
     }
 
     /// Connects to the session's guest-init over vsock and exchanges Hello.

@@ -1,4 +1,4 @@
-//! Warm pool and concurrent creates.
+//! Warm pool, restore retries and concurrent creates.
 
 mod common;
 
@@ -226,4 +226,63 @@ async fn a_warm_vm_that_fails_when_taken_costs_a_cold_restore_not_the_session() 
         running_detail(&agent, &again.session_id).await,
         "from a warm VM"
     );
+}
+
+/// A `--vmm` that exits 1 (as a vmm whose guest triple-faulted does) the
+/// first `times` times it is asked to restore, then is the real vmm.
+fn failing_restores(dir: &std::path::Path, times: u32) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let script = dir.join("vmm-failing");
+    let count = dir.join("restores");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\ncase \"$*\" in *restore*)\n  n=$(cat '{count}' 2>/dev/null || echo 0)\n  \
+             echo $((n + 1)) > '{count}'\n  [ \"$n\" -lt {times} ] && {{ echo 'VM failed: vCPU 0 triple-faulted' >&2; exit 1; }}\n\
+             esac\nexec '{vmm}' \"$@\"\n",
+            count = count.display(),
+            vmm = vmm_path().display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    script
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_whose_vmm_exits_before_the_guest_is_ready_is_tried_once_more() {
+    let t = tempfile::tempdir().unwrap();
+    let once = failing_restores(t.path(), 1);
+    let agent = Agent::start(&["--vmm", once.to_str().unwrap()]);
+    agent.counter_image("counter").await;
+    let s = agent.create("counter", "").await;
+    assert_eq!(s.state, S::Running as i32, "{s:?}");
+    let detail = running_detail(&agent, &s.session_id).await;
+    assert!(
+        detail.starts_with("from the golden snapshot (a restore failed: ")
+            && detail.contains("triple-faulted"),
+        "the RUNNING event says the first restore failed and why: {detail:?}"
+    );
+
+    // Only once: a vmm that keeps failing fails the session.
+    let t2 = tempfile::tempdir().unwrap();
+    let always = failing_restores(t2.path(), 100);
+    let agent = Agent::start(&["--vmm", always.to_str().unwrap()]);
+    agent.counter_image("counter").await;
+    let err = agent
+        .sessions()
+        .await
+        .create_session(proto::hostagent::CreateSessionRequest {
+            image_id: "counter".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("a restore that always fails fails the create");
+    assert!(err.message().contains("triple-faulted"), "{err:?}");
+    let tries: u32 = std::fs::read_to_string(t2.path().join("restores"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(tries, 2, "tried twice, not more");
 }
