@@ -14,6 +14,7 @@ use tonic::transport::Channel;
 
 mod cli;
 
+use cli::demo::{run_demo, DemoArgs};
 use cli::serve::{run_serve, ServeArgs};
 
 #[derive(Parser)]
@@ -51,6 +52,10 @@ struct Cli {
 enum Cmd {
     /// Run the daemon.
     Serve(Box<ServeArgs>),
+    /// The main job on built-in defaults: a host-agent of its own, a test
+    /// guest image, a session created, paused, resumed, snapshotted and
+    /// stopped, with its events and usage as they arrive.
+    Demo(DemoArgs),
     /// Manage images.
     #[command(subcommand)]
     Images(ImagesCmd),
@@ -254,8 +259,8 @@ async fn run_client(
     let ch: Channel = host_agent::connect(&addr, client_tls).await?;
     let st = |e: tonic::Status| format!("{:?}: {}", e.code(), e.message());
     match cmd {
-        // Invariant: main() runs Serve itself and never passes it here.
-        Cmd::Serve(_) => unreachable!("handled in main"),
+        // Invariant: main() runs Serve and Demo itself and never passes them here.
+        Cmd::Serve(_) | Cmd::Demo(_) => unreachable!("handled in main"),
         Cmd::Images(c) => {
             let mut cl = ImagesClient::with_interceptor(ch, bearer.clone());
             match c {
@@ -563,6 +568,7 @@ fn main() -> ExitCode {
     let result = rt.block_on(async move {
         match cli.cmd {
             Cmd::Serve(a) => run_serve(*a).await,
+            Cmd::Demo(a) => run_demo(a).await,
             other => {
                 let tls = ClientTls {
                     ca: cli.client_ca,
