@@ -5,31 +5,33 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use proto::hostagent::node_client::NodeClient;
+
+/// Waits (up to 120 s) until the node has at least `n` warm VMs ready.
+async fn wait_warm(node: &mut NodeClient<tonic::transport::Channel>, n: u32) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while node
+        .get_capacity(proto::hostagent::GetCapacityRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .warm_pool_ready
+        < n
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the pool never reached {n} warm VMs"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn create_takes_a_warm_vm_and_the_pool_refills() {
     let agent = Agent::start(&["--warm-pool", "2"]);
     agent.counter_image("counter").await;
     let mut node = agent.node().await;
-    let wait_ready = |n: u32| {
-        let mut node = node.clone();
-        async move {
-            let deadline = Instant::now() + Duration::from_secs(120);
-            loop {
-                let cap = node
-                    .get_capacity(proto::hostagent::GetCapacityRequest {})
-                    .await
-                    .unwrap()
-                    .into_inner();
-                if cap.warm_pool_ready >= n {
-                    return;
-                }
-                assert!(Instant::now() < deadline, "pool never reached {n}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    };
-    wait_ready(2).await;
+    wait_warm(&mut node, 2).await;
     let warm_pids: Vec<u32> = std::fs::read_dir(agent.state_dir().join("pool"))
         .unwrap()
         .flatten()
@@ -40,7 +42,7 @@ async fn create_takes_a_warm_vm_and_the_pool_refills() {
     let s = agent.create("counter", "").await;
     assert_eq!(s.state, S::Running as i32);
     assert!(warm_pids.contains(&s.vmm_pid), "session got a warm VM");
-    wait_ready(2).await;
+    wait_warm(&mut node, 2).await;
     // The session behaves like any other.
     let st = agent
         .sessions()
@@ -160,18 +162,7 @@ async fn a_warm_vm_that_fails_when_taken_costs_a_cold_restore_not_the_session() 
     let agent = Agent::start(&["--warm-pool", "1"]);
     agent.counter_image("counter").await;
     let mut node = agent.node().await;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while node
-        .get_capacity(proto::hostagent::GetCapacityRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .warm_pool_ready
-        < 1
-    {
-        assert!(Instant::now() < deadline, "the pool never filled");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_warm(&mut node, 1).await;
     let pool = agent.state_dir().join("pool");
     let warm_pid: u32 = find_named(&pool, "pid")
         .iter()
@@ -198,29 +189,9 @@ async fn a_warm_vm_that_fails_when_taken_costs_a_cold_restore_not_the_session() 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // The session works, and the next create takes a warm VM again.
-    let st = agent
-        .sessions()
-        .await
-        .stop_session(proto::hostagent::SessionCall {
-            session_id: s.session_id.clone(),
-            idempotency_key: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let st = agent.stop(&s.session_id).await;
     assert_eq!(st.state, S::Stopped as i32);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while node
-        .get_capacity(proto::hostagent::GetCapacityRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .warm_pool_ready
-        < 1
-    {
-        assert!(Instant::now() < deadline, "the pool never refilled");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_warm(&mut node, 1).await;
     let again = agent.create("counter", "").await;
     assert_eq!(
         running_detail(&agent, &again.session_id).await,

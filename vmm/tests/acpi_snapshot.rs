@@ -10,10 +10,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::counter::{
-    assert_continues, boot_counter_with, checksum, counts, restore, snapshot, stop,
+    assert_continues, boot_counter_with, boot_guest, checksum, counts, restore, snapshot, stop,
     wait_for_counts, Vm,
 };
-use common::*;
 use vmm::snapshot::format::encode_minor;
 use vmm::snapshot::manifest::Manifest;
 use vmm::snapshot::state::MachineState;
@@ -85,25 +84,7 @@ fn differences(a: &Path, b: &Path) -> Vec<(u64, u64)> {
 }
 
 fn boot_watcher(dir: &Path) -> Vm {
-    let log = dir.join("origin.log");
-    let sock = dir.join("origin.sock");
-    let g = guest("acpi");
-    let serial = format!("file:{}", log.display());
-    let child = spawn_vmm(&[
-        "run",
-        "--kernel",
-        g.to_str().unwrap(),
-        "--mem-mib",
-        "64",
-        "--cmdline",
-        "action=3",
-        "--serial",
-        &serial,
-        "--control-socket",
-        sock.to_str().unwrap(),
-    ]);
-    let ctl = Control::connect(&sock);
-    Vm { child, ctl, log }
+    boot_guest(dir, "origin", "acpi", "action=3", &[])
 }
 
 fn pause_and_snapshot(vm: &mut Vm, snap: &Path) {

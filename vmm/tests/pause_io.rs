@@ -17,8 +17,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::counter::{restore, snapshot, stop, Vm};
-use common::*;
+use common::counter::{boot_guest, restore, snapshot, stop};
 
 /// The byte the guest writes after `b`.
 fn after(b: u8) -> u8 {
@@ -60,33 +59,13 @@ fn wait_for_bytes(log: &Path, at_least: usize) -> Vec<u8> {
     }
 }
 
-fn boot_sequence(dir: &Path, name: &str) -> Vm {
-    let log = dir.join(format!("{name}.log"));
-    let sock = dir.join(format!("{name}.sock"));
-    let g = guest("sequence");
-    let serial = format!("file:{}", log.display());
-    let child = spawn_vmm(&[
-        "run",
-        "--kernel",
-        g.to_str().unwrap(),
-        "--mem-mib",
-        "32",
-        "--serial",
-        &serial,
-        "--control-socket",
-        sock.to_str().unwrap(),
-    ]);
-    let ctl = Control::connect(&sock);
-    Vm { child, ctl, log }
-}
-
 #[test]
 fn a_restored_vcpu_never_replays_the_port_write_it_was_paused_after() {
     let t = tempfile::tempdir().unwrap();
     // Without the fix nearly every round replayed a byte; eight rounds make
     // a miss by chance negligible.
     for round in 0..8 {
-        let mut origin = boot_sequence(t.path(), &format!("origin{round}"));
+        let mut origin = boot_guest(t.path(), &format!("origin{round}"), "sequence", "", &[]);
         wait_for_bytes(&origin.log, 2048);
         assert_eq!(origin.ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);
         let snap = t.path().join(format!("snap{round}"));

@@ -74,11 +74,16 @@ pub fn boot_counter(dir: &Path, name: &str) -> Vm {
 
 /// Boots the counting guest with `extra` vmm flags (devices).
 pub fn boot_counter_with(dir: &Path, name: &str, extra: &[&str]) -> Vm {
+    boot_guest(dir, name, "counter", &format!("interval={INTERVAL}"), extra)
+}
+
+/// Boots test guest `guest` (64 MiB, `cmdline`, `extra` vmm flags) with its
+/// serial log at `<dir>/<name>.log` and control socket `<dir>/<name>.sock`.
+pub fn boot_guest(dir: &Path, name: &str, guest_name: &str, cmdline: &str, extra: &[&str]) -> Vm {
     let log = dir.join(format!("{name}.log"));
     let sock = dir.join(format!("{name}.sock"));
-    let g = guest("counter");
+    let g = guest(guest_name);
     let serial = format!("file:{}", log.display());
-    let cmdline = format!("interval={INTERVAL}");
     let mut args = vec![
         "run",
         "--kernel",
@@ -86,7 +91,7 @@ pub fn boot_counter_with(dir: &Path, name: &str, extra: &[&str]) -> Vm {
         "--mem-mib",
         "64",
         "--cmdline",
-        &cmdline,
+        cmdline,
         "--serial",
         &serial,
         "--control-socket",
