@@ -240,6 +240,12 @@ pub fn process_start_ticks(pid: u32) -> Option<u64> {
     stat_fields(&stat)?.get(19)?.parse().ok()
 }
 
+/// Parent of process `pid` (field 4), if it still exists.
+pub fn parent_pid(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat_fields(&stat)?.get(1)?.parse().ok()
+}
+
 /// Whether process `pid` is a zombie (exited, not yet reaped by its parent).
 pub fn is_zombie(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))

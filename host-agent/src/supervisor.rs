@@ -28,7 +28,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 use tokio::sync::watch;
 
-use crate::accounting::{is_zombie, process_start_ticks};
+use crate::accounting::{is_zombie, parent_pid, process_start_ticks};
 use crate::error::{Error, Result};
 
 /// How a vmm process ended.
@@ -70,7 +70,7 @@ pub struct VmmProcess {
     /// The uid (= gid) a jailed vmm runs as.
     pub jail_uid: Option<u32>,
     /// The jailed vmm's pid, once found (it lives exactly as long as its jailer).
-    jailed_vmm: std::sync::OnceLock<u32>,
+    jailed_vmm: std::sync::Mutex<Option<u32>>,
     exited: watch::Receiver<Option<ExitStatus>>,
 }
 
@@ -157,12 +157,17 @@ impl VmmProcess {
             return Some(self.pid);
         }
         // The vmm dies with its jailer and the jailer exits with it, so the
-        // pid read once stays right while the jailer runs.
+        // pid found stays right while the jailer runs, as long as it is
+        // still the jailer's child: a child seen before the vmm (a wrapper's
+        // helper, say) is dropped once it is gone, and the search repeated.
         if self.exit_status().is_some() {
             return None;
         }
-        if let Some(pid) = self.jailed_vmm.get() {
-            return Some(*pid);
+        let mut cached = self.jailed_vmm.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(pid) = *cached {
+            if parent_pid(pid) == Some(self.pid) {
+                return Some(pid);
+            }
         }
         let pid = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", self.pid))
             .ok()?
@@ -170,7 +175,8 @@ impl VmmProcess {
             .next()?
             .parse()
             .ok()?;
-        Some(*self.jailed_vmm.get_or_init(|| pid))
+        *cached = Some(pid);
+        Some(pid)
     }
 
     /// The same VM after its directory was renamed to `dest`.
@@ -333,7 +339,7 @@ pub fn spawn(
         dir: dir.to_path_buf(),
         jailed: jail.is_some(),
         jail_uid: jail.map(|j| j.uid),
-        jailed_vmm: std::sync::OnceLock::new(),
+        jailed_vmm: std::sync::Mutex::new(None),
         exited: rx,
     })
 }
@@ -388,7 +394,7 @@ pub fn attach(pid: u32, start_ticks: u64, dir: &Path) -> Option<VmmProcess> {
         dir: dir.to_path_buf(),
         jailed,
         jail_uid,
-        jailed_vmm: std::sync::OnceLock::new(),
+        jailed_vmm: std::sync::Mutex::new(None),
         exited: rx,
     })
 }
@@ -513,6 +519,56 @@ mod tests {
         assert!(check_peer(&stream, None, "test socket").is_ok());
         let err = check_peer(&stream, Some(me + 1), "test socket").unwrap_err();
         assert!(err.to_string().contains("not by the VM's vmm"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn the_jailed_vmm_is_whichever_child_the_jailer_has_now() {
+        // A stand-in jailer whose first child is gone before its second
+        // (the one to be found) starts.
+        let mut jailer = tokio::process::Command::new("sh")
+            .args(["-c", "sleep 0.3; sleep 30"])
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let pid = jailer.id().unwrap();
+        let (_tx, rx) = watch::channel(None);
+        let vm = VmmProcess {
+            pid,
+            start_ticks: 0,
+            control: PathBuf::new(),
+            dir: PathBuf::new(),
+            jailed: true,
+            jail_uid: None,
+            jailed_vmm: std::sync::Mutex::new(None),
+            exited: rx,
+        };
+        let children = || {
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok())
+                .collect::<Vec<_>>()
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while children().is_empty() {
+            assert!(std::time::Instant::now() < deadline, "no first child");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let first = vm.sample_pid().unwrap();
+        let second = loop {
+            match children().first() {
+                Some(&c) if c != first => break c,
+                _ => {
+                    assert!(std::time::Instant::now() < deadline, "no second child");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        };
+        assert_eq!(vm.sample_pid(), Some(second), "not the first child, gone");
+        // SAFETY: kill(2) on the process group this test started.
+        unsafe { libc::kill(-(pid as libc::pid_t), libc::SIGKILL) };
+        let _ = jailer.wait().await;
     }
 
     #[test]
