@@ -543,20 +543,52 @@ async fn a_restored_guest_init_session_takes_commands_under_its_new_execution() 
     let vsock = guest.vsock().display().to_string();
     let agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
     agent.guest_init_image().await;
-    // Created through the operator CLI this time.
+    // Created through the operator CLI this time, for a script (JSON).
     let out = Command::new(env!("CARGO_BIN_EXE_host-agent"))
-        .args(["--addr", &agent.addr, "sessions", "create", "gi"])
+        .args([
+            "--addr",
+            &agent.addr,
+            "--output",
+            "json",
+            "sessions",
+            "create",
+            "gi",
+        ])
         .args(["--repository", guest.repo().to_str().unwrap()])
         .args(["--agent", "coder", "--base-ref", "main"])
         .output()
         .unwrap();
     let printed = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
-        out.status.success() && printed.contains("state=RUNNING"),
+        out.status.success(),
         "{printed} {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let id = printed.split_whitespace().next().unwrap().to_string();
+    let created: serde_json::Value = serde_json::from_str(printed.trim()).expect("one JSON object");
+    assert_eq!(created["state"], "RUNNING", "{created}");
+    let id = created["session_id"].as_str().unwrap().to_string();
+    // For a person: a table whose STATE column says RUNNING.
+    let out = Command::new(env!("CARGO_BIN_EXE_host-agent"))
+        .args(["--addr", &agent.addr, "sessions", "list"])
+        .output()
+        .unwrap();
+    let listed = String::from_utf8_lossy(&out.stdout).to_string();
+    let mut lines = listed.lines();
+    let header: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    let state_col = header
+        .iter()
+        .position(|h| *h == "STATE")
+        .expect("a STATE column");
+    let row: Vec<&str> = lines
+        .find(|l| l.starts_with(&id))
+        .unwrap_or_else(|| panic!("no row for {id}: {listed}"))
+        .split_whitespace()
+        .collect();
+    assert_eq!(row[state_col], "RUNNING", "{listed}");
     let s = agent.get(&id).await;
     let call = pb::SessionCall {
         session_id: s.session_id.clone(),
