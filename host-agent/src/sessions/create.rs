@@ -1,0 +1,298 @@
+//! CreateSession: the checks, the session row, and getting it a VM (a warm
+//! VM, or a restore of the golden snapshot, with the fallbacks and the one
+//! retry described on `start_vm`).
+
+use super::*;
+
+impl Manager {
+    /// Creates a session from an image's golden snapshot (or a warm VM) and
+    /// returns it RUNNING. A retry with the same idempotency key returns the
+    /// same session.
+    pub async fn create(self: &Arc<Self>, p: CreateParams) -> Result<SessionRow> {
+        let image = self
+            .store
+            .image(&p.image_id)?
+            .ok_or_else(|| Error::not_found("image", &p.image_id))?;
+        let fp = p.fingerprint();
+        let sess = {
+            let _g = self.create_lock.lock().await;
+            if !p.idempotency_key.is_empty() {
+                if let Some((method, f, resp)) = self.store.idempotent(&p.idempotency_key)? {
+                    if method != "CreateSession" || f != fp {
+                        return Err(Error::invalid(format!(
+                            "idempotency key {:?} was used for a different request ({method})",
+                            p.idempotency_key
+                        )));
+                    }
+                    let id = String::from_utf8_lossy(&resp).to_string();
+                    drop(_g);
+                    return self.settled(&id).await;
+                }
+            }
+            if image.golden_dir.is_empty() {
+                return Err(Error::FailedPrecondition(format!(
+                    "image {:?} has no golden snapshot yet; call BuildGoldenSnapshot first",
+                    image.id
+                )));
+            }
+            if image.guest_init
+                && (p.repository.is_empty() || p.agent.is_empty() || p.base_ref.is_empty())
+            {
+                return Err(Error::invalid(format!(
+                    "image {:?} runs guest-init: repository_path, agent and base_ref are required",
+                    image.id
+                )));
+            }
+            if image.guest_init
+                && !std::path::Path::new(&p.repository).join(".git").exists()
+                && !std::path::Path::new(&p.repository).join("HEAD").exists()
+            {
+                return Err(Error::invalid(format!(
+                    "repository_path {:?} is not a git repository on this node",
+                    p.repository
+                )));
+            }
+            let live = self.live_count();
+            if live >= self.cfg.max_sessions as usize {
+                return Err(Error::ResourceExhausted(format!(
+                    "node is at its limit of {} live sessions; stop or delete one first",
+                    self.cfg.max_sessions
+                )));
+            }
+            let (_, mem_used) = self.used_resources();
+            let host_mem = crate::api::node::host_memory_mib();
+            if host_mem > 0 && mem_used + u64::from(image.mem_mib) > host_mem {
+                return Err(Error::ResourceExhausted(format!(
+                    "node memory: {mem_used} MiB of {host_mem} MiB are allocated to live \
+                     sessions; image {:?} needs {} MiB more",
+                    image.id, image.mem_mib
+                )));
+            }
+            let id = uuid::Uuid::new_v4().to_string();
+            let now = now_ms();
+            let row = SessionRow {
+                id: id.clone(),
+                image_id: image.id.clone(),
+                state: S::Unspecified as i32,
+                execution_id: uuid::Uuid::new_v4().to_string(),
+                created_at: now,
+                dir: self
+                    .cfg
+                    .state_dir
+                    .join("sessions")
+                    .join(&id)
+                    .display()
+                    .to_string(),
+                ttl_s: if p.ttl_s > 0 {
+                    p.ttl_s
+                } else {
+                    self.cfg.default_ttl_seconds
+                },
+                idle_s: if p.idle_s > 0 {
+                    p.idle_s
+                } else {
+                    self.cfg.default_idle_timeout_seconds
+                },
+                labels: p.labels.clone(),
+                last_activity: now,
+                repository: p.repository.clone(),
+                agent: p.agent.clone(),
+                base_ref: p.base_ref.clone(),
+                owner: p.owner.clone(),
+                ..Default::default()
+            };
+            if !p.idempotency_key.is_empty() {
+                self.store.put_idempotent(
+                    &p.idempotency_key,
+                    "CreateSession",
+                    &fp,
+                    id.as_bytes(),
+                    now,
+                )?;
+            }
+            let sess = self.insert_session(row, image.clone());
+            self.transition(&sess, S::Pending, "created", "")?;
+            sess
+        };
+        let _op = sess.op.lock().await;
+        self.start(&sess, &image).await?;
+        Ok(sess.row())
+    }
+
+    /// Waits until the session `id` is past restoring, then returns it.
+    pub(super) async fn settled(&self, id: &str) -> Result<SessionRow> {
+        let sess = self.session(id)?;
+        sess.wait_until(
+            |s| s != S::Pending as i32 && s != S::Restoring as i32 && s != S::Unspecified as i32,
+            Duration::from_secs(120),
+        )
+        .await;
+        Ok(sess.row())
+    }
+
+    pub(super) async fn start(
+        self: &Arc<Self>,
+        sess: &Arc<Session>,
+        image: &ImageRow,
+    ) -> Result<()> {
+        self.transition(sess, S::Restoring, "restore", "")?;
+        let t0 = Instant::now();
+        let dir = PathBuf::from(sess.row().dir);
+        let result = self.start_vm(sess, image, &dir).await;
+        let source = match result {
+            Ok(source) => source,
+            Err(e) => {
+                if let Some(v) = sess.vmm() {
+                    v.kill();
+                }
+                let _ = self.transition(sess, S::Failed, reason::RESTORE_FAILED, &e.to_string());
+                return Err(e);
+            }
+        };
+        metrics::restore_latency(t0.elapsed());
+        self.transition(sess, S::Ready, "guest_running", &source)?;
+        self.transition(sess, S::Running, "started", &source)?;
+        Ok(())
+    }
+
+    /// Gets the session a running VM whose guest is ready: a warm VM if the
+    /// pool has one, else one restored from the golden snapshot. Returns
+    /// where it came from, for the READY and RUNNING events.
+    ///
+    /// A warm VM is prepared ahead on speculation; one that fails when taken
+    /// (killed, out of memory, a guest that does not come back) costs the
+    /// session a restore from the golden snapshot, not its start. A VM
+    /// restored from the golden snapshot whose vmm exits before its guest is
+    /// ready (a guest fault) is restored once more. Each such failure is
+    /// logged with the vmm's last lines, counted, and said in the result;
+    /// any other failure (no disk, no uid, no vmm binary, a guest that
+    /// refuses the session) ends the attempt at once.
+    pub(super) async fn start_vm(
+        self: &Arc<Self>,
+        sess: &Arc<Session>,
+        image: &ImageRow,
+        dir: &Path,
+    ) -> Result<String> {
+        let mut failures = Vec::new();
+        if let Some(vm) = self.pool.take(&image.id, dir) {
+            match self.try_vm(sess, image, vm, true).await {
+                Ok(()) => return Ok("from a warm VM".into()),
+                Err((e, _)) => {
+                    metrics::warm_fallback();
+                    tracing::warn!(
+                        session = %sess.id,
+                        error = %e,
+                        "the warm VM failed when taken; restoring from the golden snapshot"
+                    );
+                    failures.push(format!("the warm VM failed: {e}"));
+                }
+            }
+        }
+        let mut retried = false;
+        loop {
+            let vm = self.spawn_cold(sess, image, dir).await?;
+            match self.try_vm(sess, image, vm, false).await {
+                Ok(()) => break,
+                Err((e, true)) if !retried => {
+                    retried = true;
+                    metrics::restore_retry();
+                    tracing::warn!(
+                        session = %sess.id,
+                        error = %e,
+                        "the restored VM exited before its guest was ready; restoring once more"
+                    );
+                    failures.push(format!("a restore failed: {e}"));
+                }
+                Err((e, _)) => return Err(e),
+            }
+        }
+        Ok(if failures.is_empty() {
+            "from the golden snapshot".into()
+        } else {
+            format!("from the golden snapshot ({})", failures.join("; "))
+        })
+    }
+
+    /// Makes `vmm` the session's and records it.
+    pub(super) fn adopt_vmm(&self, sess: &Session, vmm: &Arc<VmmProcess>) -> Result<()> {
+        let mut i = sess.lock();
+        i.vmm = Some(vmm.clone());
+        i.row.vmm_pid = vmm.pid;
+        i.row.vmm_start_ticks = vmm.start_ticks;
+        i.row.jail_uid = vmm.jail_uid.unwrap_or(0);
+        self.store.put_session(&i.row)
+    }
+
+    /// Brings up the session on `vm` (`resume` for a warm VM restored
+    /// paused), then its guest channel. The vmm is watched only once this
+    /// has worked. If it fails, the VM is killed, its directory emptied and
+    /// its uid given back, so the caller can try another; the flag says
+    /// whether the vmm had exited by itself.
+    pub(super) async fn try_vm(
+        self: &Arc<Self>,
+        sess: &Arc<Session>,
+        image: &ImageRow,
+        vm: VmmProcess,
+        resume: bool,
+    ) -> std::result::Result<(), (Error, bool)> {
+        let vmm = Arc::new(vm);
+        let attempt = async {
+            self.adopt_vmm(sess, &vmm)?;
+            if resume {
+                vmm.control(json!({"op":"resume"})).await?;
+            }
+            supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await?;
+            if image.guest_init {
+                let conn = self.start_guest(sess).await?;
+                sess.lock().guest = Some(Arc::new(conn));
+            }
+            Ok::<(), Error>(())
+        };
+        let result = tokio::select! {
+            r = attempt => r,
+            status = vmm.wait() => Err(Error::Vmm(format!("{status}: {}", vmm.log_tail()))),
+        };
+        let Err(e) = result else {
+            self.watch_exit(sess.clone(), vmm);
+            return Ok(());
+        };
+        let exited = vmm.exit_status().is_some();
+        {
+            let mut i = sess.lock();
+            i.vmm = None;
+            i.guest = None;
+            i.row.vmm_pid = 0;
+            i.row.vmm_start_ticks = 0;
+            // The uid goes back to the range below, not with the session
+            // (were it to fail, it would be released twice).
+            i.row.jail_uid = 0;
+        }
+        vmm.kill();
+        let _ = tokio::time::timeout(Duration::from_secs(10), vmm.wait()).await;
+        let _ = std::fs::remove_dir_all(&vmm.dir);
+        if let Some(uid) = vmm.jail_uid {
+            self.jail_uids.release(uid);
+        }
+        Err((e, exited))
+    }
+
+    /// A new vmm restoring the golden snapshot into `dir`, not yet adopted.
+    pub(super) async fn spawn_cold(
+        self: &Arc<Self>,
+        sess: &Arc<Session>,
+        image: &ImageRow,
+        dir: &Path,
+    ) -> Result<VmmProcess> {
+        let uid = self.allocate_jail_uid()?;
+        // Recorded at once: a failure before the vmm is adopted fails the
+        // session, which gives the uid back.
+        {
+            let mut i = sess.lock();
+            i.row.jail_uid = uid.unwrap_or(0);
+            self.store.put_session(&i.row)?;
+        }
+        prepare_disk(image, dir, uid).await?;
+        let (args, jail) = restore_launch(&self.cfg, image, dir, false, Source::Golden, uid);
+        supervisor::spawn(&self.vmm_path, dir, &args, jail.as_ref())
+    }
+}

@@ -1,0 +1,370 @@
+//! The calls on a live session: pause, resume, snapshot, rollback to one
+//! of its own snapshots, stop and delete.
+
+use super::*;
+
+impl Manager {
+    /// Pauses a RUNNING session (`reason`: requested or idle).
+    pub async fn pause(&self, id: &str, why: &str) -> Result<SessionRow> {
+        let sess = self.session(id)?;
+        let _op = sess.op.lock().await;
+        let state = sess.row().state;
+        if state == S::Paused as i32 {
+            return Ok(sess.row());
+        }
+        if state != S::Running as i32 && state != S::Ready as i32 {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is {}; only a RUNNING session can be paused",
+                state_name(state)
+            )));
+        }
+        let vmm = sess
+            .vmm()
+            .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
+        vmm.control(json!({"op":"pause"})).await?;
+        self.transition(&sess, S::Paused, why, "")?;
+        Ok(sess.row())
+    }
+
+    /// Resumes a PAUSED session.
+    pub async fn resume(&self, id: &str) -> Result<SessionRow> {
+        let sess = self.session(id)?;
+        let _op = sess.op.lock().await;
+        let state = sess.row().state;
+        if state == S::Running as i32 {
+            return Ok(sess.row());
+        }
+        if state != S::Paused as i32 {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is {}; only a PAUSED session can be resumed",
+                state_name(state)
+            )));
+        }
+        let vmm = sess
+            .vmm()
+            .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
+        vmm.control(json!({"op":"resume"})).await?;
+        self.transition(&sess, S::Running, "resumed", "")?;
+        self.touch(&sess);
+        Ok(sess.row())
+    }
+
+    /// Writes a full snapshot of the session (pausing it meanwhile); returns
+    /// the session, the snapshot directory and the pages written.
+    pub async fn snapshot(&self, id: &str) -> Result<(SessionRow, String, u64)> {
+        let sess = self.session(id)?;
+        let _op = sess.op.lock().await;
+        let state = sess.row().state;
+        let was_running = state == S::Running as i32;
+        if !was_running && state != S::Paused as i32 {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is {}; only a RUNNING or PAUSED session can be snapshotted",
+                state_name(state)
+            )));
+        }
+        let vmm = sess
+            .vmm()
+            .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
+        // A jailed vmm writes into its own run directory; both names of the place
+        // follow. Prepared before the pause, so a failure here changes nothing.
+        let (run_host, run_inside) =
+            supervisor::run_dirs(&PathBuf::from(sess.row().dir), vmm.jailed);
+        let snaps = run_host.join("snapshots");
+        let owner = vmm.jail_uid.filter(|_| vmm.jailed).map(|u| (u, u));
+        crate::safe_fs::ensure_dir(&snaps, owner)
+            .map_err(|e| Error::io(format!("preparing {}", snaps.display()), e))?;
+        if was_running {
+            vmm.control(json!({"op":"pause"})).await?;
+            self.transition(&sess, S::Paused, "snapshot", "")?;
+        }
+        let name = format!("{}-{}", now_ms(), uuid::Uuid::new_v4().simple());
+        let dir = snaps.join(&name);
+        let mut result = vmm
+            .control(json!({"op":"snapshot","dir":run_inside.join("snapshots").join(&name),"kind":"full"}))
+            .await;
+        // The disk goes with the memory (its page cache is in it), copied while
+        // paused, to a place the vmm cannot write.
+        if result.is_ok() && !sess.lock().image.rootfs.is_empty() {
+            let kept = snapshot_disk(&PathBuf::from(sess.row().dir), &name);
+            let copied = match kept.parent() {
+                Some(p) => std::fs::create_dir_all(p)
+                    .map_err(|e| Error::io(format!("creating {}", p.display()), e)),
+                None => Ok(()),
+            };
+            let copied = match copied {
+                Ok(()) => copy_disk(&run_host.join(VM_DISK), &kept, None).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = copied {
+                let _ = std::fs::remove_file(&kept);
+                let _ = std::fs::remove_dir_all(&dir);
+                result = Err(e);
+            }
+        }
+        if was_running {
+            vmm.control(json!({"op":"resume"})).await?;
+            self.transition(&sess, S::Running, "snapshot", "")?;
+        }
+        let v = result?;
+        let pages = v.get("pages_written").and_then(|p| p.as_u64()).unwrap_or(0);
+        self.touch(&sess);
+        Ok((sess.row(), dir.display().to_string(), pages))
+    }
+
+    /// Rolls a RUNNING or PAUSED session back to `snapshot_dir`, one of its own
+    /// snapshots: the disk copy taken with it replaces the session's disk, a new
+    /// vmm restores it under a new execution id. Everything that can be checked
+    /// or prepared is done before the old vmm is killed; a failure after that
+    /// leaves the session FAILED (`restore_failed`).
+    pub async fn restore_session(
+        self: &Arc<Self>,
+        id: &str,
+        snapshot_dir: &str,
+    ) -> Result<SessionRow> {
+        let sess = self.session(id)?;
+        let _op = sess.op.lock().await;
+        let state = sess.row().state;
+        if state != S::Running as i32 && state != S::Paused as i32 {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is {}; only a RUNNING or PAUSED session can be restored from its snapshot",
+                state_name(state)
+            )));
+        }
+        let old = sess
+            .vmm()
+            .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
+        if old.jailed != self.cfg.jailed() || (old.jailed && old.jail_uid.is_none()) {
+            // The snapshot was written by a vmm jailed (or not) as the session
+            // started; a vmm of the other kind must not read it.
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} runs {} but host-agent now runs {}; restart host-agent with the \
+                 jail setting the session started with to restore it",
+                if old.jailed { "jailed" } else { "unjailed" },
+                if self.cfg.jailed() {
+                    "jailed"
+                } else {
+                    "unjailed (--no-jail)"
+                },
+            )));
+        }
+        let dir = PathBuf::from(sess.row().dir);
+        let (run_host, _) = supervisor::run_dirs(&dir, old.jailed);
+        let snapshot = own_snapshot(&run_host.join("snapshots"), snapshot_dir)?;
+        let name = snapshot
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let image = sess.lock().image.clone();
+        // Stage the snapshot's disk copy where the vmm cannot reach it.
+        let staged = dir.join(format!(".restore-{VM_DISK}"));
+        if !image.rootfs.is_empty() {
+            let kept = snapshot_disk(&dir, &name);
+            if !kept.is_file() {
+                return Err(Error::FailedPrecondition(format!(
+                    "snapshot {} has no copy of the session's disk ({} is missing)",
+                    snapshot.display(),
+                    kept.display()
+                )));
+            }
+            let owner = old.jail_uid.map(|u| (u, u));
+            copy_disk(&kept, &staged, owner).await?;
+        }
+
+        self.transition(
+            &sess,
+            S::Restoring,
+            "restore",
+            &snapshot.display().to_string(),
+        )?;
+        let execution_id = uuid::Uuid::new_v4().to_string();
+        {
+            let mut i = sess.lock();
+            // Let go of the old vmm first: its exit is not a crash.
+            i.vmm = None;
+            i.guest = None;
+            i.row.execution_id = execution_id.clone();
+            let last = old.sample_pid().and_then(read_sample);
+            if let Some(m) = i.meter.as_mut() {
+                if let Some(s) = last {
+                    m.observe(s);
+                }
+                m.set_execution_id(&execution_id);
+                m.new_process();
+            }
+        }
+        old.kill();
+        let _ = tokio::time::timeout(Duration::from_secs(10), old.wait()).await;
+        let fail = |e: Error| {
+            let _ = self.transition(&sess, S::Failed, reason::RESTORE_FAILED, &e.to_string());
+            e
+        };
+        if !image.rootfs.is_empty() {
+            // The old vmm is gone; a rename replaces whatever name is there.
+            std::fs::rename(&staged, run_host.join(VM_DISK)).map_err(|e| {
+                fail(Error::io(
+                    format!("putting the snapshot's disk in {}", run_host.display()),
+                    e,
+                ))
+            })?;
+        }
+        if self.cfg.vsock_device && image.guest_init {
+            // The old vmm's socket: the new vmm binds its own at the same path.
+            let _ = std::fs::remove_file(self.cfg.vsock_path(&run_host));
+        }
+        // The same uid as before: the run directory and its files are its.
+        let (args, jail) = restore_launch(
+            &self.cfg,
+            &image,
+            &dir,
+            false,
+            Source::Own(&name),
+            old.jail_uid,
+        );
+        let vmm =
+            Arc::new(supervisor::spawn(&self.vmm_path, &dir, &args, jail.as_ref()).map_err(fail)?);
+        let recorded = {
+            let mut i = sess.lock();
+            i.vmm = Some(vmm.clone());
+            i.row.vmm_pid = vmm.pid;
+            i.row.vmm_start_ticks = vmm.start_ticks;
+            self.store.put_session(&i.row)
+        };
+        self.watch_exit(sess.clone(), vmm.clone());
+        let started = match recorded {
+            Ok(()) => supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = started {
+            vmm.kill();
+            return Err(fail(e));
+        }
+        self.transition(&sess, S::Ready, "restore", "")?;
+        self.transition(&sess, S::Running, "restore", "")?;
+        self.touch(&sess);
+        if image.guest_init {
+            if let Err(e) = self.guest_channel(&sess).await {
+                tracing::warn!(session = %id, error = %e, "guest channel after the restore (retried on the next exec)");
+            }
+        }
+        Ok(sess.row())
+    }
+
+    /// Stops a session with `why` and waits until it is STOPPED (or FAILED).
+    pub async fn stop(&self, id: &str, why: &str) -> Result<SessionRow> {
+        let sess = self.session(id)?;
+        let _op = sess.op.lock().await;
+        let state = sess.row().state;
+        if is_terminal(state) {
+            return Ok(sess.row());
+        }
+        // A stop for what the guest sent says what that was.
+        let detail = sess
+            .guest()
+            .and_then(|g| g.violation())
+            .filter(|v| v.reason == why)
+            .map(|v| v.detail)
+            .unwrap_or_default();
+        // A channel lost to a host-agent restart is opened again, so the branch comes back.
+        let conn = match self.guest_channel(&sess).await {
+            Ok(c) => Some(c),
+            Err(e) => {
+                if sess.guest_init() {
+                    tracing::warn!(session = %id, error = %e, "no guest channel to fetch the branch through");
+                }
+                None
+            }
+        };
+        sess.lock().pending_stop = Some(why.to_string());
+        self.transition(&sess, S::Stopping, why, &detail)?;
+        if let Some(conn) = conn {
+            match self.finish_guest(&sess, &conn).await {
+                Ok((branch, head)) => {
+                    let mut i = sess.lock();
+                    i.row.branch = branch;
+                    i.row.head_commit = head;
+                    self.store.put_session(&i.row)?;
+                }
+                Err(e) => {
+                    tracing::warn!(session = %id, error = %e, "fetching the session branch failed");
+                    sess.lock().fetch_error = Some(e.to_string());
+                }
+            }
+            sess.lock().guest = None;
+        }
+        let Some(vmm) = sess.vmm() else {
+            self.transition(&sess, S::Stopped, why, "no vmm process")?;
+            return Ok(sess.row());
+        };
+        if let Err(e) = vmm.control(json!({"op":"stop"})).await {
+            tracing::warn!(session = %id, error = %e, "control stop failed; killing the vmm");
+            vmm.kill();
+        }
+        if !sess.wait_until(is_terminal, Duration::from_secs(10)).await {
+            tracing::warn!(session = %id, "vmm did not exit after stop; killing it");
+            vmm.kill();
+            if !sess.wait_until(is_terminal, Duration::from_secs(10)).await {
+                return Err(Error::Timeout(format!(
+                    "session {id}: vmm pid {} did not exit after SIGKILL",
+                    vmm.pid
+                )));
+            }
+        }
+        Ok(sess.row())
+    }
+
+    /// Deletes a STOPPED/FAILED session's files and record.
+    pub async fn delete(&self, id: &str) -> Result<()> {
+        let sess = self.session(id)?;
+        let _op = sess.op.lock().await;
+        let row = sess.row();
+        if !is_terminal(row.state) {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is {}; stop it before deleting it",
+                state_name(row.state)
+            )));
+        }
+        if !row.dir.is_empty() {
+            let _ = std::fs::remove_dir_all(&row.dir);
+        }
+        self.store.delete_session(id)?;
+        self.map().remove(id);
+        Ok(())
+    }
+}
+
+/// `requested`, checked to name a snapshot directory directly under `snaps`
+/// (where SnapshotSession writes this session's snapshots). The check is on
+/// the name: the directory may belong to a jailed vmm, so nothing in it is
+/// followed here (the vmm validates the snapshot itself when it restores).
+pub(super) fn own_snapshot(snaps: &std::path::Path, requested: &str) -> Result<PathBuf> {
+    let not_ours = || {
+        Error::invalid(format!(
+            "snapshot_dir {requested:?} is not a snapshot of this session (use a snapshot_dir that \
+             SnapshotSession returned for it)"
+        ))
+    };
+    let path = std::path::Path::new(requested);
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
+    let valid_name = !name.is_empty()
+        && name.len() <= 128
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    if !valid_name || path.parent() != Some(snaps) {
+        return Err(not_ours());
+    }
+    let manifest = std::fs::symlink_metadata(path.join("manifest")).map_err(|_| not_ours())?;
+    if !manifest.is_file() {
+        return Err(not_ours());
+    }
+    Ok(path.to_path_buf())
+}
+
+/// Where the copy of a session's disk taken with snapshot `name` is kept:
+/// in the session's directory, out of reach of a jailed vmm.
+pub(super) fn snapshot_disk(dir: &std::path::Path, name: &str) -> PathBuf {
+    dir.join("snapshot-disks").join(format!("{name}.ext4"))
+}

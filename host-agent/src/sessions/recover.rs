@@ -1,0 +1,143 @@
+//! A restarted host-agent: re-attaching to the vmm processes that still
+//! run, failing the sessions whose VM is gone, and stopping every session
+//! on shutdown when configured to.
+
+use super::*;
+
+impl Manager {
+    /// Loads sessions from the database and re-attaches to their vmm
+    /// processes; sessions whose vmm is gone become FAILED (vmm_crash).
+    pub async fn recover(self: &Arc<Self>) -> Result<()> {
+        Pool::clean_leftovers(&self.pool_dir());
+        let rows = self.store.sessions()?;
+        // Every uid a session that is not over holds stays its own, before
+        // anything (the warm pool included) is handed one.
+        for row in rows.iter().filter(|r| !is_terminal(r.state)) {
+            self.jail_uids.mark_used(row.jail_uid);
+        }
+        for row in rows {
+            let image = match self.store.image(&row.image_id)? {
+                Some(i) => i,
+                None => ImageRow {
+                    id: row.image_id.clone(),
+                    ..Default::default()
+                },
+            };
+            let state = row.state;
+            let sess = self.insert_session(row.clone(), image.clone());
+            if is_terminal(state) {
+                continue;
+            }
+            if let Err(e) = self.recover_one(&sess, row, &image).await {
+                tracing::error!(session = %sess.id, error = %e, "re-attaching session");
+            }
+        }
+        // A create interrupted by a crash may have started a vmm it never recorded.
+        let live: std::collections::HashSet<u32> = self
+            .store
+            .sessions()?
+            .iter()
+            .filter(|r| !is_terminal(r.state))
+            .map(|r| r.vmm_pid)
+            .collect();
+        supervisor::kill_orphans(&self.cfg.state_dir.join("sessions"), &live);
+        Ok(())
+    }
+
+    pub(super) async fn recover_one(
+        self: &Arc<Self>,
+        sess: &Arc<Session>,
+        row: SessionRow,
+        image: &ImageRow,
+    ) -> Result<()> {
+        let sess = sess.clone();
+        let state = row.state;
+        if let Some(last) = self.store.last_usage(&row.id)? {
+            if !last.is_final {
+                sess.lock().meter = Some(Meter::resume_from(&last, image.mem_mib, billable(state)));
+            }
+        } else if row.ready_at > 0 {
+            let mut m = Meter::start(&row.id, &row.execution_id, image.mem_mib, row.ready_at);
+            m.set_billable(row.ready_at, billable(state));
+            sess.lock().meter = Some(m);
+        }
+        let vmm = supervisor::attach(row.vmm_pid, row.vmm_start_ticks, &PathBuf::from(&row.dir));
+        let Some(vmm) = vmm else {
+            let detail = "vmm process gone while host-agent was not running";
+            if state == S::Stopping as i32 {
+                self.transition(&sess, S::Stopped, &row.reason, detail)?;
+            } else {
+                self.transition(&sess, S::Failed, reason::VMM_CRASH, detail)?;
+            }
+            return Ok(());
+        };
+        let vmm = Arc::new(vmm);
+        sess.lock().vmm = Some(vmm.clone());
+        self.watch_exit(sess.clone(), vmm.clone());
+        let status = vmm.control(json!({"op":"status"})).await;
+        let vm_state = status
+            .as_ref()
+            .ok()
+            .and_then(|v| v.get("state").and_then(|s| s.as_str()).map(str::to_string));
+        tracing::info!(session = %row.id, pid = vmm.pid, state = state_name(state), vm = ?vm_state, "re-attached");
+        match (
+            S::try_from(state).unwrap_or(S::Unspecified),
+            vm_state.as_deref(),
+        ) {
+            (S::Running, Some("running")) if image.guest_init => {
+                // The old channel died with the old process; take the guest's session back
+                // now rather than on the first exec (a failure is retried then).
+                let mgr = self.clone();
+                let sess = sess.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = mgr.guest_channel(&sess).await {
+                        tracing::warn!(session = %sess.id, error = %e, "re-opening the guest channel after a restart");
+                    }
+                });
+            }
+            (S::Running, Some("running")) | (S::Paused, Some("paused")) => {}
+            (S::Ready, Some("running")) => {
+                self.transition(&sess, S::Running, "reconciled", "")?;
+            }
+            (S::Running | S::Ready, Some("paused")) => {
+                self.transition(&sess, S::Paused, "reconciled", "vmm was paused")?;
+            }
+            (S::Paused, Some("running")) => {
+                // The pause was not recorded as done; make it so.
+                vmm.control(json!({"op":"pause"})).await?;
+            }
+            (S::Stopping, _) => {
+                let why = row.reason.clone();
+                sess.lock().pending_stop = Some(why);
+                if vmm.control(json!({"op":"stop"})).await.is_err() {
+                    vmm.kill();
+                }
+            }
+            _ if vmm.exit_status().is_some() => {
+                // It exited meanwhile; the exit watcher records it.
+            }
+            _ => {
+                // PENDING/RESTORING (the Create call died with the old
+                // process) or an unreachable vmm: fail the session.
+                let detail = match &status {
+                    Err(e) => format!("after restart: {e}"),
+                    Ok(_) => "host-agent restarted during restore".to_string(),
+                };
+                vmm.kill();
+                self.transition(&sess, S::Failed, reason::HOST_AGENT_RESTART, &detail)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops every live session with reason `host_agent_shutdown`.
+    pub async fn stop_all(&self) {
+        for sess in self.all() {
+            if !is_terminal(sess.row().state) {
+                if let Err(e) = self.stop(&sess.id, reason::HOST_AGENT_SHUTDOWN).await {
+                    tracing::warn!(session = %sess.id, error = %e, "stop on shutdown");
+                }
+            }
+        }
+    }
+}
