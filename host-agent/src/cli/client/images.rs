@@ -1,0 +1,101 @@
+//! `host-agent images`: register, build (the golden snapshot), list, delete.
+
+use clap::Subcommand;
+use proto::hostagent as pb;
+use proto::hostagent::images_client::ImagesClient;
+use tonic::transport::Channel;
+
+use super::{status as st, Bearer};
+use crate::cli::output::{print_all, Output};
+
+/// The `images` subcommands.
+#[derive(Subcommand)]
+pub enum ImagesCmd {
+    /// Register an image.
+    Register {
+        id: String,
+        #[arg(long)]
+        kernel: String,
+        /// Root disk image (each VM gets its own copy).
+        #[arg(long, default_value = "")]
+        rootfs: String,
+        /// Initial ramdisk (for kernels whose drivers are modules).
+        #[arg(long, default_value = "")]
+        initrd: String,
+        #[arg(long, default_value = "")]
+        cmdline: String,
+        #[arg(long, default_value_t = 0)]
+        mem_mib: u32,
+        #[arg(long, default_value_t = 0)]
+        vcpus: u32,
+        #[arg(long)]
+        guest_init: bool,
+    },
+    /// Build an image's golden snapshot.
+    Build { id: String },
+    /// List images.
+    List,
+    /// Delete an image.
+    Delete { id: String },
+}
+
+/// Runs `images <cmd>`.
+pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: ImagesCmd) -> Result<(), String> {
+    let mut cl = ImagesClient::with_interceptor(ch, bearer);
+    match c {
+        ImagesCmd::Register {
+            id,
+            kernel,
+            rootfs,
+            initrd,
+            cmdline,
+            mem_mib,
+            vcpus,
+            guest_init,
+        } => {
+            let i = cl
+                .register_image(pb::RegisterImageRequest {
+                    image_id: id,
+                    kernel_path: kernel,
+                    rootfs_path: rootfs,
+                    initrd_path: initrd,
+                    cmdline,
+                    mem_mib,
+                    vcpus,
+                    guest_init,
+                    ..Default::default()
+                })
+                .await
+                .map_err(st)?;
+            print_all(&[i.into_inner()], out);
+        }
+        ImagesCmd::Build { id } => {
+            let i = cl
+                .build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+                    image_id: id,
+                    ..Default::default()
+                })
+                .await
+                .map_err(st)?;
+            print_all(&[i.into_inner()], out);
+        }
+        ImagesCmd::List => {
+            let images = cl
+                .list_images(pb::ListImagesRequest {})
+                .await
+                .map_err(st)?
+                .into_inner()
+                .images;
+            print_all(&images, out);
+        }
+        ImagesCmd::Delete { id } => {
+            cl.delete_image(pb::DeleteImageRequest {
+                image_id: id,
+                idempotency_key: String::new(),
+            })
+            .await
+            .map_err(st)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,137 @@
+//! `host-agent sessions`: create, list, get, pause, resume, stop, delete,
+//! snapshot, restore.
+
+use clap::Subcommand;
+use proto::hostagent as pb;
+use proto::hostagent::sessions_client::SessionsClient;
+use tonic::transport::Channel;
+
+use super::{status as st, Bearer};
+use crate::cli::output::{print_all, Output, Record};
+
+/// The `sessions` subcommands.
+#[derive(Subcommand)]
+pub enum SessionsCmd {
+    /// Create a session.
+    Create {
+        image: String,
+        /// Host repository the session works on (guest-init images).
+        #[arg(long, default_value = "")]
+        repository: String,
+        /// Agent whose rules (`agents/<agent>.md`) apply (guest-init images).
+        #[arg(long, default_value = "")]
+        agent: String,
+        /// Branch, tag or commit the session branch starts from (guest-init images).
+        #[arg(long, default_value = "")]
+        base_ref: String,
+        #[arg(long, default_value = "")]
+        idempotency_key: String,
+        #[arg(long, default_value_t = 0)]
+        ttl: u64,
+        #[arg(long, default_value_t = 0)]
+        idle_timeout: u64,
+    },
+    /// List sessions.
+    List,
+    /// Show a session.
+    Get { id: String },
+    /// Pause a session.
+    Pause { id: String },
+    /// Resume a session.
+    Resume { id: String },
+    /// Stop a session.
+    Stop { id: String },
+    /// Delete a stopped session.
+    Delete { id: String },
+    /// Write a snapshot of a session; prints its directory.
+    Snapshot { id: String },
+    /// Roll a session back to one of its snapshots.
+    Restore { id: String, snapshot_dir: String },
+}
+
+/// Runs `sessions <cmd>`.
+pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Result<(), String> {
+    let mut cl = SessionsClient::with_interceptor(ch, bearer);
+    let call = |id: String| pb::SessionCall {
+        session_id: id,
+        idempotency_key: String::new(),
+    };
+    let s = match c {
+        SessionsCmd::Create {
+            image,
+            repository,
+            agent,
+            base_ref,
+            idempotency_key,
+            ttl,
+            idle_timeout,
+        } => cl
+            .create_session(pb::CreateSessionRequest {
+                image_id: image,
+                repository_path: repository,
+                agent,
+                base_ref,
+                idempotency_key,
+                limits: Some(pb::Limits {
+                    ttl_seconds: ttl,
+                    idle_timeout_seconds: idle_timeout,
+                }),
+                ..Default::default()
+            })
+            .await
+            .map_err(st)?
+            .into_inner(),
+        SessionsCmd::List => {
+            let sessions = cl
+                .list_sessions(pb::ListSessionsRequest::default())
+                .await
+                .map_err(st)?
+                .into_inner()
+                .sessions;
+            print_all(&sessions, out);
+            return Ok(());
+        }
+        SessionsCmd::Get { id } => cl
+            .get_session(pb::SessionRef { session_id: id })
+            .await
+            .map_err(st)?
+            .into_inner(),
+        SessionsCmd::Pause { id } => cl.pause_session(call(id)).await.map_err(st)?.into_inner(),
+        SessionsCmd::Resume { id } => cl.resume_session(call(id)).await.map_err(st)?.into_inner(),
+        SessionsCmd::Stop { id } => cl.stop_session(call(id)).await.map_err(st)?.into_inner(),
+        SessionsCmd::Delete { id } => {
+            cl.delete_session(call(id)).await.map_err(st)?;
+            return Ok(());
+        }
+        SessionsCmd::Snapshot { id } => {
+            let r = cl
+                .snapshot_session(call(id))
+                .await
+                .map_err(st)?
+                .into_inner();
+            match out {
+                Output::Table => println!("{}", r.snapshot_dir),
+                Output::Json => println!(
+                    "{}",
+                    serde_json::json!({
+                        "snapshot_dir": r.snapshot_dir,
+                        "pages_written": r.pages_written,
+                        "session": r.session.as_ref().map(Record::json),
+                    })
+                ),
+            }
+            return Ok(());
+        }
+        SessionsCmd::Restore { id, snapshot_dir } => cl
+            .restore_session(pb::RestoreSessionRequest {
+                session_id: id,
+                snapshot_dir,
+                idempotency_key: String::new(),
+            })
+            .await
+            .map_err(st)?
+            .into_inner(),
+    };
+    print_all(&[s], out);
+    Ok(())
+}
