@@ -160,55 +160,51 @@ fn state_name(s: i32) -> &'static str {
     host_agent::sessions::state_name(s)
 }
 
-/// Prints the usage records after `since`; returns the newest seq and record.
-async fn print_usage(
-    ch: &Channel,
-    session: &str,
-    since: u64,
-) -> Result<(u64, Option<pb::UsageRecord>), String> {
-    let recs = UsageClient::new(ch.clone())
-        .list_usage(pb::ListUsageRequest {
-            session_id: session.into(),
-            since_seq: since,
-            ..Default::default()
-        })
-        .await
-        .map_err(status)?
-        .into_inner()
-        .records;
-    let mut last = (since, None);
-    for r in recs {
-        println!(
-            "    usage  #{:<3} billed {:>6.2} s   vCPU {:>6.2} s   memory {:>7.4} GiB·s{}",
-            r.seq,
-            r.billed_seconds,
-            r.vcpu_seconds,
-            r.memory_allocated_gib_seconds,
-            if r.r#final { "   (final)" } else { "" }
-        );
-        last = (r.seq, Some(r));
-    }
-    Ok(last)
+/// The session's usage records, printed as they are recorded.
+struct UsageFeed<'a> {
+    ch: &'a Channel,
+    session: String,
+    /// Newest record printed so far.
+    last: Option<pb::UsageRecord>,
 }
 
-/// Lets the session run for `secs`, printing usage as it is recorded.
-async fn run_for(
-    ch: &Channel,
-    session: &str,
-    secs: u64,
-    since: &mut u64,
-    last: &mut Option<pb::UsageRecord>,
-) -> Result<(), String> {
-    let end = Instant::now() + Duration::from_secs(secs);
-    while Instant::now() < end {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let (seq, rec) = print_usage(ch, session, *since).await?;
-        *since = seq;
-        if rec.is_some() {
-            *last = rec;
+impl UsageFeed<'_> {
+    /// Prints the records newer than the last one printed.
+    async fn poll(&mut self) -> Result<(), String> {
+        let since = self.last.as_ref().map_or(0, |r| r.seq);
+        let recs = UsageClient::new(self.ch.clone())
+            .list_usage(pb::ListUsageRequest {
+                session_id: self.session.clone(),
+                since_seq: since,
+                ..Default::default()
+            })
+            .await
+            .map_err(status)?
+            .into_inner()
+            .records;
+        for r in recs {
+            println!(
+                "    usage  #{:<3} billed {:>6.2} s   vCPU {:>6.2} s   memory {:>7.4} GiB·s{}",
+                r.seq,
+                r.billed_seconds,
+                r.vcpu_seconds,
+                r.memory_allocated_gib_seconds,
+                if r.r#final { "   (final)" } else { "" }
+            );
+            self.last = Some(r);
         }
+        Ok(())
     }
-    Ok(())
+
+    /// Lets the session run for `secs`, printing usage as it is recorded.
+    async fn run_for(&mut self, secs: u64) -> Result<(), String> {
+        let end = Instant::now() + Duration::from_secs(secs);
+        while Instant::now() < end {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            self.poll().await?;
+        }
+        Ok(())
+    }
 }
 
 /// Runs the demo.
@@ -305,15 +301,19 @@ async fn session_steps(ch: &Channel, golden_s: f64, secs: u64) -> Result<(), Str
         session_id: id.clone(),
         idempotency_key: String::new(),
     };
-    let (mut since, mut last) = (0, None);
-    run_for(ch, &id, secs, &mut since, &mut last).await?;
+    let mut usage = UsageFeed {
+        ch,
+        session: id.clone(),
+        last: None,
+    };
+    usage.run_for(secs).await?;
 
     step("pausing (billing stops while paused)");
     sessions.pause_session(call()).await.map_err(status)?;
-    run_for(ch, &id, secs.min(1), &mut since, &mut last).await?;
+    usage.run_for(secs.min(1)).await?;
     step("resuming");
     sessions.resume_session(call()).await.map_err(status)?;
-    run_for(ch, &id, secs, &mut since, &mut last).await?;
+    usage.run_for(secs).await?;
 
     step("taking a full snapshot of the session");
     let snap = sessions
@@ -325,7 +325,7 @@ async fn session_steps(ch: &Channel, golden_s: f64, secs: u64) -> Result<(), Str
         "    {} ({} pages written)",
         snap.snapshot_dir, snap.pages_written
     );
-    run_for(ch, &id, secs.min(1), &mut since, &mut last).await?;
+    usage.run_for(secs.min(1)).await?;
 
     step("stopping the session");
     let stopped = sessions
@@ -335,19 +335,16 @@ async fn session_steps(ch: &Channel, golden_s: f64, secs: u64) -> Result<(), Str
         .into_inner();
     // The final usage record follows the stop.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !last.as_ref().is_some_and(|r| r.r#final) && Instant::now() < deadline {
+    while !usage.last.as_ref().is_some_and(|r| r.r#final) && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let (seq, rec) = print_usage(ch, &id, since).await?;
-        since = seq;
-        if rec.is_some() {
-            last = rec;
-        }
+        usage.poll().await?;
     }
     // Let the last events print.
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     step("summary");
-    let (billed, vcpu) = last
+    let (billed, vcpu) = usage
+        .last
         .as_ref()
         .map_or((0.0, 0.0), |r| (r.billed_seconds, r.vcpu_seconds));
     println!("    golden snapshot build   {golden_s:>8.2} s");
