@@ -410,3 +410,106 @@ fn main() -> ExitCode {
     };
     ExitCode::from(code as u8)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use vmm_api::command::{
+        Bind, Devices, DiskSpec, JailSpec, RestoreSpec, RunSpec, Serial, VsockSpec,
+    };
+
+    fn devices() -> Devices {
+        Devices {
+            serial: Serial::File("/run/serial.log".into()),
+            control_socket: Some("/run/control.sock".into()),
+            disks: vec![
+                DiskSpec::rw("/d/root.ext4"),
+                DiskSpec {
+                    path: "/d/ro.img".into(),
+                    read_only: true,
+                },
+            ],
+            vsock: Some(VsockSpec {
+                cid: 3,
+                uds: "/run/v.sock".into(),
+            }),
+            net: Some("tap0,mac=02:00:00:00:00:01".into()),
+            rng: true,
+        }
+    }
+
+    fn parse(args: Vec<String>) -> Cli {
+        let line = args.join(" ");
+        Cli::try_parse_from(std::iter::once("vmm".to_string()).chain(args))
+            .unwrap_or_else(|e| panic!("vmm rejects the line vmm-api builds: {line}: {e}"))
+    }
+
+    /// The command lines every caller builds with vmm-api parse here, into the
+    /// values they were built from: flags cannot drift between the two.
+    #[test]
+    fn vmm_api_command_lines_parse_as_built() {
+        let mut run = RunSpec::new("/k/vmlinux");
+        run.globals.log_max_bytes = Some(8192);
+        run.globals.log_json = true;
+        run.globals.log_level = Some("info".into());
+        run.initrd = Some("/k/initrd".into());
+        run.cmdline = Some("console=ttyS0 panic=1".into());
+        run.mem_mib = 256;
+        run.vcpus = 2;
+        run.acpi = Some(false);
+        run.devices = devices();
+        let cli = parse(run.args());
+        assert_eq!(cli.log_max_bytes, "8192");
+        assert!(matches!(cli.log_format, LogFormat::Json));
+        let Command::Run(a) = cli.command else {
+            panic!("not run")
+        };
+        assert_eq!(
+            a.kernel.as_deref(),
+            Some(std::path::Path::new("/k/vmlinux"))
+        );
+        assert_eq!(a.cmdline.as_deref(), Some("console=ttyS0 panic=1"));
+        assert_eq!((a.mem_mib, a.vcpus), (Some(256), Some(2)));
+        assert_eq!(a.disk, ["/d/root.ext4", "/d/ro.img,ro"]);
+        assert_eq!(a.vsock.as_deref(), Some("3:/run/v.sock"));
+        assert_eq!(a.serial.as_deref(), Some("file:/run/serial.log"));
+        assert_eq!(a.acpi.as_deref(), Some("off"));
+        assert!(a.rng);
+
+        let mut restore = RestoreSpec::new("/s/golden");
+        restore.paused = true;
+        restore.memory_backend = Some("uffd".into());
+        restore.devices = devices();
+        let jail = JailSpec {
+            id: "vm1".into(),
+            root: "/v/jail".into(),
+            uid: 2_000_000_001,
+            gid: 2_000_000_002,
+            binds: vec![Bind {
+                host: "/s/golden".into(),
+                jail: "/golden".into(),
+                read_only: true,
+            }],
+            taps: vec!["tap1".into()],
+            devices: vec!["kvm".into(), "userfaultfd".into()],
+            memory_max_mib: Some(300),
+        };
+        let Command::Jail(j) = parse(jail.wrap(restore.args())).command else {
+            panic!("not jail")
+        };
+        assert_eq!((j.uid, j.gid), (2_000_000_001, 2_000_000_002));
+        assert_eq!(j.binds, ["/s/golden:/golden:ro"]);
+        assert_eq!(j.taps, ["tap1"]);
+        assert_eq!(j.devices, ["kvm", "userfaultfd"]);
+        assert_eq!(j.memory_max.as_deref(), Some("300M"));
+        let Command::Restore(r) = parse(j.vmm_args).command else {
+            panic!("the jailed command is not restore")
+        };
+        assert_eq!(r.snapshot, std::path::Path::new("/s/golden"));
+        assert_eq!(r.memory_backend, "uffd");
+        assert!(r.paused && r.rng);
+        assert_eq!(r.disk.len(), 2);
+        assert_eq!(r.net.as_deref(), Some("tap0,mac=02:00:00:00:00:01"));
+    }
+}

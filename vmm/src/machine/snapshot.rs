@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use serde_json::{Map, Value};
+use vmm_api::protocol::SnapshotReply;
 
 use super::MachineShared;
 use crate::control::protocol::ControlTarget;
@@ -81,7 +81,7 @@ impl MachineShared {
         &self,
         dir: &Path,
         kind: SnapshotKind,
-    ) -> Result<Map<String, Value>, SnapshotRequestError> {
+    ) -> Result<SnapshotReply, SnapshotRequestError> {
         self.coordinator
             .wait_until_parked()
             .map_err(|_| SnapshotRequestError::NotPaused)?;
@@ -123,29 +123,14 @@ impl MachineShared {
         *lock(&self.last_snapshot) = Some(canonical.clone());
 
         let bytes: u64 = manifest.extents.iter().map(|e| e.len).sum();
-        let mut m = Map::new();
-        m.insert(
-            "dir".into(),
-            Value::from(canonical.to_string_lossy().into_owned()),
-        );
-        m.insert(
-            "kind".into(),
-            Value::from(match kind {
-                SnapshotKind::Full => "full",
-                SnapshotKind::Diff => "diff",
-            }),
-        );
-        m.insert("memory_bytes_written".into(), Value::from(bytes));
-        m.insert(
-            "pages_written".into(),
-            Value::from(bytes / crate::memory::PAGE_SIZE),
-        );
-        m.insert(
-            "ms".into(),
-            Value::from(started.elapsed().as_secs_f64() * 1000.0),
-        );
         tracing::info!(dir = %canonical.display(), ?kind, bytes, "snapshot written");
-        Ok(m)
+        Ok(SnapshotReply {
+            dir: canonical,
+            kind,
+            memory_bytes_written: bytes,
+            pages_written: bytes / crate::memory::PAGE_SIZE,
+            ms: started.elapsed().as_secs_f64() * 1000.0,
+        })
     }
 }
 
@@ -154,7 +139,7 @@ impl ControlTarget for MachineShared {
         &self.coordinator
     }
 
-    fn snapshot(&self, dir: &Path, kind: SnapshotKind) -> Result<Map<String, Value>, String> {
+    fn snapshot(&self, dir: &Path, kind: SnapshotKind) -> Result<SnapshotReply, String> {
         MachineShared::snapshot(self, dir, kind).map_err(|e| e.to_string())
     }
 

@@ -26,15 +26,8 @@ const MAX_REGIONS: usize = 8;
 /// Largest guest accepted from a manifest (1 TiB).
 const MAX_GUEST_BYTES: u64 = 1 << 40;
 
-/// Full or diff.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum SnapshotKind {
-    /// All of guest memory (zero pages left as holes).
-    Full,
-    /// Only pages written since the parent snapshot.
-    Diff,
-}
+/// Full or diff (the control protocol's snapshot kinds).
+pub use vmm_api::protocol::SnapshotKind;
 
 /// One guest RAM region and where it lives in the memory file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -15,27 +15,8 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use crate::exit::ExitReason;
 use crate::vcpu::kick;
 
-/// The VM's run state as the control socket reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum VmState {
-    /// vCPUs run the guest.
-    Running,
-    /// Every vCPU is parked outside KVM_RUN.
-    Paused,
-    /// The VM is ending or has ended.
-    Stopping,
-}
-
-impl VmState {
-    /// The lowercase name used on the control socket.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            VmState::Running => "running",
-            VmState::Paused => "paused",
-            VmState::Stopping => "stopping",
-        }
-    }
-}
+/// What the VM's vCPUs are doing (the control protocol's state names).
+pub use vmm_api::protocol::VmState;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Request {
