@@ -1,0 +1,157 @@
+//! Child processes of a test: started so they die with it, waited for
+//! with a deadline, killed by pid or by the directory they use.
+
+use std::ffi::OsStr;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A command for `program` with stdin from /dev/null that gets SIGKILL when
+/// the thread that spawned it ends, so a failing assertion never leaves it
+/// (a VM, say) running.
+pub fn command(program: impl AsRef<OsStr>) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.stdin(Stdio::null());
+    // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag on the child between
+    // fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd
+}
+
+/// Waits for `child` to exit within `limit` and returns its output;
+/// kills it and panics with what it printed otherwise.
+pub fn wait_with_deadline(mut child: Child, limit: Duration) -> Output {
+    let start = Instant::now();
+    let pid = child.id();
+    loop {
+        if child.try_wait().expect("try_wait").is_some() {
+            return child.wait_with_output().expect("collect output");
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("collect output");
+            panic!(
+                "process {pid} did not exit within {limit:?}\nstdout: {}\nstderr: {}",
+                stdout(&out),
+                stderr(&out)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Waits until `path` exists (a socket a child creates); panics after
+/// `limit`.
+pub fn wait_for_path(path: &Path, limit: Duration) {
+    let start = Instant::now();
+    while !path.exists() {
+        assert!(start.elapsed() < limit, "{} never appeared", path.display());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A process's stdout as text.
+pub fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A process's stderr as text.
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Runs `cmd` and returns whether it succeeded, with its stdout and stderr
+/// together.
+pub fn sh(cmd: &mut Command) -> (bool, String) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
+    let mut text = stdout(&out);
+    text.push_str(&stderr(&out));
+    (out.status.success(), text)
+}
+
+/// Sends SIGKILL to `pid`.
+pub fn sigkill(pid: u32) {
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe {
+        libc::kill(pid as i32, libc::SIGKILL);
+    }
+}
+
+/// SIGKILLs every process whose command line mentions `dir` (the vmm
+/// processes of a test's state directory, which outlive a killed parent).
+pub fn kill_processes_under(dir: &Path) {
+    let needle = dir.display().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) {
+            if String::from_utf8_lossy(&cmd).contains(&needle) {
+                sigkill(pid);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_quick_child_is_collected_and_a_slow_one_killed() {
+        let out = wait_with_deadline(
+            command("sh")
+                .args(["-c", "echo out; echo err >&2"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+            Duration::from_secs(20),
+        );
+        assert_eq!(
+            (stdout(&out).as_str(), stderr(&out).as_str()),
+            ("out\n", "err\n")
+        );
+        let slow = command("sleep")
+            .arg("30")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let e = std::panic::catch_unwind(|| wait_with_deadline(slow, Duration::from_millis(50)))
+            .unwrap_err();
+        let msg = e.downcast_ref::<String>().unwrap();
+        assert!(msg.contains("did not exit within"), "{msg}");
+    }
+
+    #[test]
+    fn processes_naming_a_directory_are_killed() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("log");
+        std::fs::write(&file, "").unwrap();
+        let mut child = Command::new("tail").arg("-f").arg(&file).spawn().unwrap();
+        kill_processes_under(dir.path());
+        let status = child.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGKILL)
+        );
+    }
+
+    #[test]
+    fn sh_joins_both_streams() {
+        let (ok, text) = sh(Command::new("sh").args(["-c", "echo a; echo b >&2; exit 3"]));
+        assert!(!ok);
+        assert_eq!(text, "a\nb\n");
+    }
+}
