@@ -87,14 +87,10 @@ pub enum PerfError {
         #[source]
         source: std::io::Error,
     },
-    /// The vmm answered a control request with an error or garbage.
-    #[error("vmm control request {request} failed: {message}")]
-    Control {
-        /// The request line.
-        request: String,
-        /// The vmm's message.
-        message: String,
-    },
+    /// The vmm's control socket could not be reached, or the vmm refused a
+    /// request or answered it with something that is not a reply.
+    #[error("talking to the vmm: {0}")]
+    Control(#[from] vmm_api::ControlError),
     /// Firecracker's API answered with an error.
     #[error("Firecracker API {method} {path} answered HTTP {status}: {body}")]
     FirecrackerApi {

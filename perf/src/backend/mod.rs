@@ -2,7 +2,6 @@
 //! control socket) and, optionally, Firecracker (its HTTP API socket).
 //! Scenarios drive a [`Backend`] and never know which one it is.
 
-pub mod control_socket;
 pub mod firecracker;
 pub mod http;
 pub mod vmm;
@@ -35,14 +34,9 @@ impl fmt::Display for Subject {
     }
 }
 
-/// Full or diff snapshot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SnapshotKind {
-    /// All of guest memory.
-    Full,
-    /// Only pages dirtied since the previous snapshot.
-    Diff,
-}
+/// Full or diff snapshot (the vmm's own type; Firecracker's backend maps it
+/// onto its `snapshot_type`).
+pub use vmm_api::SnapshotKind;
 
 /// What to boot.
 #[derive(Debug, Clone)]
@@ -64,7 +58,7 @@ pub struct BootSpec {
 /// Where a VM's control endpoint is.
 pub enum Handle {
     /// Our vmm's JSON-lines control socket (absent when not asked for).
-    Vmm(Option<control_socket::ControlClient>),
+    Vmm(Option<vmm_api::Client>),
     /// Firecracker's API socket.
     Firecracker(PathBuf),
 }

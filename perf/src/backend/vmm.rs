@@ -1,13 +1,14 @@
-//! Our vmm, driven through its command line (`vmm run`, `vmm restore`) and
-//! its JSON-lines control socket.
+//! Our vmm, driven through its command line (`vmm run`, `vmm restore`,
+//! built with [`vmm_api::command`]) and its JSON-lines control socket
+//! ([`vmm_api::Client`]).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::json;
+use vmm_api::command::{Globals, Serial};
+use vmm_api::{Client, RestoreSpec, RunSpec};
 
-use super::control_socket::ControlClient;
 use super::{Backend, BootSpec, Handle, SnapshotKind, Subject, Vm};
 use crate::error::{PerfError, Result};
 use crate::process::VmProcess;
@@ -18,6 +19,9 @@ pub const NO_RESTORE: &str = "skipped: vmm has no restore";
 pub const ACPI_TIMING_TARGET: &str = "vmm::acpi";
 /// Log target of the vmm's "MP table written" event (field `build_us`).
 pub const MPTABLE_TIMING_TARGET: &str = "vmm::mptable";
+/// How long a control request may take to be answered: snapshots of large
+/// guests take a while, but the harness never blocks forever.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The `build_us` field of the first JSON log line with `target` in the
 /// vmm's stderr: a setup step the vmm timed itself, in microseconds.
@@ -56,7 +60,7 @@ impl VmmBackend {
         }
     }
 
-    fn client(vm: &mut Vm) -> Result<&mut ControlClient> {
+    fn client(vm: &mut Vm) -> Result<&mut Client> {
         match &mut vm.handle {
             Handle::Vmm(Some(client)) => Ok(client),
             _ => Err(PerfError::Usage(
@@ -67,13 +71,17 @@ impl VmmBackend {
 
     fn connect(process: VmProcess, socket: Option<PathBuf>, timeout: Duration) -> Result<Vm> {
         let client = match socket {
-            Some(path) => Some(ControlClient::connect(&path, timeout).map_err(|e| {
-                // Prefer the vmm's own complaint when it died during start-up.
-                match process.stderr_tail() {
-                    s if s.is_empty() => e,
-                    stderr => PerfError::Guest(format!("{e}; vmm stderr: {stderr:?}")),
-                }
-            })?),
+            // Retried while the vmm has not bound the socket yet.
+            Some(path) => Some(
+                Client::connect_retry(&path, timeout, ANSWER_TIMEOUT).map_err(|e| {
+                    let e = PerfError::from(e);
+                    // Prefer the vmm's own complaint when it died during start-up.
+                    match process.stderr_tail() {
+                        s if s.is_empty() => e,
+                        stderr => PerfError::Guest(format!("{e}; vmm stderr: {stderr:?}")),
+                    }
+                })?,
+            ),
             None => None,
         };
         Ok(Vm {
@@ -94,78 +102,68 @@ impl Backend for VmmBackend {
 
     fn boot(&self, spec: &BootSpec, dir: &Path, timeout: Duration) -> Result<Vm> {
         let socket = spec.control.then(|| dir.join("control.sock"));
-        let mut args: Vec<String> = vec![
-            "run".into(),
-            "--kernel".into(),
-            spec.kernel.display().to_string(),
-            "--mem-mib".into(),
-            spec.mem_mib.to_string(),
-            "--vcpus".into(),
-            "1".into(),
-            "--serial".into(),
-            "stdout".into(),
-            "--cmdline".into(),
-            spec.cmdline.clone(),
-        ];
-        if let Some(s) = &socket {
-            args.push("--control-socket".into());
-            args.push(s.display().to_string());
-        }
-        if spec.setup_timings {
-            // Only the timing events are logged at info: two short JSON lines.
-            args.extend(["--log-format".into(), "json".into(), "--log-level".into()]);
-            args.push(format!(
-                "warn,{ACPI_TIMING_TARGET}=info,{MPTABLE_TIMING_TARGET}=info"
-            ));
-        }
-        let process = VmProcess::spawn("vmm run", &self.binary, &args)?;
+        let process = VmProcess::spawn("vmm run", &self.binary, run_args(spec, socket.clone()))?;
         Self::connect(process, socket, timeout)
     }
 
     fn restore(&self, snapshot: &Path, dir: &Path, control: bool, timeout: Duration) -> Result<Vm> {
         let socket = control.then(|| dir.join("control.sock"));
-        let mut args: Vec<String> = vec![
-            "restore".into(),
-            "--snapshot".into(),
-            snapshot.display().to_string(),
-            "--serial".into(),
-            "stdout".into(),
-        ];
-        if let Some(backend) = &self.memory_backend {
-            args.push("--memory-backend".into());
-            args.push(backend.clone());
-        }
-        if let Some(s) = &socket {
-            args.push("--control-socket".into());
-            args.push(s.display().to_string());
-        }
-        let process = VmProcess::spawn("vmm restore", &self.binary, &args)?;
+        let args = restore_args(snapshot, self.memory_backend.clone(), socket.clone());
+        let process = VmProcess::spawn("vmm restore", &self.binary, args)?;
         Self::connect(process, socket, timeout)
     }
 
     fn pause(&self, vm: &mut Vm) -> Result<()> {
-        Self::client(vm)?
-            .request(&json!({"op": "pause"}))
-            .map(|_| ())
+        Self::client(vm)?.pause()?;
+        Ok(())
     }
 
     fn resume(&self, vm: &mut Vm) -> Result<()> {
-        Self::client(vm)?
-            .request(&json!({"op": "resume"}))
-            .map(|_| ())
+        Self::client(vm)?.resume()?;
+        Ok(())
     }
 
     fn snapshot(&self, vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<Duration> {
-        let kind = match kind {
-            SnapshotKind::Full => "full",
-            SnapshotKind::Diff => "diff",
-        };
-        let request = json!({"op": "snapshot", "dir": dir.display().to_string(), "kind": kind});
         let client = Self::client(vm)?;
         let start = Instant::now();
-        client.request(&request)?;
+        client.snapshot(dir, kind)?;
         Ok(start.elapsed())
     }
+}
+
+/// `vmm run` for `spec`: one vCPU, the console on stdout, the control socket
+/// when given, and JSON logs of the timed setup steps when asked for.
+fn run_args(spec: &BootSpec, control_socket: Option<PathBuf>) -> Vec<String> {
+    let mut run = RunSpec::new(&spec.kernel);
+    run.cmdline = Some(spec.cmdline.clone());
+    run.mem_mib = spec.mem_mib;
+    run.vcpus = 1;
+    run.devices.serial = Serial::Stdout;
+    run.devices.control_socket = control_socket;
+    if spec.setup_timings {
+        // Only the timing events are logged at info: two short JSON lines.
+        run.globals = Globals {
+            log_json: true,
+            log_level: Some(format!(
+                "warn,{ACPI_TIMING_TARGET}=info,{MPTABLE_TIMING_TARGET}=info"
+            )),
+            ..Globals::default()
+        };
+    }
+    run.args()
+}
+
+/// `vmm restore` of `snapshot`, the console on stdout.
+fn restore_args(
+    snapshot: &Path,
+    memory_backend: Option<String>,
+    control_socket: Option<PathBuf>,
+) -> Vec<String> {
+    let mut restore = RestoreSpec::new(snapshot);
+    restore.memory_backend = memory_backend;
+    restore.devices.serial = Serial::Stdout;
+    restore.devices.control_socket = control_socket;
+    restore.args()
 }
 
 #[cfg(test)]
@@ -185,5 +183,41 @@ mod tests {
         assert_eq!(logged_build_us(stderr, MPTABLE_TIMING_TARGET), Some(1.2));
         assert_eq!(logged_build_us(stderr, "vmm::other"), None);
         assert_eq!(logged_build_us("", ACPI_TIMING_TARGET), None);
+    }
+
+    #[test]
+    fn run_and_restore_lines_carry_the_harness_flags() {
+        let mut spec = BootSpec {
+            kernel: "/g/hello".into(),
+            cmdline: "console=ttyS0".into(),
+            mem_mib: 64,
+            control: true,
+            setup_timings: false,
+        };
+        assert_eq!(
+            run_args(&spec, Some("/w/control.sock".into())).join(" "),
+            "run --kernel /g/hello --cmdline console=ttyS0 --mem-mib 64 --vcpus 1 \
+             --serial stdout --control-socket /w/control.sock"
+        );
+        spec.setup_timings = true;
+        assert_eq!(
+            run_args(&spec, None).join(" "),
+            "--log-format json --log-level warn,vmm::acpi=info,vmm::mptable=info \
+             run --kernel /g/hello --cmdline console=ttyS0 --mem-mib 64 --vcpus 1 --serial stdout"
+        );
+        assert_eq!(
+            restore_args(
+                Path::new("/s/1"),
+                Some("uffd".into()),
+                Some("/w/c.sock".into())
+            )
+            .join(" "),
+            "restore --snapshot /s/1 --memory-backend uffd --serial stdout \
+             --control-socket /w/c.sock"
+        );
+        assert_eq!(
+            restore_args(Path::new("/s/1"), None, None).join(" "),
+            "restore --snapshot /s/1 --serial stdout"
+        );
     }
 }

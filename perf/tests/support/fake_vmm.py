@@ -98,7 +98,10 @@ def serve_control(path, guest):
                     ans = {"ok": False, "error": "snapshot needs a paused VM"}
                 else:
                     guest.snapshot(req["dir"], req["kind"])
-                    ans["state"] = "paused"
+                    written = guest.mem_mib << 20 if req["kind"] == "full" else 4096
+                    ans = {"ok": True, "dir": os.path.realpath(req["dir"]),
+                           "kind": req["kind"], "memory_bytes_written": written,
+                           "pages_written": written // 4096, "ms": 0.0}
             elif op == "stop":
                 f.write(json.dumps(ans) + "\n")
                 f.flush()
@@ -118,7 +121,13 @@ def arg(args, name, default=None):
     return args[args.index(name) + 1] if name in args else default
 
 
+# Options the vmm takes before its subcommand, each with a value.
+GLOBAL_OPTIONS = ("--log-format", "--log-level", "--log-max-bytes")
+
+
 def vmm_main(args):
+    while args and args[0] in GLOBAL_OPTIONS:
+        args = args[2:]
     if not args:
         sys.exit(2)
     if args[0] == "--version":

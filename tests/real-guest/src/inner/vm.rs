@@ -5,15 +5,71 @@
 //! given is recorded (see [`super::hang`]) and killed, and the scenario fails.
 
 use std::io::{BufRead, BufReader, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use images::vmm_control::VmmControl;
-use serde_json::Value;
+use vmm_api::command::Devices;
+use vmm_api::{
+    Client, ControlError, RestoreSpec, RunSpec, SnapshotKind, SnapshotReply, StatusReply,
+};
 
 use super::{Check, Ctx, INFRA_MARK};
+
+/// How a guest's vmm starts: `vmm run` or `vmm restore`.
+#[derive(Debug, Clone)]
+pub enum Launch {
+    /// Boot a kernel.
+    Run(RunSpec),
+    /// Restore a snapshot.
+    Restore(RestoreSpec),
+}
+
+impl Launch {
+    /// The devices and sockets, the same for both.
+    pub fn devices_mut(&mut self) -> &mut Devices {
+        match self {
+            Launch::Run(r) => &mut r.devices,
+            Launch::Restore(r) => &mut r.devices,
+        }
+    }
+
+    /// The vmm's arguments.
+    pub fn args(&self) -> Vec<String> {
+        match self {
+            Launch::Run(r) => r.args(),
+            Launch::Restore(r) => r.args(),
+        }
+    }
+
+    /// The guest's RAM when the command line says (a restore takes the
+    /// snapshot's).
+    fn ram_bytes(&self) -> Option<u64> {
+        match self {
+            Launch::Run(r) => Some(r.mem_mib << 20),
+            Launch::Restore(_) => None,
+        }
+    }
+}
+
+impl From<RunSpec> for Launch {
+    fn from(spec: RunSpec) -> Self {
+        Launch::Run(spec)
+    }
+}
+
+impl From<RestoreSpec> for Launch {
+    fn from(spec: RestoreSpec) -> Self {
+        Launch::Restore(spec)
+    }
+}
+
+/// How long [`Guest::control`] waits for the control socket to appear.
+const CONTROL_WAIT: Duration = Duration::from_secs(60);
+/// How long a control request may take to be answered (a snapshot of a
+/// guest under nested emulation takes a while).
+const CONTROL_ANSWER: Duration = Duration::from_secs(300);
 
 /// Console lines seen so far, and whether the stream has ended.
 #[derive(Default)]
@@ -36,7 +92,7 @@ pub struct Guest {
     pub run_dir: PathBuf,
     /// Where they are copied when it ends (the shared logs directory).
     pub log_dir: PathBuf,
-    /// Its RAM, when the arguments say (`--mem-mib`; a restore takes the snapshot's).
+    /// Its RAM, when the command line says (a restore takes the snapshot's).
     ram_bytes: Option<u64>,
 }
 
@@ -45,26 +101,25 @@ pub struct Guest {
 const QUIET_CHECK: Duration = Duration::from_secs(40);
 
 impl Guest {
-    /// Starts `vmm <args>` with the console on stdout (captured) and a
-    /// control socket at `<scratch>/<name>.ctl` unless `args` has one.
-    pub fn start(ctx: &Ctx, name: &str, args: &[String]) -> Result<Guest, String> {
+    /// Starts the vmm `launch` describes, with the console where its
+    /// devices say (stdout, captured, unless set otherwise) and a control
+    /// socket at `<scratch>/<name>.ctl` unless it names one.
+    pub fn start(ctx: &Ctx, name: &str, launch: impl Into<Launch>) -> Result<Guest, String> {
+        let mut launch = launch.into();
         let run_dir = ctx.scratch.clone();
         let vmm = &ctx.env.vmm;
         std::fs::create_dir_all(&run_dir).map_err(|e| format!("{}: {e}", run_dir.display()))?;
-        let control_path = run_dir.join(format!("{name}.ctl"));
+        let control_path = launch
+            .devices_mut()
+            .control_socket
+            .get_or_insert_with(|| run_dir.join(format!("{name}.ctl")))
+            .clone();
         let _ = std::fs::remove_file(&control_path);
         let stderr_path = run_dir.join(format!("{name}.stderr"));
         let stderr = std::fs::File::create(&stderr_path)
             .map_err(|e| format!("{}: {e}", stderr_path.display()))?;
-        let mut cmd = Command::new(vmm);
-        cmd.args(args);
-        if !args.iter().any(|a| a == "--control-socket") {
-            cmd.arg("--control-socket").arg(&control_path);
-        }
-        if !args.iter().any(|a| a == "--serial") {
-            cmd.args(["--serial", "stdout"]);
-        }
-        let mut child = cmd
+        let mut child = Command::new(vmm)
+            .args(launch.args())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(stderr)
@@ -99,12 +154,7 @@ impl Guest {
             });
         }
         let stdin = child.stdin.take();
-        let ram_bytes = args
-            .iter()
-            .position(|a| a == "--mem-mib")
-            .and_then(|i| args.get(i + 1))
-            .and_then(|m| m.parse::<u64>().ok())
-            .map(|mib| mib << 20);
+        let ram_bytes = launch.ram_bytes();
         Ok(Guest {
             name: name.to_string(),
             child,
@@ -257,34 +307,43 @@ impl Guest {
     }
 
     /// A connection to the control socket (retried while it appears).
-    pub fn control(&self) -> Result<VmmControl, String> {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            match VmmControl::connect(&self.control_path, Duration::from_secs(300)) {
-                Ok(c) => return Ok(c),
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(format!(
-                        "control socket {}: {e}",
-                        self.control_path.display()
-                    ))
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(100)),
-            }
-        }
+    pub fn control(&self) -> Result<Client, String> {
+        Client::connect_retry(&self.control_path, CONTROL_WAIT, CONTROL_ANSWER)
+            .map_err(|e| e.to_string())
     }
 
-    /// One control request; the answer when it says `ok:true`.
-    pub fn request(&self, request: Value) -> Result<Value, String> {
-        self.control()?.request(&request).map_err(|e| e.to_string())
+    /// One request on a new connection to the control socket.
+    fn with_control<T>(
+        &self,
+        request: impl FnOnce(&mut Client) -> Result<T, ControlError>,
+    ) -> Result<T, String> {
+        request(&mut self.control()?).map_err(|e| e.to_string())
     }
 
-    /// The guest memory checksum (`memory_checksum`).
+    /// Parks every vCPU.
+    pub fn pause(&self) -> Result<StatusReply, String> {
+        self.with_control(Client::pause)
+    }
+
+    /// Lets the parked vCPUs run.
+    pub fn resume(&self) -> Result<StatusReply, String> {
+        self.with_control(Client::resume)
+    }
+
+    /// Ends the VM (the vmm answers, then exits 0).
+    pub fn stop(&self) -> Result<StatusReply, String> {
+        self.with_control(Client::stop)
+    }
+
+    /// Writes a snapshot of the paused VM into `dir` (which must not exist).
+    pub fn snapshot(&self, dir: &Path, kind: SnapshotKind) -> Result<SnapshotReply, String> {
+        self.with_control(|c| c.snapshot(dir, kind))
+    }
+
+    /// The guest memory checksum (`memory_checksum`): its `crc64`.
     pub fn checksum(&self) -> Result<String, String> {
-        let v = self.request(serde_json::json!({"op": "memory_checksum"}))?;
-        v.get("crc64")
-            .and_then(Value::as_str)
-            .map(str::to_string)
-            .ok_or_else(|| format!("memory_checksum answered {v}"))
+        self.with_control(Client::memory_checksum)
+            .map(|reply| reply.crc64)
     }
 
     /// The last lines of the vmm's stderr.
@@ -342,5 +401,28 @@ impl Drop for Guest {
             let file = format!("{}.{ext}", self.name);
             let _ = std::fs::copy(self.run_dir.join(&file), self.log_dir.join(&file));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn launches_give_their_command_lines_and_ram() {
+        let mut run = Launch::from(RunSpec::new("/k/vmlinux"));
+        run.devices_mut().control_socket = Some("/s/g.ctl".into());
+        assert_eq!(
+            run.args().join(" "),
+            "run --kernel /k/vmlinux --mem-mib 128 --vcpus 1 --serial stdout \
+             --control-socket /s/g.ctl"
+        );
+        assert_eq!(run.ram_bytes(), Some(128 << 20));
+        let restore = Launch::from(RestoreSpec::new("/s/snap"));
+        assert_eq!(
+            restore.args().join(" "),
+            "restore --snapshot /s/snap --serial stdout"
+        );
+        assert_eq!(restore.ram_bytes(), None);
     }
 }

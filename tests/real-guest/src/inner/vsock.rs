@@ -3,7 +3,7 @@
 //! `CONNECT P\n` on the device's Unix socket and reading `OK <port>\n`; a
 //! guest connecting to host port P reaches a listener at `<socket>_P`.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
@@ -72,22 +72,11 @@ pub fn receive_one(
     }))
 }
 
-/// Connects to guest port `port` through the device socket `uds`.
+/// Connects to guest port `port` through the device socket `uds`
+/// ([`vmm_api::vsock::connect`]); `timeout` bounds the handshake and each
+/// later read.
 pub fn connect(uds: &Path, port: u32, timeout: Duration) -> Result<UnixStream, String> {
-    let mut s = UnixStream::connect(uds).map_err(|e| format!("{}: {e}", uds.display()))?;
-    s.set_read_timeout(Some(timeout))
-        .map_err(|e| e.to_string())?;
-    s.write_all(format!("CONNECT {port}\n").as_bytes())
-        .map_err(|e| format!("CONNECT {port}: {e}"))?;
-    let mut line = String::new();
-    let mut reader = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
-    reader
-        .read_line(&mut line)
-        .map_err(|e| format!("waiting for the answer to CONNECT {port}: {e}"))?;
-    if !line.starts_with("OK ") {
-        return Err(format!("CONNECT {port} answered {line:?}"));
-    }
-    Ok(s)
+    vmm_api::vsock::connect(uds, port, None, timeout).map_err(|e| e.to_string())
 }
 
 /// Sends `data` to guest port `port`, then ends the write side; returns

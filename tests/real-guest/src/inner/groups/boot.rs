@@ -36,7 +36,7 @@ fn boot_probe(
     let mut g = Guest::start(
         ctx,
         name,
-        &args(kernel, &ctx.env.cloud.probe_initrd, vcpus, &cmdline),
+        args(kernel, &ctx.env.cloud.probe_initrd, vcpus, &cmdline),
     )?;
     let booted = g.wait_for("RG-BOOTED", BOOT_LIMIT)?;
     g.wait_for("RG-DONE", BOOT_LIMIT)?;
@@ -118,8 +118,8 @@ pub fn mptable(ctx: &mut Ctx, name: &str) -> Check {
     let kernel = ctx.env.generic.bzimage.clone();
     let cmdline = format!("{BASE_CMDLINE} rg.mode=boot");
     let mut a = args(&kernel, &ctx.env.generic.probe_initrd, 2, &cmdline);
-    a.extend(["--acpi".into(), "off".into()]);
-    let mut g = Guest::start(ctx, name, &a)?;
+    a.acpi = Some(false);
+    let mut g = Guest::start(ctx, name, a)?;
     g.wait_for("RG-DONE", BOOT_LIMIT)?;
     g.expect_clean_exit(Duration::from_secs(120))?;
     let lines = g.lines();
@@ -168,7 +168,7 @@ pub fn serial_input(ctx: &mut Ctx, name: &str) -> Check {
     let mut g = Guest::start(
         ctx,
         name,
-        &args(&kernel, &ctx.env.cloud.probe_initrd, 1, &cmdline),
+        args(&kernel, &ctx.env.cloud.probe_initrd, 1, &cmdline),
     )?;
     // More than the 64-byte FIFO holds, written at once before the kernel
     // has even started its serial driver.

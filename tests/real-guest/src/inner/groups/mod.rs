@@ -9,6 +9,8 @@ mod virtio;
 
 use std::path::Path;
 
+use vmm_api::RunSpec;
+
 use super::net::{AckServer, Tap};
 use super::{Check, Ctx};
 
@@ -28,21 +30,14 @@ pub struct Fixtures {
     golden_secs: f64,
 }
 
-/// `vmm run` arguments for a probe guest (more devices may be appended).
-pub fn probe_args(kernel: &Path, initrd: &Path, vcpus: u8, cmdline: &str) -> Vec<String> {
-    vec![
-        "run".into(),
-        "--kernel".into(),
-        kernel.display().to_string(),
-        "--initrd".into(),
-        initrd.display().to_string(),
-        "--mem-mib".into(),
-        PROBE_MEM_MIB.to_string(),
-        "--vcpus".into(),
-        vcpus.to_string(),
-        "--cmdline".into(),
-        cmdline.into(),
-    ]
+/// `vmm run` of a probe guest (devices may be added).
+pub fn probe_args(kernel: &Path, initrd: &Path, vcpus: u8, cmdline: &str) -> RunSpec {
+    let mut run = RunSpec::new(kernel);
+    run.initrd = Some(initrd.to_path_buf());
+    run.mem_mib = PROBE_MEM_MIB;
+    run.vcpus = u64::from(vcpus);
+    run.cmdline = Some(cmdline.into());
+    run
 }
 
 /// Memory of a probe guest.

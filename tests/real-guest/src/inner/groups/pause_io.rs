@@ -13,9 +13,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use serde_json::json;
+use vmm_api::{RestoreSpec, RunSpec, Serial, SnapshotKind};
 
-use crate::inner::vm::Guest;
+use crate::inner::vm::{Guest, Launch};
 use crate::inner::{Check, Ctx};
 
 /// Snapshot and restore rounds; nearly every pause lands right after an OUT.
@@ -61,25 +61,26 @@ fn read(path: &Path) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// Runs `vmm <args> --serial file:<log>` until `at_least` bytes are out,
-/// then pauses it, snapshots it into `snap` (if given) and stops it.
+/// Runs the vmm `launch` describes with `--serial file:<log>` until
+/// `at_least` bytes are out, then pauses it, snapshots it into `snap` (if
+/// given) and stops it.
 fn run_until(
     ctx: &Ctx,
     name: &str,
-    mut args: Vec<String>,
+    mut launch: Launch,
     at_least: usize,
     snap: Option<&Path>,
 ) -> Result<Vec<u8>, String> {
     let log = ctx.scratch.join(format!("{name}.serial"));
     let _ = std::fs::remove_file(&log);
-    args.extend(["--serial".into(), format!("file:{}", log.display())]);
-    let mut g = Guest::start(ctx, name, &args)?;
+    launch.devices_mut().serial = Serial::File(log.clone());
+    let mut g = Guest::start(ctx, name, launch)?;
     wait_for_bytes(&log, at_least).map_err(|e| format!("{e}; {}", g.stderr_tail()))?;
-    g.request(json!({"op": "pause"}))?;
+    g.pause()?;
     if let Some(dir) = snap {
-        g.request(json!({"op": "snapshot", "dir": dir.display().to_string(), "kind": "full"}))?;
+        g.snapshot(dir, SnapshotKind::Full)?;
     }
-    g.request(json!({"op": "stop"}))?;
+    g.stop()?;
     g.expect_clean_exit(LIMIT)?;
     read(&log)
 }
@@ -90,25 +91,16 @@ pub fn pause_after_io(ctx: &mut Ctx, _name: &str) -> Check {
     for round in 0..ROUNDS {
         let snap = ctx.scratch.join(format!("seq-snap{round}"));
         let _ = std::fs::remove_dir_all(&snap);
-        let run = vec![
-            "run".into(),
-            "--kernel".into(),
-            guest.display().to_string(),
-            "--mem-mib".into(),
-            "32".into(),
-        ];
-        let before = run_until(ctx, &format!("seq{round}"), run, 2048, Some(&snap))?;
+        let mut run = RunSpec::new(&guest);
+        run.mem_mib = 32;
+        let before = run_until(ctx, &format!("seq{round}"), run.into(), 2048, Some(&snap))?;
         if let Some(at) = first_break(&before) {
             return Err(format!(
                 "round {round}: the origin's output breaks at byte {at}"
             ));
         }
         let last = *before.last().ok_or("the origin wrote nothing")?;
-        let restore = vec![
-            "restore".into(),
-            "--snapshot".into(),
-            snap.display().to_string(),
-        ];
+        let restore = RestoreSpec::new(&snap).into();
         let after_restore = run_until(ctx, &format!("seq{round}-restored"), restore, 64, None)?;
         let first = *after_restore
             .first()

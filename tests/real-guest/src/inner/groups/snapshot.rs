@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use serde_json::json;
+use vmm_api::command::{Devices, DiskSpec};
+use vmm_api::{RestoreSpec, RunSpec, SnapshotKind, VsockSpec};
 
 use super::checks::bad_kernel_messages;
 use super::virtio::network;
@@ -40,7 +41,7 @@ fn tick(line: &str) -> Option<(u64, f64)> {
     Some((n, up))
 }
 
-fn tick_args(ctx: &Ctx, disk: &Path, uds: &Path) -> Result<Vec<String>, String> {
+fn tick_args(ctx: &Ctx, disk: &Path, uds: &Path) -> Result<RunSpec, String> {
     let kernel = ctx.env.cloud.vmlinux.clone().ok_or("no cloud vmlinux")?;
     let cmdline = format!(
         "{BASE_CMDLINE} rg.mode=tick rg.end=none rg.ip={} rg.peer={}",
@@ -48,21 +49,23 @@ fn tick_args(ctx: &Ctx, disk: &Path, uds: &Path) -> Result<Vec<String>, String> 
         net::HOST_IP
     );
     let mut args = probe_args(&kernel, &ctx.env.cloud.probe_initrd, 1, &cmdline);
-    args.extend(device_args(disk, uds));
+    args.devices = device_args(disk, uds);
     Ok(args)
 }
 
-/// The device back ends, the same for the first boot and every restore.
-fn device_args(disk: &Path, uds: &Path) -> Vec<String> {
-    vec![
-        "--disk".into(),
-        disk.display().to_string(),
-        "--rng".into(),
-        "--net".into(),
-        TAP.into(),
-        "--vsock".into(),
-        format!("3:{}", uds.display()),
-    ]
+/// The device back ends, the same for the first boot and every restore
+/// (the console on stdout).
+fn device_args(disk: &Path, uds: &Path) -> Devices {
+    Devices {
+        disks: vec![DiskSpec::rw(disk)],
+        rng: true,
+        net: Some(TAP.into()),
+        vsock: Some(VsockSpec {
+            cid: 3,
+            uds: uds.to_path_buf(),
+        }),
+        ..Devices::default()
+    }
 }
 
 fn restore_args(
@@ -71,18 +74,11 @@ fn restore_args(
     disk: &Path,
     uds: &Path,
     paused: bool,
-) -> Vec<String> {
-    let mut a = vec![
-        "restore".into(),
-        "--snapshot".into(),
-        snapshot.display().to_string(),
-        "--memory-backend".into(),
-        backend.into(),
-    ];
-    if paused {
-        a.push("--paused".into());
-    }
-    a.extend(device_args(disk, uds));
+) -> RestoreSpec {
+    let mut a = RestoreSpec::new(snapshot);
+    a.memory_backend = Some(backend.into());
+    a.paused = paused;
+    a.devices = device_args(disk, uds);
     a
 }
 
@@ -90,10 +86,6 @@ fn copy(from: &Path, to: &Path) -> Result<(), String> {
     std::fs::copy(from, to)
         .map(|_| ())
         .map_err(|e| format!("copying {} to {}: {e}", from.display(), to.display()))
-}
-
-fn snapshot_request(dir: &Path, kind: &str) -> serde_json::Value {
-    json!({"op": "snapshot", "dir": dir.display().to_string(), "kind": kind})
 }
 
 /// Boots the ticking guest, lets it tick, pauses it and takes a full snapshot.
@@ -104,13 +96,13 @@ fn tick_snapshot(ctx: &mut Ctx) -> Result<&TickSnapshot, String> {
         copy(&ctx.env.test_disk, &disk)?;
         let uds = ctx.scratch.join("tick.vsock");
         let args = tick_args(ctx, &disk, &uds)?;
-        let mut g = Guest::start(ctx, "tick", &args)?;
+        let mut g = Guest::start(ctx, "tick", args)?;
         g.wait_for("RG-TICK 3 ", LIMIT)?;
-        g.request(json!({"op": "pause"}))?;
+        g.pause()?;
         let checksum = g.checksum()?;
         let dir = ctx.scratch.join("tick-snap");
-        g.request(snapshot_request(&dir, "full"))?;
-        g.request(json!({"op": "stop"}))?;
+        g.snapshot(&dir, SnapshotKind::Full)?;
+        g.stop()?;
         g.expect_clean_exit(Duration::from_secs(60))?;
         let lines = g.lines();
         // The console's last line may be cut by the pause: leave it out, so
@@ -150,7 +142,7 @@ pub fn restore(ctx: &mut Ctx, name: &str, backend: &str) -> Check {
     let disk = ctx.scratch.join(format!("{name}.ext4"));
     copy(&kept, &disk)?;
     let uds = ctx.scratch.join(format!("{name}.vsock"));
-    let mut g = Guest::start(ctx, name, &restore_args(&dir, backend, &disk, &uds, true))?;
+    let mut g = Guest::start(ctx, name, restore_args(&dir, backend, &disk, &uds, true))?;
     let restored_sum = g.checksum()?;
     let mut problems = Vec::new();
     if restored_sum != checksum {
@@ -158,7 +150,7 @@ pub fn restore(ctx: &mut Ctx, name: &str, backend: &str) -> Check {
             "memory of the restored, paused VM differs from the snapshot's (checksum {checksum} before, {restored_sum} after)"
         ));
     }
-    g.request(json!({"op": "resume"}))?;
+    g.resume()?;
     let (at, _) = g.wait_from(0, &format!("RG-TICK {} ", last_n + 10), LIMIT)?;
     let lines = g.lines();
     let ticks: Vec<(u64, f64, &String)> = lines[..=at]
@@ -220,7 +212,7 @@ pub fn restore(ctx: &mut Ctx, name: &str, backend: &str) -> Check {
             bad.join(" / ")
         ));
     }
-    g.request(json!({"op": "stop"}))?;
+    g.stop()?;
     g.expect_clean_exit(Duration::from_secs(60))?;
     let fsck = Command::new("e2fsck")
         .arg("-fn")
@@ -256,21 +248,24 @@ pub fn diff_chain(ctx: &mut Ctx, _name: &str) -> Check {
     let mut g = Guest::start(
         ctx,
         "chain",
-        &restore_args(&base, "file", &disk, &uds, false),
+        restore_args(&base, "file", &disk, &uds, false),
     )?;
     let mut layers = Vec::new();
     let mut next = last_n + 2;
-    for (i, kind) in ["full", "diff", "diff"].iter().enumerate() {
+    for (i, kind) in [SnapshotKind::Full, SnapshotKind::Diff, SnapshotKind::Diff]
+        .into_iter()
+        .enumerate()
+    {
         g.wait_for(&format!("RG-TICK {next} "), LIMIT)?;
-        g.request(json!({"op": "pause"}))?;
+        g.pause()?;
         let sum = g.checksum()?;
         let dir = ctx.scratch.join(format!("chain-{i}"));
-        g.request(snapshot_request(&dir, kind))?;
-        g.request(json!({"op": "resume"}))?;
-        layers.push((dir, sum, *kind));
+        g.snapshot(&dir, kind)?;
+        g.resume()?;
+        layers.push((dir, sum, kind));
         next += 2;
     }
-    g.request(json!({"op": "stop"}))?;
+    g.stop()?;
     g.expect_clean_exit(Duration::from_secs(60))?;
     drop(g);
     let mut checked = 0;
@@ -286,14 +281,15 @@ pub fn diff_chain(ctx: &mut Ctx, _name: &str) -> Check {
             let mut r = Guest::start(
                 ctx,
                 &name,
-                &restore_args(dir, backend, &copy_disk, &uds, true),
+                restore_args(dir, backend, &copy_disk, &uds, true),
             )?;
             let got = r.checksum()?;
-            r.request(json!({"op": "stop"}))?;
+            r.stop()?;
             r.expect_clean_exit(Duration::from_secs(60))?;
             if &got != sum {
                 return Err(format!(
-                    "{kind} layer {} restored on {backend}: checksum {got}, taken as {sum}",
+                    "{} layer {} restored on {backend}: checksum {got}, taken as {sum}",
+                    kind.as_str(),
                     dir.display()
                 ));
             }
@@ -311,12 +307,12 @@ pub fn clones_randomness(ctx: &mut Ctx, _name: &str) -> Check {
     let kernel = ctx.env.generic.bzimage.clone();
     let cmdline = format!("{BASE_CMDLINE} rg.mode=urandom rg.end=none");
     let args = probe_args(&kernel, &ctx.env.generic.probe_initrd, 1, &cmdline);
-    let mut g = Guest::start(ctx, "urandom", &args)?;
+    let mut g = Guest::start(ctx, "urandom", args)?;
     g.wait_for("RG-URANDOM 3 ", LIMIT)?;
-    g.request(json!({"op": "pause"}))?;
+    g.pause()?;
     let dir = ctx.scratch.join("urandom-snap");
-    g.request(snapshot_request(&dir, "full"))?;
-    g.request(json!({"op": "stop"}))?;
+    g.snapshot(&dir, SnapshotKind::Full)?;
+    g.stop()?;
     g.expect_clean_exit(Duration::from_secs(60))?;
     let last = g
         .lines_with("RG-URANDOM ")
@@ -334,18 +330,10 @@ pub fn clones_randomness(ctx: &mut Ctx, _name: &str) -> Check {
     drop(g);
     let mut reads = Vec::new();
     for clone in ["clone-a", "clone-b"] {
-        let mut c = Guest::start(
-            ctx,
-            clone,
-            &[
-                "restore".into(),
-                "--snapshot".into(),
-                dir.display().to_string(),
-            ],
-        )?;
+        let mut c = Guest::start(ctx, clone, RestoreSpec::new(&dir))?;
         let want = format!("RG-URANDOM {} ", last + 2);
         let line = c.wait_for(&want, LIMIT)?;
-        c.request(json!({"op": "stop"}))?;
+        c.stop()?;
         c.expect_clean_exit(Duration::from_secs(60))?;
         reads.push(
             line.split_once(&want)
@@ -360,4 +348,25 @@ pub fn clones_randomness(ctx: &mut Ctx, _name: &str) -> Check {
         ));
     }
     Ok(format!("clones read {} and {}", reads[0], reads[1]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restores_get_the_snapshotted_guest_s_devices() {
+        let a = restore_args(
+            Path::new("/s/tick"),
+            "uffd",
+            Path::new("/s/d.ext4"),
+            Path::new("/s/v.sock"),
+            true,
+        );
+        assert_eq!(
+            a.args().join(" "),
+            "restore --snapshot /s/tick --memory-backend uffd --paused --serial stdout \
+             --disk /s/d.ext4 --vsock 3:/s/v.sock --net rgtap0 --rng"
+        );
+    }
 }

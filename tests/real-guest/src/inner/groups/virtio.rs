@@ -6,6 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use vmm_api::command::DiskSpec;
+use vmm_api::VsockSpec;
+
 use super::checks::bad_kernel_messages;
 use super::{probe_args, Fixtures, BASE_CMDLINE};
 use crate::inner::net::{self, AckServer, Tap};
@@ -80,18 +83,20 @@ fn run_guest(ctx: &mut Ctx) -> Result<VirtioRun, String> {
     // on QEMU 7.2, a triple fault once in four runs on QEMU 10; README, "The
     // outer VM's QEMU"); SMP is the boot group's subject.
     let mut args = probe_args(&kernel, &ctx.env.cloud.probe_initrd, 1, &cmdline);
-    args.extend([
-        "--disk".into(),
-        rw_disk.display().to_string(),
-        "--disk".into(),
-        format!("{},ro", ro_disk.display()),
-        "--rng".into(),
-        "--net".into(),
-        tap,
-        "--vsock".into(),
-        format!("3:{}", uds.display()),
-    ]);
-    let mut g = Guest::start(ctx, "virtio", &args)?;
+    args.devices.disks = vec![
+        DiskSpec::rw(&rw_disk),
+        DiskSpec {
+            path: ro_disk.clone(),
+            read_only: true,
+        },
+    ];
+    args.devices.rng = true;
+    args.devices.net = Some(tap);
+    args.devices.vsock = Some(VsockSpec {
+        cid: 3,
+        uds: uds.clone(),
+    });
+    let mut g = Guest::start(ctx, "virtio", args)?;
     let mut sent_sha = Err("the guest never listened on vsock port 1024".to_string());
     let mut ended = g.wait_for("RG-VSOCK-LISTENING", LIMIT).map(|_| ());
     if ended.is_ok() {
