@@ -382,11 +382,13 @@ impl Config {
         )
     }
 
-    /// The vmm's `--vsock CID:UDS` value for a VM in `dir`, for images that
-    /// run guest-init (None: no vsock device).
-    pub fn vsock_device_arg(&self, guest_init: bool, dir: &Path) -> Option<String> {
-        (guest_init && self.vsock_device)
-            .then(|| format!("{GUEST_CID}:{}", self.vsock_path(dir).display()))
+    /// The vmm's vsock device for a VM in `dir`, for images that run
+    /// guest-init (None: no vsock device).
+    pub fn vsock_device(&self, guest_init: bool, dir: &Path) -> Option<vmm_api::VsockSpec> {
+        (guest_init && self.vsock_device).then(|| vmm_api::VsockSpec {
+            cid: GUEST_CID,
+            uds: self.vsock_path(dir),
+        })
     }
 
     /// The vmm binary to run: the configured one, else `vmm` next to the

@@ -9,15 +9,14 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde_json::json;
+use images::capture::{capture, Capture, CaptureError, Ready};
+use vmm_api::command::{DiskSpec, RunSpec, Serial};
 
 use crate::error::{Error, Result};
-use crate::guest::{self, GuestConn};
 use crate::path_roots::{Kind, PathRoots};
 use crate::pool::{copy_disk, GOLDEN_DISK};
 use crate::sessions::{now_ms, Manager};
 use crate::store::ImageRow;
-use crate::supervisor;
 
 /// Longest accepted kernel command line.
 pub const MAX_CMDLINE: usize = 2048;
@@ -95,36 +94,27 @@ pub fn validate(img: &mut ImageRow, roots: &PathRoots) -> Result<()> {
     Ok(())
 }
 
-/// `vmm run` arguments that boot `image` for its golden snapshot in `build`
-/// (the vsock and disk back ends are added by the caller).
-fn boot_args(image: &ImageRow, build: &Path) -> Vec<String> {
-    let mut args = vec![
-        "run".to_string(),
-        "--kernel".to_string(),
-        image.kernel.clone(),
-        "--mem-mib".to_string(),
-        image.mem_mib.to_string(),
-        "--vcpus".to_string(),
-        image.vcpus.to_string(),
-        "--serial".to_string(),
-        format!("file:{}", build.join("serial.log").display()),
-    ];
+/// The `vmm run` that boots `image` for its golden snapshot in `build`
+/// (the vsock device, disk and control socket are added by the caller).
+fn boot_spec(image: &ImageRow, build: &Path) -> RunSpec {
+    let mut spec = RunSpec::new(&image.kernel);
+    spec.mem_mib = u64::from(image.mem_mib);
+    spec.vcpus = u64::from(image.vcpus);
+    spec.devices.serial = Serial::File(build.join("serial.log"));
     if !image.initrd.is_empty() {
-        args.push("--initrd".to_string());
-        args.push(image.initrd.clone());
+        spec.initrd = Some(PathBuf::from(&image.initrd));
     }
     if !image.cmdline.is_empty() {
-        args.push("--cmdline".to_string());
-        args.push(image.cmdline.clone());
+        spec.cmdline = Some(image.cmdline.clone());
     }
-    if image.guest_init {
-        // A Linux guest gets entropy from the host (virtio-rng) from its first boot.
-        args.push("--rng".to_string());
-    }
-    args
+    // A Linux guest gets entropy from the host (virtio-rng) from its first boot.
+    spec.devices.rng = image.guest_init;
+    spec
 }
 
-/// Boots `id`, lets it settle, pauses it and writes its golden snapshot.
+/// Boots `id`, lets it settle, pauses it and writes its golden snapshot,
+/// through the same capture as the `images golden` command
+/// (`images::capture`), in a blocking task.
 pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<ImageRow> {
     let _g = mgr.golden_lock.lock().await;
     let mut image = mgr
@@ -137,49 +127,61 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
     let settle = if settle_ms == 0 { 200 } else { settle_ms };
     let dir = mgr.image_dir(id);
     let build = dir.join(format!("build-{}", uuid::Uuid::new_v4().simple()));
-    let mut args = vec![
-        "--log-max-bytes".to_string(),
-        mgr.cfg.logs.max_file_bytes.to_string(),
-    ];
-    args.extend(boot_args(&image, &build));
-    if let Some(v) = mgr.cfg.vsock_device_arg(image.guest_init, &build) {
-        args.push("--vsock".to_string());
-        args.push(v);
-    }
+    std::fs::create_dir_all(&build)
+        .map_err(|e| Error::io(format!("creating {}", build.display()), e))?;
+    let mut boot = boot_spec(&image, &build);
+    boot.globals.log_max_bytes = Some(mgr.cfg.logs.max_file_bytes);
+    boot.devices.vsock = mgr.cfg.vsock_device(image.guest_init, &build);
+    boot.devices.control_socket = Some(build.join("control.sock"));
     // The image boots on a copy of its rootfs; the copy, as the snapshot
     // leaves it, goes with the golden snapshot (the registered file stays as it is).
     let build_disk = build.join(GOLDEN_DISK);
-    if !image.rootfs.is_empty() {
-        std::fs::create_dir_all(&build)
-            .map_err(|e| Error::io(format!("creating {}", build.display()), e))?;
-        // The operator's path may be a link; the copy is made from what it names.
-        let rootfs = std::fs::canonicalize(&image.rootfs)
-            .map_err(|e| Error::io(format!("resolving rootfs {}", image.rootfs), e))?;
-        copy_disk(&rootfs, &build_disk, None).await?;
-        args.push("--disk".to_string());
-        args.push(build_disk.display().to_string());
-    }
-    let vmm = supervisor::spawn(&mgr.vmm_path, &build, &args, None)?;
     let golden = dir.join(format!("golden-{}", now_ms()));
     let result = async {
-        supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await?;
-        if image.guest_init {
-            // Idle guest-init answering on vsock is what the snapshot keeps.
-            let timeout = Duration::from_secs(mgr.cfg.guest_ready_timeout_seconds);
-            let stream = guest::connect_retry(
-                &mgr.cfg.vsock_path(&build),
-                mgr.cfg.guest_port,
-                mgr.cfg.vsock_device.then_some(vmm.pid),
-                timeout,
-            )
-            .await?;
-            drop(GuestConn::open(stream, "golden", None).await?);
-        } else {
-            tokio::time::sleep(Duration::from_millis(u64::from(settle))).await;
+        if !image.rootfs.is_empty() {
+            // The operator's path may be a link; the copy is made from what it names.
+            let rootfs = std::fs::canonicalize(&image.rootfs)
+                .map_err(|e| Error::io(format!("resolving rootfs {}", image.rootfs), e))?;
+            copy_disk(&rootfs, &build_disk, None).await?;
+            boot.devices.disks.push(DiskSpec::rw(&build_disk));
         }
-        vmm.control(json!({"op":"pause"})).await?;
-        vmm.control(json!({"op":"snapshot","dir":golden,"kind":"full"}))
-            .await?;
+        let ready = if image.guest_init {
+            // Idle guest-init answering on vsock is what the snapshot keeps.
+            Ready::GuestInit {
+                uds: mgr.cfg.vsock_path(&build),
+                port: mgr.cfg.guest_port,
+                served_by_vmm: mgr.cfg.vsock_device,
+                settle: Duration::ZERO,
+                software: format!("host-agent {}", env!("CARGO_PKG_VERSION")),
+            }
+        } else {
+            Ready::Settle(Duration::from_millis(u64::from(settle)))
+        };
+        let boot_timeout = if image.guest_init {
+            Duration::from_secs(60 + mgr.cfg.guest_ready_timeout_seconds)
+        } else {
+            Duration::from_secs(60)
+        };
+        let job = Capture {
+            vmm: mgr.vmm_path.clone(),
+            boot,
+            ready,
+            snapshot_dir: golden.clone(),
+            boot_timeout,
+            vmm_log: Some(build.join("vmm.log")),
+        };
+        let image_id = id.to_string();
+        tokio::task::spawn_blocking(move || {
+            capture(&job, &mut |line| {
+                tracing::info!(image = %image_id, "golden build: {line}");
+            })
+        })
+        .await
+        .map_err(|e| Error::Vmm(format!("the golden build task failed: {e}")))?
+        .map_err(|e| match e {
+            CaptureError::NotReady { .. } => Error::Timeout(e.to_string()),
+            other => Error::Vmm(other.to_string()),
+        })?;
         // The boot's console goes with the snapshot, for whoever has to
         // find out what the golden guest did.
         let _ = std::fs::rename(build.join("serial.log"), golden.join("console.log"));
@@ -194,13 +196,6 @@ pub async fn build_golden(mgr: &Manager, id: &str, settle_ms: u32) -> Result<Ima
         Ok::<_, Error>(())
     }
     .await;
-    let _ = vmm.control(json!({"op":"stop"})).await;
-    if tokio::time::timeout(Duration::from_secs(10), vmm.wait())
-        .await
-        .is_err()
-    {
-        vmm.kill();
-    }
     let _ = std::fs::remove_dir_all(&build);
     if let Err(e) = result {
         let _ = std::fs::remove_dir_all(&golden);
@@ -239,19 +234,23 @@ mod tests {
     #[test]
     fn the_golden_boot_takes_the_image_initrd_when_it_has_one() {
         let build = Path::new("/state/images/img/build-1");
-        let without = boot_args(&image(), build);
-        assert!(!without.iter().any(|a| a == "--initrd"), "{without:?}");
-        let with = boot_args(
+        let without = boot_spec(&image(), build);
+        assert_eq!(without.initrd, None);
+        let with = boot_spec(
             &ImageRow {
                 initrd: "/k/initrd.gz".into(),
                 ..image()
             },
             build,
         );
-        let at = with.iter().position(|a| a == "--initrd").expect("--initrd");
-        assert_eq!(with[at + 1], "/k/initrd.gz");
-        for flag in ["--kernel", "--cmdline", "--rng", "--serial"] {
-            assert!(with.iter().any(|a| a == flag), "{flag} in {with:?}");
-        }
+        assert_eq!(with.initrd.as_deref(), Some(Path::new("/k/initrd.gz")));
+        assert_eq!(with.kernel, Path::new("/k/vmlinux"));
+        assert_eq!(with.cmdline.as_deref(), Some("console=ttyS0"));
+        assert_eq!((with.mem_mib, with.vcpus), (512, 2));
+        assert!(with.devices.rng, "guest-init images get entropy");
+        assert_eq!(with.devices.serial, Serial::File(build.join("serial.log")));
+        let args = with.args();
+        let at = args.iter().position(|a| a == "--initrd").expect("--initrd");
+        assert_eq!(args[at + 1], "/k/initrd.gz");
     }
 }

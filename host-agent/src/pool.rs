@@ -18,7 +18,10 @@ use crate::error::{Error, Result};
 use crate::jail_uids::JailUids;
 use crate::sessions::Manager;
 use crate::store::ImageRow;
-use crate::supervisor::{self, jail_id, run_dirs, JailLaunch, VmmProcess};
+use vmm_api::command::{jail_id, Bind, DiskSpec, JailSpec, RestoreSpec, Serial};
+use vmm_api::VmState;
+
+use crate::supervisor::{self, run_dirs, VmmProcess};
 
 /// The warm VMs of every image.
 pub struct Pool {
@@ -116,7 +119,7 @@ impl Pool {
         let started = async {
             prepare_disk(image, &dir, uid).await?;
             let (args, jail) = restore_launch(&mgr.cfg, image, &dir, true, Source::Golden, uid);
-            supervisor::spawn(&mgr.vmm_path, &dir, &args, jail.as_ref())
+            supervisor::spawn(&mgr.vmm_path, &dir, args.into(), jail.as_ref())
         }
         .await;
         let vm = match started {
@@ -131,7 +134,9 @@ impl Pool {
         };
         let ready = match std::fs::write(dir.join("pid"), format!("{} {}", vm.pid, vm.start_ticks))
         {
-            Ok(()) => supervisor::wait_for_state(&vm, "paused", Duration::from_secs(30)).await,
+            Ok(()) => {
+                supervisor::wait_for_state(&vm, VmState::Paused, Duration::from_secs(30)).await
+            }
             Err(e) => Err(Error::io(format!("writing {}/pid", dir.display()), e)),
         };
         if let Err(e) = ready {
@@ -203,10 +208,10 @@ impl Pool {
     }
 }
 
-/// How to start a restore of `image` for a VM in `dir`: the vmm arguments
+/// How to start a restore of `image` for a VM in `dir`: the vmm's restore
 /// (paths as the vmm sees them) and, for a VM jailed as `uid` (= gid), the
 /// jail. The golden snapshot has a vsock device exactly when the VM gets one:
-/// both follow [`Config::vsock_device_arg`].
+/// both follow [`Config::vsock_device`].
 pub fn restore_launch(
     cfg: &Config,
     image: &ImageRow,
@@ -214,53 +219,43 @@ pub fn restore_launch(
     paused: bool,
     from: Source<'_>,
     uid: Option<u32>,
-) -> (Vec<String>, Option<JailLaunch>) {
+) -> (RestoreSpec, Option<JailSpec>) {
     let (_, inside) = run_dirs(dir, uid.is_some());
     let (snapshot, binds) = match (from, uid.is_some()) {
-        (Source::Golden, false) => (image.golden_dir.clone(), vec![]),
+        (Source::Golden, false) => (PathBuf::from(&image.golden_dir), vec![]),
         (Source::Golden, true) => (
-            GOLDEN_IN_JAIL.to_string(),
-            vec![(PathBuf::from(&image.golden_dir), GOLDEN_IN_JAIL.into())],
+            PathBuf::from(GOLDEN_IN_JAIL),
+            vec![Bind {
+                host: PathBuf::from(&image.golden_dir),
+                jail: GOLDEN_IN_JAIL.into(),
+                read_only: true,
+            }],
         ),
         // The VM's own snapshots are in its run directory, inside the jail if any.
-        (Source::Own(name), _) => (
-            inside.join("snapshots").join(name).display().to_string(),
-            vec![],
-        ),
+        (Source::Own(name), _) => (inside.join("snapshots").join(name), vec![]),
     };
     let overhead = cfg.jail.memory_overhead_mib;
-    let jail = uid.map(|uid| JailLaunch {
+    let jail = uid.map(|uid| JailSpec {
         id: jail_id(dir),
+        root: dir.join("jail"),
         uid,
         gid: uid,
         binds,
+        taps: vec![],
+        devices: vec![],
         memory_max_mib: (overhead > 0).then(|| u64::from(image.mem_mib) + overhead),
     });
-    let mut args = vec![
-        "--log-max-bytes".to_string(),
-        cfg.logs.max_file_bytes.to_string(),
-        "restore".to_string(),
-        "--snapshot".to_string(),
-        snapshot,
-        "--serial".to_string(),
-        format!("file:{}", inside.join("serial.log").display()),
-    ];
-    if paused {
-        args.push("--paused".to_string());
-    }
+    let mut spec = RestoreSpec::new(snapshot);
+    spec.globals.log_max_bytes = Some(cfg.logs.max_file_bytes);
+    spec.paused = paused;
+    spec.devices.serial = Serial::File(inside.join("serial.log"));
     if !image.rootfs.is_empty() {
-        args.push("--disk".to_string());
-        args.push(inside.join(VM_DISK).display().to_string());
+        spec.devices.disks.push(DiskSpec::rw(inside.join(VM_DISK)));
     }
-    if image.guest_init {
-        // As the golden boot had it (see images::build_golden).
-        args.push("--rng".to_string());
-    }
-    if let Some(v) = cfg.vsock_device_arg(image.guest_init, &inside) {
-        args.push("--vsock".to_string());
-        args.push(v);
-    }
-    (args, jail)
+    // As the golden boot had it (see images::build_golden).
+    spec.devices.rng = image.guest_init;
+    spec.devices.vsock = cfg.vsock_device(image.guest_init, &inside);
+    (spec, jail)
 }
 
 /// A VM's own copy of its image's root disk, in its run directory.
@@ -340,27 +335,24 @@ mod tests {
     fn guest_init_vms_get_a_vsock_device_at_their_own_socket() {
         let cfg = Config::default();
         let dir = Path::new("/state/sessions/s1");
-        let (args, jail) = restore_launch(&cfg, &image(true), dir, true, Source::Golden, None);
+        let (spec, jail) = restore_launch(&cfg, &image(true), dir, true, Source::Golden, None);
         assert_eq!(jail, None);
-        assert_eq!(args[..2], ["--log-max-bytes", "16777216"]);
-        let at = args.iter().position(|a| a == "--vsock").expect("--vsock");
-        assert_eq!(args[at + 1], "3:/state/sessions/s1/vsock.sock");
-        assert!(args.contains(&"--paused".to_string()));
-        assert!(args.contains(&"/images/i/golden-1".to_string()), "{args:?}");
-        assert!(
-            args.contains(&"--rng".to_string()),
-            "guest-init images get entropy"
-        );
+        assert_eq!(spec.globals.log_max_bytes, Some(16777216));
+        let vsock = spec.devices.vsock.as_ref().expect("a vsock device");
+        assert_eq!(vsock.arg(), "3:/state/sessions/s1/vsock.sock");
+        assert!(spec.paused);
+        assert_eq!(spec.snapshot, Path::new("/images/i/golden-1"));
+        assert!(spec.devices.rng, "guest-init images get entropy");
 
-        let (args, _) = restore_launch(&cfg, &image(false), dir, false, Source::Golden, None);
-        assert!(!args.contains(&"--vsock".to_string()), "{args:?}");
-        assert!(!args.contains(&"--rng".to_string()), "{args:?}");
+        let (spec, _) = restore_launch(&cfg, &image(false), dir, false, Source::Golden, None);
+        assert_eq!(spec.devices.vsock, None);
+        assert!(!spec.devices.rng);
 
         let off = Config {
             vsock_device: false,
             ..Config::default()
         };
-        assert_eq!(off.vsock_device_arg(true, dir), None);
+        assert_eq!(off.vsock_device(true, dir), None);
     }
 
     #[test]
@@ -373,29 +365,31 @@ mod tests {
             ..Config::default()
         };
         let dir = Path::new("/state/sessions/0b5e-s1");
-        let (args, jail) =
+        let (spec, jail) =
             restore_launch(&cfg, &image(true), dir, false, Source::Golden, Some(1000));
         let jail = jail.expect("a jail");
         assert_eq!(jail.id, "0b5e-s1");
+        assert_eq!(jail.root, dir.join("jail"));
         assert_eq!((jail.uid, jail.gid), (1000, 1000));
         assert_eq!(
             jail.binds,
-            vec![(PathBuf::from("/images/i/golden-1"), "/golden".to_string())]
+            vec![Bind {
+                host: PathBuf::from("/images/i/golden-1"),
+                jail: "/golden".to_string(),
+                read_only: true,
+            }]
         );
         assert_eq!(jail.memory_max_mib, Some(64 + 128));
-        let at = args.iter().position(|a| a == "--snapshot").unwrap();
-        assert_eq!(args[at + 1], "/golden");
-        assert!(
-            args.contains(&"file:/run/serial.log".to_string()),
-            "{args:?}"
-        );
+        assert_eq!(spec.snapshot, Path::new("/golden"));
+        assert_eq!(spec.devices.serial, Serial::File("/run/serial.log".into()));
+        let args = spec.args();
         assert!(args.contains(&"3:/run/vsock.sock".to_string()), "{args:?}");
         assert_eq!(
             run_dirs(dir, true).0,
             PathBuf::from("/state/sessions/0b5e-s1/jail/run")
         );
         // A session's own snapshot: in its run directory, nothing bound in.
-        let (args, jail) = restore_launch(
+        let (spec, jail) = restore_launch(
             &cfg,
             &image(true),
             dir,
@@ -403,11 +397,10 @@ mod tests {
             Source::Own("123-ab"),
             Some(1000),
         );
-        let at = args.iter().position(|a| a == "--snapshot").unwrap();
-        assert_eq!(args[at + 1], "/run/snapshots/123-ab");
+        assert_eq!(spec.snapshot, Path::new("/run/snapshots/123-ab"));
         assert!(jail.unwrap().binds.is_empty());
         let plain = Config::default();
-        let (args, _) = restore_launch(
+        let (spec, _) = restore_launch(
             &plain,
             &image(false),
             dir,
@@ -415,7 +408,9 @@ mod tests {
             Source::Own("123-ab"),
             None,
         );
-        let at = args.iter().position(|a| a == "--snapshot").unwrap();
-        assert_eq!(args[at + 1], "/state/sessions/0b5e-s1/snapshots/123-ab");
+        assert_eq!(
+            spec.snapshot,
+            Path::new("/state/sessions/0b5e-s1/snapshots/123-ab")
+        );
     }
 }

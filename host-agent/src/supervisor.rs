@@ -22,11 +22,11 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use serde_json::{json, Value};
 use tokio::io::unix::AsyncFd;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::net::UnixStream;
 use tokio::sync::watch;
+use vmm_api::async_client::AsyncClient;
+use vmm_api::command::{JailSpec, VmmCommand};
+use vmm_api::{ControlError, SnapshotKind, SnapshotReply, StatusReply, VmState};
 
 use crate::accounting::{is_zombie, parent_pid, process_start_ticks};
 use crate::error::{Error, Result};
@@ -74,21 +74,6 @@ pub struct VmmProcess {
     exited: watch::Receiver<Option<ExitStatus>>,
 }
 
-/// How to confine one vmm with `vmm jail` (see [`crate::config::JailSettings`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct JailLaunch {
-    /// The jail's name: its cgroup `agentvm/<id>` and hostname.
-    pub id: String,
-    /// uid the vmm runs as.
-    pub uid: u32,
-    /// gid the vmm runs as.
-    pub gid: u32,
-    /// Host paths made visible read-only at the given jail paths.
-    pub binds: Vec<(PathBuf, String)>,
-    /// Memory limit of the VM's cgroup, MiB.
-    pub memory_max_mib: Option<u64>,
-}
-
 /// Where a VM keeps its control socket, vsock socket and serial log: the
 /// directory as the host sees it and as the vmm sees it.
 pub fn run_dirs(dir: &Path, jailed: bool) -> (PathBuf, PathBuf) {
@@ -96,25 +81,6 @@ pub fn run_dirs(dir: &Path, jailed: bool) -> (PathBuf, PathBuf) {
         (dir.join("jail/run"), PathBuf::from("/run"))
     } else {
         (dir.to_path_buf(), dir.to_path_buf())
-    }
-}
-
-/// A jail name for the VM in `dir`: its directory name, limited to what
-/// `vmm jail --id` accepts.
-pub fn jail_id(dir: &Path) -> String {
-    let name = dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let id: String = name
-        .chars()
-        .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
-        .take(64)
-        .collect();
-    if id.is_empty() {
-        "vm".to_string()
-    } else {
-        id
     }
 }
 
@@ -186,21 +152,59 @@ impl VmmProcess {
         self
     }
 
-    /// Sends one control request, returning the response object.
-    pub async fn control(&self, request: Value) -> Result<Value> {
-        self.control_with(request, Duration::from_secs(30)).await
-    }
-
-    /// [`VmmProcess::control`] with a timeout. The socket must be served by
-    /// this VM's vmm process (a jailed vmm could plant a link to another).
-    pub async fn control_with(&self, request: Value, timeout: Duration) -> Result<Value> {
+    /// A client of this VM's control socket, bounded by `timeout`, that
+    /// only accepts the socket from this VM's vmm process (a jailed vmm owns
+    /// its run directory and could plant a link to another socket there).
+    pub fn client(&self, timeout: Duration) -> Result<AsyncClient> {
         let peer = self.sample_pid().ok_or_else(|| {
             Error::Vmm(format!(
                 "the jailed vmm under pid {} is not running yet",
                 self.pid
             ))
         })?;
-        control_checked(&self.control, Some(peer), request, timeout).await
+        Ok(AsyncClient::new(&self.control)
+            .peer(Some(peer))
+            .timeout(timeout))
+    }
+
+    /// The VM's state.
+    pub async fn status(&self) -> Result<StatusReply> {
+        self.client(CONTROL_TIMEOUT)?
+            .status()
+            .await
+            .map_err(control_error)
+    }
+
+    /// Parks the vCPUs.
+    pub async fn pause(&self) -> Result<StatusReply> {
+        self.client(CONTROL_TIMEOUT)?
+            .pause()
+            .await
+            .map_err(control_error)
+    }
+
+    /// Lets the vCPUs run.
+    pub async fn resume(&self) -> Result<StatusReply> {
+        self.client(CONTROL_TIMEOUT)?
+            .resume()
+            .await
+            .map_err(control_error)
+    }
+
+    /// Asks the vmm to end the VM.
+    pub async fn stop(&self) -> Result<StatusReply> {
+        self.client(CONTROL_TIMEOUT)?
+            .stop()
+            .await
+            .map_err(control_error)
+    }
+
+    /// Writes a snapshot of the paused VM to `dir` (a path as the vmm sees it).
+    pub async fn snapshot(&self, dir: &Path, kind: SnapshotKind) -> Result<SnapshotReply> {
+        self.client(CONTROL_TIMEOUT)?
+            .snapshot(dir, kind)
+            .await
+            .map_err(control_error)
     }
 
     /// Last lines of the vmm's log, for error messages.
@@ -258,15 +262,15 @@ pub fn kill_orphans(sessions_dir: &Path, live: &std::collections::HashSet<u32>) 
     killed
 }
 
-/// Spawns `vmm` with `args` in `dir` (created if needed), with its log in
+/// Spawns the vmm `command` in `dir` (created if needed), with its log in
 /// `dir/vmm.log` and its control socket in its run directory ([`run_dirs`]).
-/// With `jail`, through `vmm jail` rooted at `dir/jail`; paths in `args` are
-/// then paths inside the jail.
+/// With `jail`, through `vmm jail` (its root is normally `dir/jail`); paths
+/// in `command` are then paths inside the jail.
 pub fn spawn(
     vmm: &Path,
     dir: &Path,
-    args: &[String],
-    jail: Option<&JailLaunch>,
+    mut command: VmmCommand,
+    jail: Option<&JailSpec>,
 ) -> Result<VmmProcess> {
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
@@ -279,29 +283,13 @@ pub fn spawn(
     let log2 = log
         .try_clone()
         .map_err(|e| Error::io(format!("duplicating {}", log_path.display()), e))?;
+    command.devices_mut().control_socket = Some(run_inside.join("control.sock"));
+    let args = match jail {
+        Some(j) => j.wrap(command.args()),
+        None => command.args(),
+    };
     let mut cmd = tokio::process::Command::new(vmm);
-    if let Some(j) = jail {
-        cmd.arg("jail")
-            .arg("--id")
-            .arg(&j.id)
-            .arg("--root")
-            .arg(dir.join("jail"))
-            .arg("--uid")
-            .arg(j.uid.to_string())
-            .arg("--gid")
-            .arg(j.gid.to_string());
-        for (source, target) in &j.binds {
-            cmd.arg("--bind")
-                .arg(format!("{}:{target}:ro", source.display()));
-        }
-        if let Some(m) = j.memory_max_mib {
-            cmd.arg("--memory-max").arg(format!("{m}M"));
-        }
-        cmd.arg("--");
-    }
     cmd.args(args)
-        .arg("--control-socket")
-        .arg(run_inside.join("control.sock"))
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log2))
@@ -399,100 +387,37 @@ pub fn attach(pid: u32, start_ticks: u64, dir: &Path) -> Option<VmmProcess> {
     })
 }
 
-/// Checks that the process serving the Unix socket `stream` is `pid`: a
-/// jailed vmm owns the directory its sockets are in, and could put a link
-/// to some other socket of this host there.
-pub fn check_peer(stream: &UnixStream, pid: Option<u32>, what: &str) -> Result<()> {
-    let Some(pid) = pid else {
-        return Ok(());
-    };
-    let peer = stream
-        .peer_cred()
-        .map_err(|e| Error::Vmm(format!("{what}: cannot read the peer's credentials: {e}")))?
-        .pid();
-    if peer != i32::try_from(pid).ok() {
-        return Err(Error::Vmm(format!(
-            "{what} is served by pid {peer:?}, not by the VM's vmm (pid {pid}); refusing it"
-        )));
+/// How long a control request may take (a snapshot of a large guest
+/// takes seconds).
+pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A control-socket failure as host-agent reports it.
+pub fn control_error(e: ControlError) -> Error {
+    match e {
+        ControlError::Timeout { .. } => Error::Timeout(e.to_string()),
+        other => Error::Vmm(other.to_string()),
     }
-    Ok(())
-}
-
-/// Sends one JSON request on the control socket at `path` and reads the
-/// response line. `{"ok":false}` answers become [`Error::Vmm`].
-pub async fn control(path: &Path, request: Value, timeout: Duration) -> Result<Value> {
-    control_checked(path, None, request, timeout).await
-}
-
-/// [`control`], after checking the socket is served by process `peer`.
-pub async fn control_checked(
-    path: &Path,
-    peer: Option<u32>,
-    request: Value,
-    timeout: Duration,
-) -> Result<Value> {
-    let op = request
-        .get("op")
-        .and_then(|v| v.as_str())
-        .unwrap_or("?")
-        .to_string();
-    let fut = async {
-        let stream = UnixStream::connect(path)
-            .await
-            .map_err(|e| Error::Vmm(format!("control socket {}: {e}", path.display())))?;
-        check_peer(&stream, peer, &format!("control socket {}", path.display()))?;
-        let (r, mut w) = stream.into_split();
-        let mut line = request.to_string();
-        line.push('\n');
-        w.write_all(line.as_bytes())
-            .await
-            .map_err(|e| Error::Vmm(format!("control {op}: {e}")))?;
-        let mut reader = BufReader::new(r);
-        let mut resp = String::new();
-        reader
-            .read_line(&mut resp)
-            .await
-            .map_err(|e| Error::Vmm(format!("control {op}: {e}")))?;
-        if resp.is_empty() {
-            return Err(Error::Vmm(format!("control {op}: connection closed")));
-        }
-        let v: Value = serde_json::from_str(&resp)
-            .map_err(|e| Error::Vmm(format!("control {op}: bad response {resp:?}: {e}")))?;
-        if v.get("ok") != Some(&Value::Bool(true)) {
-            let msg = v
-                .get("error")
-                .and_then(|e| e.as_str())
-                .unwrap_or("no message");
-            return Err(Error::Vmm(format!("control {op} refused: {msg}")));
-        }
-        Ok(v)
-    };
-    tokio::time::timeout(timeout, fut)
-        .await
-        .map_err(|_| Error::Timeout(format!("vmm did not answer control {op} in {timeout:?}")))?
 }
 
 /// Waits until the vmm answers `status` with `want` (e.g. "running"), or
 /// fails if it exits or `timeout` passes.
-pub async fn wait_for_state(vmm: &VmmProcess, want: &str, timeout: Duration) -> Result<()> {
+pub async fn wait_for_state(vmm: &VmmProcess, want: VmState, timeout: Duration) -> Result<()> {
     let deadline = tokio::time::Instant::now() + timeout;
     let mut delay = Duration::from_millis(2);
     loop {
         if let Some(status) = vmm.exit_status() {
             return Err(Error::Vmm(format!("{status}: {}", vmm.log_tail())));
         }
-        if let Ok(v) = vmm
-            .control_with(json!({"op":"status"}), Duration::from_secs(5))
-            .await
-        {
-            if v.get("state").and_then(|s| s.as_str()) == Some(want) {
+        if let Ok(client) = vmm.client(Duration::from_secs(5)) {
+            if client.status().await.is_ok_and(|s| s.state == want) {
                 return Ok(());
             }
         }
         if tokio::time::Instant::now() >= deadline {
             return Err(Error::Timeout(format!(
-                "vmm (pid {}) not {want} after {timeout:?}: {}",
+                "vmm (pid {}) not {} after {timeout:?}: {}",
                 vmm.pid,
+                want.as_str(),
                 vmm.log_tail()
             )));
         }
@@ -504,22 +429,6 @@ pub async fn wait_for_state(vmm: &VmmProcess, want: &str, timeout: Duration) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[tokio::test]
-    async fn a_socket_served_by_another_process_is_refused() {
-        let t = tempfile::tempdir().unwrap();
-        let path = t.path().join("control.sock");
-        let _listener = tokio::net::UnixListener::bind(&path).unwrap();
-        // A jailed vmm could leave a link to some other socket in its directory.
-        let link = t.path().join("planted.sock");
-        std::os::unix::fs::symlink(&path, &link).unwrap();
-        let stream = UnixStream::connect(&link).await.unwrap();
-        let me = std::process::id();
-        assert!(check_peer(&stream, Some(me), "test socket").is_ok());
-        assert!(check_peer(&stream, None, "test socket").is_ok());
-        let err = check_peer(&stream, Some(me + 1), "test socket").unwrap_err();
-        assert!(err.to_string().contains("not by the VM's vmm"), "{err}");
-    }
 
     #[tokio::test]
     async fn the_jailed_vmm_is_whichever_child_the_jailer_has_now() {
@@ -569,16 +478,5 @@ mod tests {
         // SAFETY: kill(2) on the process group this test started.
         unsafe { libc::kill(-(pid as libc::pid_t), libc::SIGKILL) };
         let _ = jailer.wait().await;
-    }
-
-    #[test]
-    fn jail_ids_are_what_vmm_jail_accepts() {
-        assert_eq!(jail_id(Path::new("/s/0b5e-x_1")), "0b5e-x_1");
-        assert_eq!(jail_id(Path::new("/s/a.b c")), "abc");
-        assert_eq!(jail_id(Path::new("/")), "vm");
-        assert_eq!(
-            jail_id(Path::new(&format!("/s/{}", "x".repeat(80)))).len(),
-            64
-        );
     }
 }

@@ -10,16 +10,16 @@
 //! input hash, and a second run returns at once.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use vmm_api::command::{DiskSpec, RunSpec, Serial, VsockSpec};
 
 use crate::cache::{Built, Entry, Outcome};
+use crate::capture::{capture, Capture, Ready};
 use crate::error::{Error, IoContext, Result};
-use crate::guest_channel::GuestChannel;
 use crate::hash;
 use crate::manifest::Inputs;
 use crate::progress::{self, Echo};
-use crate::vmm_control::VmmControl;
-use crate::vmm_process::{self, VmmProcess};
 use crate::RECIPE_VERSION;
 
 /// Guest CID of the golden guest.
@@ -108,57 +108,28 @@ fn golden_error(message: impl Into<String>) -> Error {
     }
 }
 
-/// Waits until guest-init completes the Hello exchange on `uds`.
-pub fn wait_for_guest_init(vm: &mut VmmProcess, uds: &Path, timeout: Duration) -> Result<String> {
-    let start = Instant::now();
-    let mut last_error = String::from("the vmm has not created the vsock socket yet");
-    let mut last_note = Instant::now();
-    while start.elapsed() < timeout {
-        if let Some(status) = vm.exited() {
-            return Err(golden_error(format!(
-                "the vmm exited ({status}) before guest-init answered; console tail:\n{}",
-                vm.console_tail(30)
-            )));
-        }
-        if uds.exists() {
-            match GuestChannel::connect(
-                uds,
-                proto::guest::DEFAULT_VSOCK_PORT,
-                Duration::from_secs(5),
-            )
-            .and_then(|mut c| {
-                c.hello(
-                    concat!("images/", env!("CARGO_PKG_VERSION")),
-                    Duration::from_secs(10),
-                )
-            }) {
-                Ok(h) => return Ok(h.software),
-                Err(e) => last_error = e.to_string(),
-            }
-        }
-        if last_note.elapsed() >= Duration::from_secs(10) {
-            progress::note(
-                "golden",
-                &format!(
-                    "waiting for guest-init ({}s; last: {last_error})",
-                    start.elapsed().as_secs()
-                ),
-            );
-            last_note = Instant::now();
-        }
-        std::thread::sleep(Duration::from_millis(200));
+/// The vmm binary: `explicit`, else `vmm` beside this program (cargo puts
+/// workspace binaries together), else `vmm` in `PATH`.
+pub fn locate_vmm(explicit: Option<&Path>) -> Result<PathBuf> {
+    if let Some(p) = explicit {
+        return vmm_api::process::locate(Some(p)).ok_or_else(|| Error::BadArtifact {
+            path: p.to_path_buf(),
+            message: "no vmm binary here".into(),
+        });
     }
-    Err(golden_error(format!(
-        "guest-init did not answer on vsock port {} within {timeout:?} (last: {last_error}); console tail:\n{}",
-        proto::guest::DEFAULT_VSOCK_PORT,
-        vm.console_tail(30)
-    )))
+    vmm_api::process::locate(None).ok_or_else(|| Error::MissingTools {
+        step: "golden snapshot".into(),
+        missing: vec![crate::error::MissingTool {
+            tool: "vmm".into(),
+            package: "this repository's vmm: cargo build --release -p vmm, then pass --vmm target/release/vmm".into(),
+        }],
+    })
 }
 
 /// Builds (or finds) the golden snapshot.
 pub fn build(opts: &GoldenOptions) -> Result<Outcome> {
     let step = "golden";
-    let vmm = vmm_process::locate(opts.vmm.as_deref())?;
+    let vmm = locate_vmm(opts.vmm.as_deref())?;
     let mut inputs = Inputs::default();
     inputs
         .set("recipe", RECIPE_VERSION)
@@ -177,55 +148,49 @@ pub fn build(opts: &GoldenOptions) -> Result<Outcome> {
         let run = RunDir::new()?;
         let uds = run.path().join("vsock.sock");
         let ctl = run.path().join("control.sock");
-        let mut args = vec![
-            "run".to_string(),
-            "--kernel".into(),
-            opts.kernel.display().to_string(),
-            "--disk".into(),
-            disk.display().to_string(),
-            "--vsock".into(),
-            format!("{GUEST_CID}:{}", uds.display()),
-            "--rng".into(),
-            "--mem-mib".into(),
-            opts.mem_mib.to_string(),
-            "--vcpus".into(),
-            opts.vcpus.to_string(),
-            "--cmdline".into(),
-            opts.cmdline.clone(),
-            "--control-socket".into(),
-            ctl.display().to_string(),
-        ];
-        if let Some(net) = &opts.net {
-            args.extend(["--net".to_string(), net.clone()]);
-        }
+        let mut boot = RunSpec::new(&opts.kernel);
+        boot.mem_mib = opts.mem_mib;
+        boot.vcpus = opts.vcpus;
+        boot.cmdline = Some(opts.cmdline.clone());
+        boot.devices.serial = Serial::File(out.join("console.log"));
+        boot.devices.control_socket = Some(ctl);
+        boot.devices.disks.push(DiskSpec::rw(&disk));
+        boot.devices.vsock = Some(VsockSpec {
+            cid: GUEST_CID,
+            uds: uds.clone(),
+        });
+        boot.devices.rng = true;
+        boot.devices.net = opts.net.clone();
         progress::note(
             step,
-            &format!("booting: {} {}", vmm.display(), args.join(" ")),
+            &format!("booting: {} {}", vmm.display(), boot.args().join(" ")),
         );
-        let mut vm = VmmProcess::spawn(&vmm, &args, &out.join("console.log"))?;
-        let booted = Instant::now();
-        let software = wait_for_guest_init(&mut vm, &uds, opts.boot_timeout)?;
+        let snap = out.join("snapshot");
+        let captured = capture(
+            &Capture {
+                vmm: vmm.clone(),
+                boot,
+                ready: Ready::GuestInit {
+                    uds,
+                    port: proto::guest::DEFAULT_VSOCK_PORT,
+                    served_by_vmm: true,
+                    settle: SETTLE,
+                    software: concat!("images/", env!("CARGO_PKG_VERSION")).into(),
+                },
+                snapshot_dir: snap.clone(),
+                boot_timeout: opts.boot_timeout,
+                vmm_log: None,
+            },
+            &mut |line| progress::note(step, line),
+        )
+        .map_err(|e| golden_error(e.to_string()))?;
         progress::note(
             step,
             &format!(
-                "guest-init ready after {:.1}s ({software})",
-                booted.elapsed().as_secs_f64()
+                "snapshot written: {} bytes of memory in {:.0} ms",
+                captured.snapshot.memory_bytes_written, captured.snapshot.ms
             ),
         );
-        std::thread::sleep(SETTLE);
-        let snap = out.join("snapshot");
-        let mut control = VmmControl::connect(&ctl, Duration::from_secs(120))
-            .map_err(|e| golden_error(e.to_string()))?;
-        control.pause().map_err(|e| golden_error(e.to_string()))?;
-        let answer = control
-            .full_snapshot(&snap)
-            .map_err(|e| golden_error(e.to_string()))?;
-        progress::note(step, &format!("snapshot written: {answer}"));
-        control.stop().map_err(|e| golden_error(e.to_string()))?;
-        if vm.wait_exit(Duration::from_secs(10)).is_none() {
-            progress::note(step, "the vmm did not exit within 10s of stop; killing it");
-        }
-        drop(vm);
         let mut outputs = vec!["rootfs.ext4".to_string()];
         for name in ["state", "memory", "manifest"] {
             let p = snap.join(name);

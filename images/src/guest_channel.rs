@@ -1,7 +1,8 @@
-//! The host side of the guest channel through the vmm's vsock device: a
-//! Unix socket where the host writes `CONNECT <port>\n`, reads
-//! `OK <host port>\n`, and then speaks length-prefixed protobuf frames
-//! (`proto::guest`), starting with the Hello exchange.
+//! A blocking guest channel for tools and tests: the vsock `CONNECT`
+//! handshake of `vmm_api::vsock`, then length-prefixed protobuf frames
+//! (`proto::framing`), opened by the Hello exchange of `proto::hello`.
+//! host-agent's session channel is the async, multiplexed user of the same
+//! three pieces.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -9,28 +10,24 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use proto::framing::{self, FrameDecoder, DEFAULT_MAX_FRAME};
-use proto::guest::{
-    guest_message, host_message, GuestMessage, Hello, HostMessage, PROTOCOL_VERSION,
-};
+use proto::guest::{GuestMessage, Hello, HostMessage};
+use proto::hello::HelloError;
+use vmm_api::ControlError;
 
 /// Errors on the guest channel.
 #[derive(Debug, thiserror::Error)]
 pub enum ChannelError {
-    /// Connecting or talking to the socket failed.
+    /// Connecting failed, or the vmm refused the CONNECT (nobody listens on
+    /// that guest port yet).
+    #[error(transparent)]
+    Connect(#[from] ControlError),
+    /// Talking on the open channel failed.
     #[error("vsock socket {path}: {source}")]
     Io {
         /// The Unix socket.
         path: String,
         /// The OS error.
         source: std::io::Error,
-    },
-    /// The vmm refused the CONNECT (nobody listens on that guest port yet).
-    #[error("vsock CONNECT {port} refused: {reply}")]
-    Refused {
-        /// Guest port.
-        port: u32,
-        /// What came back instead of `OK`.
-        reply: String,
     },
     /// A frame could not be encoded or decoded.
     #[error("guest channel: {0}")]
@@ -41,9 +38,9 @@ pub enum ChannelError {
     /// Nothing arrived in time.
     #[error("no message from the guest within {0:?}")]
     Timeout(Duration),
-    /// The guest answered something other than what the protocol expects.
-    #[error("unexpected guest message: {0}")]
-    Unexpected(String),
+    /// The guest's first message did not open the channel.
+    #[error(transparent)]
+    Hello(#[from] HelloError),
 }
 
 /// An open channel to guest-init.
@@ -56,34 +53,21 @@ pub struct GuestChannel {
 impl GuestChannel {
     /// Connects to `uds` and asks the vmm for guest `port`.
     pub fn connect(uds: &Path, port: u32, timeout: Duration) -> Result<Self, ChannelError> {
-        let path = uds.display().to_string();
-        let io = |source| ChannelError::Io {
-            path: path.clone(),
-            source,
-        };
-        let mut stream = UnixStream::connect(uds).map_err(io)?;
-        stream.set_read_timeout(Some(timeout)).map_err(io)?;
-        stream
-            .write_all(format!("CONNECT {port}\n").as_bytes())
-            .map_err(io)?;
-        let mut line = Vec::new();
-        let mut byte = [0u8; 1];
-        while line.len() < 64 {
-            match stream.read(&mut byte) {
-                Ok(0) => break,
-                Ok(_) if byte[0] == b'\n' => break,
-                Ok(_) => line.push(byte[0]),
-                Err(e) => return Err(io(e)),
-            }
-        }
-        let reply = String::from_utf8_lossy(&line).into_owned();
-        if !reply.starts_with("OK ") {
-            return Err(ChannelError::Refused { port, reply });
-        }
+        Self::connect_checked(uds, port, None, timeout)
+    }
+
+    /// [`GuestChannel::connect`], requiring `uds` to be served by `peer`.
+    pub fn connect_checked(
+        uds: &Path,
+        port: u32,
+        peer: Option<u32>,
+        timeout: Duration,
+    ) -> Result<Self, ChannelError> {
+        let stream = vmm_api::vsock::connect(uds, port, peer, timeout)?;
         Ok(Self {
             stream,
             decoder: FrameDecoder::new(DEFAULT_MAX_FRAME),
-            path,
+            path: uds.display().to_string(),
         })
     }
 
@@ -133,28 +117,16 @@ impl GuestChannel {
 
     /// The Hello exchange: sends ours, returns guest-init's.
     pub fn hello(&mut self, software: &str, timeout: Duration) -> Result<Hello, ChannelError> {
-        self.send(&HostMessage {
-            kind: Some(host_message::Kind::Hello(Hello {
-                protocol_version: PROTOCOL_VERSION,
-                software: software.to_string(),
-            })),
-        })?;
-        match self.recv(timeout)?.kind {
-            Some(guest_message::Kind::Hello(h)) if h.protocol_version == PROTOCOL_VERSION => Ok(h),
-            Some(guest_message::Kind::Hello(h)) => Err(ChannelError::Unexpected(format!(
-                "guest speaks protocol {}, we speak {PROTOCOL_VERSION}",
-                h.protocol_version
-            ))),
-            other => Err(ChannelError::Unexpected(format!(
-                "{other:?} instead of Hello"
-            ))),
-        }
+        self.send(&proto::hello::host_hello(software))?;
+        let first: GuestMessage = self.recv(timeout)?;
+        Ok(proto::hello::accept_guest_hello(first)?)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proto::guest::{guest_message, host_message, PROTOCOL_VERSION};
     use std::os::unix::net::UnixListener;
 
     /// A fake vmm vsock socket: accepts, answers the CONNECT line, then
@@ -212,7 +184,13 @@ mod tests {
         let e = GuestChannel::connect(&sock, 7, Duration::from_secs(5))
             .err()
             .unwrap();
-        assert!(matches!(e, ChannelError::Refused { port: 7, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                ChannelError::Connect(ControlError::ConnectRefused { port: 7, .. })
+            ),
+            "{e}"
+        );
         t.join().unwrap();
     }
 }

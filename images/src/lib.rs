@@ -15,6 +15,7 @@
 //! each step needs first and names the package to install.
 
 pub mod cache;
+pub mod capture;
 pub mod debian;
 pub mod disk;
 pub mod elf;
@@ -27,8 +28,6 @@ pub mod manifest;
 pub mod progress;
 pub mod rootfs;
 pub mod tools;
-pub mod vmm_control;
-pub mod vmm_process;
 
 pub use error::{Error, Result};
 

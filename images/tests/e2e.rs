@@ -21,12 +21,13 @@ use std::time::{Duration, Instant};
 use common::{images, is_root, printed_dir, sh, shared_cache, workspace};
 use images::golden::{RunDir, GUEST_CID};
 use images::guest_channel::GuestChannel;
-use images::vmm_process::VmmProcess;
 use proto::guest::guest_message::Kind as Out;
 use proto::guest::host_message::Kind as In;
 use proto::guest::{
     EndTurn, Exec, FetchBranch, GuestMessage, HostMessage, RepoChunk, Shutdown, StartSession,
 };
+use vmm_api::command::{DiskSpec, RestoreSpec, Serial, VsockSpec};
+use vmm_api::process::{file_tail, VmmChild};
 
 const SKIP: &str = "skipped: no hardware virtualization (vmx/svm) on this host; run on bare metal or a nested-virt VM";
 const WAIT: Duration = Duration::from_secs(60);
@@ -196,29 +197,45 @@ fn real_guest_session_from_a_golden_snapshot() {
     images::golden::copy_disk(&golden.join("rootfs.ext4"), &disk).unwrap();
     let uds = run.path().join("v.sock");
     let ctl = run.path().join("c.sock");
-    let args: Vec<String> = [
-        "restore",
-        "--snapshot",
-        golden.join("snapshot").to_str().unwrap(),
-        "--disk",
-        disk.to_str().unwrap(),
-        "--vsock",
-        &format!("{GUEST_CID}:{}", uds.display()),
-        "--control-socket",
-        ctl.to_str().unwrap(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
     let console = run.path().join("console.log");
+    let mut spec = RestoreSpec::new(golden.join("snapshot"));
+    spec.devices.serial = Serial::File(console.clone());
+    spec.devices.disks.push(DiskSpec::rw(&disk));
+    spec.devices.vsock = Some(VsockSpec {
+        cid: GUEST_CID,
+        uds: uds.clone(),
+    });
+    spec.devices.control_socket = Some(ctl);
     let restored = Instant::now();
-    let mut vm = VmmProcess::spawn(&vmm, &args, &console).unwrap();
-    let software =
-        images::golden::wait_for_guest_init(&mut vm, &uds, Duration::from_secs(30)).unwrap();
-    println!(
-        "guest-init ({software}) answered {:?} after restore",
-        restored.elapsed()
-    );
+    let mut vm = VmmChild::spawn(&vmm, &spec.args()).unwrap();
+    let mut c = loop {
+        if let Some(status) = vm.exited() {
+            panic!(
+                "the vmm exited ({status}); console:\n{}",
+                file_tail(&console, 30)
+            );
+        }
+        let hello = GuestChannel::connect(&uds, proto::guest::DEFAULT_VSOCK_PORT, WAIT)
+            .and_then(|mut c| c.hello("images e2e", WAIT).map(|h| (c, h)));
+        match hello {
+            Ok((c, h)) => {
+                println!(
+                    "guest-init ({}) answered {:?} after restore",
+                    h.software,
+                    restored.elapsed()
+                );
+                break c;
+            }
+            Err(e) if restored.elapsed() < Duration::from_secs(30) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => panic!(
+                "guest-init did not answer: {e}; console:\n{}",
+                file_tail(&console, 30)
+            ),
+        }
+    };
 
     // A small repository with the agent's rules.
     let repo = tempfile::tempdir().unwrap();
@@ -235,8 +252,6 @@ fn real_guest_session_from_a_golden_snapshot() {
     );
     let bundle = std::fs::read(&bundle_path).unwrap();
 
-    let mut c = GuestChannel::connect(&uds, proto::guest::DEFAULT_VSOCK_PORT, WAIT).unwrap();
-    c.hello("images e2e", WAIT).unwrap();
     send(
         &mut c,
         In::StartSession(StartSession {
@@ -270,7 +285,7 @@ fn real_guest_session_from_a_golden_snapshot() {
         Out::Ready(r) => assert_eq!(r.branch, "session/e2e"),
         other => panic!(
             "expected Ready, got {other:?}; console:\n{}",
-            vm.console_tail(30)
+            file_tail(&console, 30)
         ),
     }
 

@@ -2,12 +2,14 @@
 //!
 //! * [`guest`]: the guest <-> host session protocol (`proto/guest.proto`).
 //! * [`framing`]: the length-prefixed frames those messages travel in.
+//! * [`hello`]: the Hello exchange that opens a guest channel.
 //! * `hostagent` (feature `grpc`): the host-agent gRPC API
 //!   (`proto/hostagent.proto`), tonic clients and servers.
 //!
 //! The `.proto` files are compiled at build time by protox, in pure Rust.
 
 pub mod framing;
+pub mod hello;
 
 /// The guest <-> host session protocol, package `guest.v1`.
 pub mod guest {

@@ -236,6 +236,46 @@ impl RestoreSpec {
     }
 }
 
+/// A vmm to start: a boot or a restore.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VmmCommand {
+    /// `vmm run`.
+    Run(RunSpec),
+    /// `vmm restore`.
+    Restore(RestoreSpec),
+}
+
+impl VmmCommand {
+    /// The devices and sockets, to fill in what the launcher owns (the
+    /// control socket's path, say).
+    pub fn devices_mut(&mut self) -> &mut Devices {
+        match self {
+            VmmCommand::Run(r) => &mut r.devices,
+            VmmCommand::Restore(r) => &mut r.devices,
+        }
+    }
+
+    /// The vmm's arguments (without the program).
+    pub fn args(&self) -> Vec<String> {
+        match self {
+            VmmCommand::Run(r) => r.args(),
+            VmmCommand::Restore(r) => r.args(),
+        }
+    }
+}
+
+impl From<RunSpec> for VmmCommand {
+    fn from(spec: RunSpec) -> Self {
+        VmmCommand::Run(spec)
+    }
+}
+
+impl From<RestoreSpec> for VmmCommand {
+    fn from(spec: RestoreSpec) -> Self {
+        VmmCommand::Restore(spec)
+    }
+}
+
 /// A host path brought into a jail.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bind {

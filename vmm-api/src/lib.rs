@@ -21,6 +21,6 @@ pub mod protocol;
 pub mod vsock;
 
 pub use client::Client;
-pub use command::{JailSpec, RestoreSpec, RunSpec, Serial, VsockSpec};
+pub use command::{JailSpec, RestoreSpec, RunSpec, Serial, VmmCommand, VsockSpec};
 pub use error::ControlError;
 pub use protocol::{ChecksumReply, Request, SnapshotKind, SnapshotReply, StatusReply, VmState};

@@ -26,8 +26,8 @@ use prost::Message as _;
 use proto::framing::{decode_payload, encode_frame, FrameDecoder, FrameError, DEFAULT_MAX_FRAME};
 use proto::guest::{
     answer::Reply, error::Code, guest_message::Kind as Out, host_message::Kind as In, Answer,
-    AskRequest, AuditEvent, BundleChunk, Error as GuestError, FetchBranch, GuestMessage, Hello,
-    HostMessage, PROTOCOL_VERSION,
+    AskRequest, AuditEvent, BundleChunk, Error as GuestError, FetchBranch, GuestMessage,
+    HostMessage,
 };
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -53,33 +53,9 @@ pub struct Violation {
 /// Connects to guest port `port` through the vsock Unix socket at `path`.
 /// With `peer`, the socket must be served by that process (the VM's vmm).
 pub async fn connect(path: &Path, port: u32, peer: Option<u32>) -> Result<UnixStream> {
-    let mut stream = UnixStream::connect(path)
+    vmm_api::vsock::connect_async(path, port, peer)
         .await
-        .map_err(|e| Error::Guest(format!("vsock socket {}: {e}", path.display())))?;
-    crate::supervisor::check_peer(&stream, peer, &format!("vsock socket {}", path.display()))?;
-    stream
-        .write_all(format!("CONNECT {port}\n").as_bytes())
-        .await
-        .map_err(|e| Error::Guest(format!("vsock CONNECT: {e}")))?;
-    let mut line = String::new();
-    // Read byte by byte so no stream data after the line is buffered away.
-    loop {
-        let mut b = [0u8; 1];
-        let n = stream
-            .read(&mut b)
-            .await
-            .map_err(|e| Error::Guest(format!("vsock CONNECT reply: {e}")))?;
-        if n == 0 || b[0] == b'\n' || line.len() > 64 {
-            break;
-        }
-        line.push(b[0] as char);
-    }
-    if !line.starts_with("OK ") {
-        return Err(Error::Guest(format!(
-            "vsock CONNECT {port} refused: {line:?} (is guest-init listening?)"
-        )));
-    }
-    Ok(stream)
+        .map_err(|e| Error::Guest(e.to_string()))
 }
 
 /// Connects, retrying until `timeout` (the guest may still be starting).
@@ -163,10 +139,7 @@ impl GuestConn {
         audit: Option<AuditSink>,
     ) -> Result<GuestConn> {
         let (r, mut w) = stream.into_split();
-        let hello = kind(In::Hello(Hello {
-            protocol_version: PROTOCOL_VERSION,
-            software: format!("host-agent {}", env!("CARGO_PKG_VERSION")),
-        }));
+        let hello = proto::hello::host_hello(format!("host-agent {}", env!("CARGO_PKG_VERSION")));
         let frame = encode_frame(&hello, DEFAULT_MAX_FRAME)
             .map_err(|e| Error::Guest(format!("encoding Hello: {e}")))?;
         w.write_all(&frame)
@@ -209,17 +182,9 @@ impl GuestConn {
             shared,
             control: tokio::sync::Mutex::new(ctl_rx),
         };
-        match conn.next_control(Duration::from_secs(30)).await? {
-            GuestMessage {
-                kind: Some(Out::Hello(h)),
-            } if h.protocol_version == PROTOCOL_VERSION => Ok(conn),
-            GuestMessage {
-                kind: Some(Out::Error(e)),
-            } => Err(Error::Guest(format!("guest refused Hello: {}", e.message))),
-            other => Err(Error::Guest(format!(
-                "expected Hello from the guest, got {other:?}"
-            ))),
-        }
+        let first = conn.next_control(Duration::from_secs(30)).await?;
+        proto::hello::accept_guest_hello(first).map_err(|e| Error::Guest(e.to_string()))?;
+        Ok(conn)
     }
 
     /// Sends one message; fails when the guest has not made room for it in

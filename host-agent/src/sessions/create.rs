@@ -239,9 +239,9 @@ impl Manager {
         let attempt = async {
             self.adopt_vmm(sess, &vmm)?;
             if resume {
-                vmm.control(json!({"op":"resume"})).await?;
+                vmm.resume().await?;
             }
-            supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await?;
+            supervisor::wait_for_state(&vmm, VmState::Running, Duration::from_secs(60)).await?;
             if image.guest_init {
                 let conn = self.start_guest(sess).await?;
                 sess.lock().guest = Some(Arc::new(conn));
@@ -293,6 +293,6 @@ impl Manager {
         }
         prepare_disk(image, dir, uid).await?;
         let (args, jail) = restore_launch(&self.cfg, image, dir, false, Source::Golden, uid);
-        supervisor::spawn(&self.vmm_path, dir, &args, jail.as_ref())
+        supervisor::spawn(&self.vmm_path, dir, args.into(), jail.as_ref())
     }
 }

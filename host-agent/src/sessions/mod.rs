@@ -31,7 +31,6 @@ use proto::guest::{
     StartSession,
 };
 use proto::hostagent::SessionState as S;
-use serde_json::json;
 use tokio::sync::watch;
 
 use crate::accounting::{read_sample, Meter};
@@ -46,6 +45,7 @@ use crate::pool::{copy_disk, prepare_disk, restore_launch, Pool, Source, VM_DISK
 use crate::repo::Repo;
 use crate::store::{EventRow, ImageRow, SessionRow, Store};
 use crate::supervisor::{self, ExitStatus, VmmProcess};
+use vmm_api::{SnapshotKind, VmState};
 
 /// What Create needs.
 #[derive(Debug, Clone, Default)]

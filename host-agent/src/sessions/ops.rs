@@ -21,7 +21,7 @@ impl Manager {
         let vmm = sess
             .vmm()
             .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
-        vmm.control(json!({"op":"pause"})).await?;
+        vmm.pause().await?;
         self.transition(&sess, S::Paused, why, "")?;
         Ok(sess.row())
     }
@@ -43,7 +43,7 @@ impl Manager {
         let vmm = sess
             .vmm()
             .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
-        vmm.control(json!({"op":"resume"})).await?;
+        vmm.resume().await?;
         self.transition(&sess, S::Running, "resumed", "")?;
         self.touch(&sess);
         Ok(sess.row())
@@ -74,13 +74,16 @@ impl Manager {
         crate::safe_fs::ensure_dir(&snaps, owner)
             .map_err(|e| Error::io(format!("preparing {}", snaps.display()), e))?;
         if was_running {
-            vmm.control(json!({"op":"pause"})).await?;
+            vmm.pause().await?;
             self.transition(&sess, S::Paused, "snapshot", "")?;
         }
         let name = format!("{}-{}", now_ms(), uuid::Uuid::new_v4().simple());
         let dir = snaps.join(&name);
         let mut result = vmm
-            .control(json!({"op":"snapshot","dir":run_inside.join("snapshots").join(&name),"kind":"full"}))
+            .snapshot(
+                &run_inside.join("snapshots").join(&name),
+                SnapshotKind::Full,
+            )
             .await;
         // The disk goes with the memory (its page cache is in it), copied while
         // paused, to a place the vmm cannot write.
@@ -102,11 +105,10 @@ impl Manager {
             }
         }
         if was_running {
-            vmm.control(json!({"op":"resume"})).await?;
+            vmm.resume().await?;
             self.transition(&sess, S::Running, "snapshot", "")?;
         }
-        let v = result?;
-        let pages = v.get("pages_written").and_then(|p| p.as_u64()).unwrap_or(0);
+        let pages = result?.pages_written;
         self.touch(&sess);
         Ok((sess.row(), dir.display().to_string(), pages))
     }
@@ -220,8 +222,9 @@ impl Manager {
             Source::Own(&name),
             old.jail_uid,
         );
-        let vmm =
-            Arc::new(supervisor::spawn(&self.vmm_path, &dir, &args, jail.as_ref()).map_err(fail)?);
+        let vmm = Arc::new(
+            supervisor::spawn(&self.vmm_path, &dir, args.into(), jail.as_ref()).map_err(fail)?,
+        );
         let recorded = {
             let mut i = sess.lock();
             i.vmm = Some(vmm.clone());
@@ -231,7 +234,9 @@ impl Manager {
         };
         self.watch_exit(sess.clone(), vmm.clone());
         let started = match recorded {
-            Ok(()) => supervisor::wait_for_state(&vmm, "running", Duration::from_secs(60)).await,
+            Ok(()) => {
+                supervisor::wait_for_state(&vmm, VmState::Running, Duration::from_secs(60)).await
+            }
             Err(e) => Err(e),
         };
         if let Err(e) = started {
@@ -295,7 +300,7 @@ impl Manager {
             self.transition(&sess, S::Stopped, why, "no vmm process")?;
             return Ok(sess.row());
         };
-        if let Err(e) = vmm.control(json!({"op":"stop"})).await {
+        if let Err(e) = vmm.stop().await {
             tracing::warn!(session = %id, error = %e, "control stop failed; killing the vmm");
             vmm.kill();
         }

@@ -74,17 +74,11 @@ impl Manager {
         let vmm = Arc::new(vmm);
         sess.lock().vmm = Some(vmm.clone());
         self.watch_exit(sess.clone(), vmm.clone());
-        let status = vmm.control(json!({"op":"status"})).await;
-        let vm_state = status
-            .as_ref()
-            .ok()
-            .and_then(|v| v.get("state").and_then(|s| s.as_str()).map(str::to_string));
+        let status = vmm.status().await;
+        let vm_state = status.as_ref().ok().map(|v| v.state);
         tracing::info!(session = %row.id, pid = vmm.pid, state = state_name(state), vm = ?vm_state, "re-attached");
-        match (
-            S::try_from(state).unwrap_or(S::Unspecified),
-            vm_state.as_deref(),
-        ) {
-            (S::Running, Some("running")) if image.guest_init => {
+        match (S::try_from(state).unwrap_or(S::Unspecified), vm_state) {
+            (S::Running, Some(VmState::Running)) if image.guest_init => {
                 // The old channel died with the old process; take the guest's session back
                 // now rather than on the first exec (a failure is retried then).
                 let mgr = self.clone();
@@ -95,21 +89,21 @@ impl Manager {
                     }
                 });
             }
-            (S::Running, Some("running")) | (S::Paused, Some("paused")) => {}
-            (S::Ready, Some("running")) => {
+            (S::Running, Some(VmState::Running)) | (S::Paused, Some(VmState::Paused)) => {}
+            (S::Ready, Some(VmState::Running)) => {
                 self.transition(&sess, S::Running, "reconciled", "")?;
             }
-            (S::Running | S::Ready, Some("paused")) => {
+            (S::Running | S::Ready, Some(VmState::Paused)) => {
                 self.transition(&sess, S::Paused, "reconciled", "vmm was paused")?;
             }
-            (S::Paused, Some("running")) => {
+            (S::Paused, Some(VmState::Running)) => {
                 // The pause was not recorded as done; make it so.
-                vmm.control(json!({"op":"pause"})).await?;
+                vmm.pause().await?;
             }
             (S::Stopping, _) => {
                 let why = row.reason.clone();
                 sess.lock().pending_stop = Some(why);
-                if vmm.control(json!({"op":"stop"})).await.is_err() {
+                if vmm.stop().await.is_err() {
                     vmm.kill();
                 }
             }
