@@ -1,7 +1,8 @@
-//! Session calls against guest-init run as a host process (a real Linux
-//! guest cannot boot on this machine), reached through a small shim that
-//! speaks the vsock CONNECT convention on a Unix socket — the host side of
-//! a vmm's vsock. The vmm itself runs the counter test guest.
+//! host-agent, guest-init and the vmm together: session calls against
+//! guest-init run as a host process (a real Linux guest cannot boot on this
+//! machine), reached through the harness's CONNECT shim on a Unix socket —
+//! the host side of a vmm's vsock. The vmm itself runs the counter test
+//! guest.
 //!
 //! Covers: golden snapshot waiting for guest-init, Create → READY on
 //! guest-init's Ready, exec with streaming stdin/stdout and exit codes,
@@ -11,19 +12,18 @@
 //! a new channel: exec works again, the audit chain goes on, and the branch
 //! still comes back at Stop.
 
-mod common;
-
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::*;
 use proto::hostagent as pb;
 use proto::hostagent::exec_request::Kind as Req;
 use proto::hostagent::exec_response::Kind as Resp;
 use sha2::{Digest, Sha256};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{UnixListener, UnixStream};
+use test_harness::agent::{Agent, S};
+use test_harness::bin::{guest_init_path, host_agent_path};
+use test_harness::git::{git, repo_with_files};
+use test_harness::vsock_shim;
 use tonic::Code;
 
 const RULES: &str = r#"---
@@ -63,20 +63,14 @@ impl Drop for Guest {
 /// guest-init serving on a Unix socket, a repository, and the CONNECT shim.
 async fn start_guest() -> Guest {
     let dir = tempfile::tempdir().unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let repo = dir.path().join("repo");
-    std::fs::create_dir_all(repo.join("agents")).unwrap();
-    git(&repo, &["init", "-q", "-b", "main"]);
-    std::fs::write(repo.join("agents/coder.md"), RULES).unwrap();
-    std::fs::write(
-        repo.join("agent-manifest.yaml"),
-        "version: 1\nagents:\n  coder: {}\n",
-    )
-    .unwrap();
-    std::fs::write(repo.join("README.md"), "hello\n").unwrap();
-    git(&repo, &["add", "-A"]);
-    git(&repo, &["commit", "-q", "-m", "initial"]);
+    repo_with_files(
+        dir.path(),
+        &[
+            ("agents/coder.md", RULES),
+            ("agent-manifest.yaml", "version: 1\nagents:\n  coder: {}\n"),
+            ("README.md", "hello\n"),
+        ],
+    );
 
     let gi_sock = dir.path().join("guest-init.sock");
     let child = Command::new(guest_init_path())
@@ -99,41 +93,14 @@ async fn start_guest() -> Guest {
     }
     assert!(gi_sock.exists(), "guest-init did not listen");
 
-    // The shim: accept on the "vsock" socket, expect `CONNECT <port>\n`,
-    // connect to guest-init, answer `OK <hostport>\n`, then relay bytes.
-    let listener = UnixListener::bind(dir.path().join("vsock.sock")).unwrap();
-    tokio::spawn(async move {
-        let mut hostport = 50_000u32;
-        loop {
-            let Ok((conn, _)) = listener.accept().await else {
-                return;
-            };
-            hostport += 1;
-            let gi_sock = gi_sock.clone();
-            tokio::spawn(async move {
-                let mut conn = BufReader::new(conn);
-                let mut line = String::new();
-                if conn.read_line(&mut line).await.is_err()
-                    || line.trim() != format!("CONNECT {}", proto::guest::DEFAULT_VSOCK_PORT)
-                {
-                    let _ = conn.get_mut().write_all(b"ERR unknown port\n").await;
-                    return;
-                }
-                let Ok(mut upstream) = UnixStream::connect(&gi_sock).await else {
-                    return;
-                };
-                let mut conn = conn.into_inner();
-                if conn
-                    .write_all(format!("OK {hostport}\n").as_bytes())
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-                let _ = tokio::io::copy_bidirectional(&mut conn, &mut upstream).await;
-            });
-        }
-    });
+    // The shim: `CONNECT <guest-init's port>` on the "vsock" socket is
+    // relayed to guest-init's socket.
+    vsock_shim::relay(
+        &dir.path().join("vsock.sock"),
+        proto::guest::DEFAULT_VSOCK_PORT,
+        gi_sock,
+    )
+    .unwrap();
     Guest { dir, child }
 }
 
@@ -210,7 +177,7 @@ async fn guest_init_session_exec_approvals_audit_branch() {
     // The operator CLI relays too, stdin included, and exits with the
     // command's status.
     let cli = |args: &[&str], input: &str| {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_host-agent"))
+        let mut child = Command::new(host_agent_path())
             .arg("--addr")
             .arg(&agent.addr)
             .args(args)
@@ -544,7 +511,7 @@ async fn a_restored_guest_init_session_takes_commands_under_its_new_execution() 
     let agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
     agent.guest_init_image().await;
     // Created through the operator CLI this time, for a script (JSON).
-    let out = Command::new(env!("CARGO_BIN_EXE_host-agent"))
+    let out = Command::new(host_agent_path())
         .args([
             "--addr",
             &agent.addr,
@@ -568,7 +535,7 @@ async fn a_restored_guest_init_session_takes_commands_under_its_new_execution() 
     assert_eq!(created["state"], "RUNNING", "{created}");
     let id = created["session_id"].as_str().unwrap().to_string();
     // For a person: a table whose STATE column says RUNNING.
-    let out = Command::new(env!("CARGO_BIN_EXE_host-agent"))
+    let out = Command::new(host_agent_path())
         .args(["--addr", &agent.addr, "sessions", "list"])
         .output()
         .unwrap();
