@@ -197,8 +197,7 @@ async fn a_branch_bundle_with_a_corrupt_object_is_refused_and_the_repository_unc
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_branch_is_fetched_as_the_repository_owner() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !is_root() {
         println!("skipped: changing a repository's owner needs root");
         return;
     }

@@ -302,8 +302,7 @@ async fn every_session_has_its_own_uid_and_a_restart_reuses_none_in_use() {
 
 #[test]
 fn without_root_host_agent_refuses_to_start_unless_told_no_jail() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !is_root() {
         println!("skipped: needs root to start host-agent as another user");
         return;
     }

@@ -1,6 +1,7 @@
-//! A scripted stand-in for guest-init on the vsock Unix socket (CONNECT
-//! convention, then guest.v1 frames), to play well-behaved and hostile
-//! guests. Its behaviour is chosen by the session's agent name:
+//! A scripted stand-in for guest-init on the vsock Unix socket (the CONNECT
+//! handshake of `test_harness::vsock_shim`, then guest.v1 frames), to play
+//! well-behaved and hostile guests. Its behaviour is chosen by the
+//! session's agent name:
 //!
 //! * `good`: Ready; every Exec prints `ok\n` and exits 0;
 //! * `flood`: Ready; on [`FakeGuest::go`], 4 MiB frames nobody asked for
@@ -27,7 +28,8 @@ use proto::guest::{
     BundleChunk, Error as GuestError, ExecExited, ExecStarted, GuestMessage, Hello, HostMessage,
     Output, Ready, ShutdownStarted, StartSession, TurnEnded,
 };
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use test_harness::vsock_shim;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -192,12 +194,10 @@ impl Tx {
     }
 }
 
-async fn serve(conn: tokio::net::UnixStream, ctx: Ctx) -> std::io::Result<()> {
-    let mut conn = BufReader::new(conn);
-    let mut line = String::new();
-    conn.read_line(&mut line).await?;
-    let mut conn = conn.into_inner();
-    conn.write_all(b"OK 1\n").await?;
+async fn serve(mut conn: tokio::net::UnixStream, ctx: Ctx) -> std::io::Result<()> {
+    // Any port: this guest listens on every one.
+    vsock_shim::read_connect(&mut conn).await?;
+    vsock_shim::answer_ok(&mut conn, 1).await?;
     let (mut r, mut w) = conn.into_split();
     let seen = ctx.seen.clone();
     let (tx, mut rx) = mpsc::channel::<Frame>(1);
