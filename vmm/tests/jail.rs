@@ -60,23 +60,6 @@ fn jailed(
         .unwrap()
 }
 
-/// Whether `vmm jail` can run here (root, and a cgroup hierarchy); prints why not.
-fn jail_supported() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("skipped: vmm jail needs root (namespaces, device nodes, cgroups)");
-        return false;
-    }
-    let cgroup_root = Path::new("/sys/fs/cgroup");
-    if !cgroup_root.join("cgroup.controllers").exists()
-        && !cgroup_root.join("cpu/cgroup.procs").exists()
-    {
-        println!("skipped: no cgroup v2 or v1 cpu/memory hierarchy at /sys/fs/cgroup");
-        return false;
-    }
-    true
-}
-
 /// Waits until `path` holds `text`.
 fn wait_for_text(path: &Path, text: &str) -> String {
     let start = Instant::now();

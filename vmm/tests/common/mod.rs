@@ -1,57 +1,28 @@
-//! Helpers shared by the vmm integration tests: running the vmm binary with
-//! a deadline, talking to its control socket, and locating test guests.
+//! The vmm integration tests' own helpers: running the vmm binary Cargo
+//! built for them, and talking raw lines to its control socket. Locating
+//! test guests, deadlines, waiting for sockets and the jail check come from
+//! the shared harness (`tests/harness`) and are re-exported here.
 
-#![allow(dead_code)]
+// Each test file uses a part of this module.
+#![allow(dead_code, unused_imports)]
 
 pub mod counter;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// The vmm binary under test. It is killed when the test thread that started it
-/// ends, so a failing assertion never leaves a VM running.
+pub use test_harness::guests::path as guest;
+pub use test_harness::host::jail_supported;
+pub use test_harness::process::{stderr, stdout, wait_for_path, wait_with_deadline};
+
+/// The vmm binary under test (Cargo's own build of it for these tests). It
+/// is killed when the test thread that started it ends, so a failing
+/// assertion never leaves a VM running.
 pub fn vmm() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vmm"));
-    cmd.stdin(Stdio::null());
-    // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag on the child between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    cmd
-}
-
-/// Path of a test guest.
-pub fn guest(name: &str) -> PathBuf {
-    test_guests::path(name).expect("known test guest")
-}
-
-/// Waits for `child` to exit within `limit`, killing it and panicking otherwise.
-pub fn wait_with_deadline(mut child: Child, limit: Duration) -> Output {
-    let start = Instant::now();
-    loop {
-        if child.try_wait().expect("try_wait").is_some() {
-            return child.wait_with_output().expect("collect output");
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().expect("collect output");
-            panic!(
-                "vmm did not exit within {limit:?}\nstdout: {}\nstderr: {}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    test_harness::process::command(env!("CARGO_BIN_EXE_vmm"))
 }
 
 /// Starts the vmm with `args`, capturing its stdout and stderr.
@@ -67,25 +38,6 @@ pub fn spawn_vmm(args: &[&str]) -> Child {
 /// Runs the vmm with `args` and returns its output (20 s deadline).
 pub fn run_vmm(args: &[&str]) -> Output {
     wait_with_deadline(spawn_vmm(args), Duration::from_secs(20))
-}
-
-/// Stdout as text.
-pub fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Stderr as text.
-pub fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// Waits until `path` exists (a socket the vmm creates).
-pub fn wait_for_path(path: &Path, limit: Duration) {
-    let start = Instant::now();
-    while !path.exists() {
-        assert!(start.elapsed() < limit, "{} never appeared", path.display());
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// A connected control-socket client.
