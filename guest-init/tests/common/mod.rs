@@ -1,5 +1,7 @@
-//! Test harness: real temporary git repositories, the session agent served
-//! in-process on a Unix socket, and a small protocol client.
+//! guest-init's test helpers: real temporary git repositories, the session
+//! agent served in-process on a Unix socket, and a small protocol client.
+//! git itself is the shared harness's (`test_harness::git`), run through
+//! this process's reaper.
 
 #![allow(dead_code)]
 
@@ -40,31 +42,12 @@ pub fn output(cmd: &mut Command) -> std::io::Result<std::process::Output> {
     out
 }
 
-/// Runs git, panicking with its stderr on failure.
+/// Runs git (the shared harness's fixed identity and empty config) through
+/// [`output`], panicking with its stderr on failure; returns its trimmed
+/// stdout.
 pub fn git(dir: &Path, args: &[&str]) -> String {
-    let out = output(
-        Command::new("git")
-            .arg("-C")
-            .arg(dir)
-            .args([
-                "-c",
-                "user.name=Test",
-                "-c",
-                "user.email=test@example.com",
-                "-c",
-                "safe.directory=*",
-            ])
-            .args(args)
-            .env("GIT_CONFIG_NOSYSTEM", "1")
-            .env("GIT_CONFIG_GLOBAL", "/dev/null"),
-    )
-    .expect("git runs");
-    assert!(
-        out.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    let out = output(&mut test_harness::git::command(dir, args)).expect("git runs");
+    test_harness::git::check(args, &out)
 }
 
 /// A temporary origin repository.
@@ -132,12 +115,10 @@ impl Repo {
 
     /// `git bundle create - --all`.
     pub fn bundle(&self) -> Vec<u8> {
-        let out = output(
-            Command::new("git")
-                .arg("-C")
-                .arg(self.path())
-                .args(["bundle", "create", "-q", "-", "--all"]),
-        )
+        let out = output(&mut test_harness::git::command(
+            self.path(),
+            &["bundle", "create", "-q", "-", "--all"],
+        ))
         .unwrap();
         assert!(out.status.success());
         out.stdout
