@@ -1,17 +1,17 @@
-//! Helpers shared by the images integration tests.
-#![allow(dead_code)]
+//! The images integration tests' own helpers: the shared download cache and
+//! running the `images` binary. The workspace root, the root check and
+//! running a command come from the shared harness (`tests/harness`) and are
+//! re-exported here.
+// Each test file uses a part of this module.
+#![allow(dead_code, unused_imports)]
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-/// The workspace root.
-pub fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
+pub use test_harness::bin::workspace_root as workspace;
+pub use test_harness::host::is_root;
+pub use test_harness::process::sh;
 
 /// The cache shared by the tests (and by `images` run by hand from the
 /// workspace root): downloads, the unpacked kernel tree and the Debian base
@@ -51,18 +51,4 @@ pub fn images_env(args: &[&str], env: &[(&str, &str)]) -> (Output, Duration) {
 /// The output directory `images` printed on stdout.
 pub fn printed_dir(out: &Output) -> PathBuf {
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-}
-
-/// True when running as root.
-pub fn is_root() -> bool {
-    // SAFETY: geteuid(2) has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// Runs a command and returns (success, stdout + stderr).
-pub fn sh(cmd: &mut Command) -> (bool, String) {
-    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
-    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
-    text.push_str(&String::from_utf8_lossy(&out.stderr));
-    (out.status.success(), text)
 }
