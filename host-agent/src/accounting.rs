@@ -301,6 +301,20 @@ fn is_vcpu_thread(task_dir: &Path) -> bool {
         .unwrap_or(false)
 }
 
+/// Total memory of this node in MiB (0 if unknown).
+pub fn host_memory_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map(|kib| kib / 1024)
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

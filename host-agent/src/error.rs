@@ -1,6 +1,6 @@
 //! Typed errors of host-agent and their gRPC status codes.
 
-use tonic::{Code, Status};
+use tonic::Code;
 
 /// Everything that can go wrong while serving a call or running a session.
 #[derive(Debug, thiserror::Error)]
@@ -91,13 +91,6 @@ impl Error {
             Error::Store(_) | Error::Io { .. } => Code::Internal,
             Error::ShuttingDown => Code::Unavailable,
         }
-    }
-}
-
-impl From<Error> for Status {
-    fn from(e: Error) -> Self {
-        crate::metrics::api_error(e.code());
-        Status::new(e.code(), e.to_string())
     }
 }
 

@@ -16,12 +16,14 @@
 pub mod accounting;
 pub mod api;
 pub mod auth;
+pub mod clock;
 pub mod config;
 pub mod error;
 pub mod events;
 pub mod guest;
 pub mod images;
 pub mod jail_uids;
+pub mod launch;
 pub mod metrics;
 pub mod path_roots;
 pub mod pool;
@@ -96,7 +98,7 @@ pub async fn serve(
         }
     });
     if cfg.warm_pool_size > 0 {
-        tokio::spawn(pool::Pool::run(mgr.clone(), cfg.warm_pool_size as usize));
+        tokio::spawn(mgr.clone().run_pool(cfg.warm_pool_size as usize));
     }
     if let Some(addr) = cfg.metrics_listen {
         let l = TcpListener::bind(addr)

@@ -7,8 +7,6 @@ use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use crate::sessions::Manager;
-
 static API_ERRORS: Mutex<Vec<(i32, u64)>> = Mutex::new(Vec::new());
 static GUEST_DROPPED: Mutex<Vec<(&'static str, u64)>> = Mutex::new(Vec::new());
 /// Restore latency histogram bucket bounds, seconds.
@@ -68,11 +66,29 @@ pub fn restore_retry() {
     RESTORE_RETRIES.fetch_add(1, Ordering::Relaxed);
 }
 
+/// The gauges read from the session manager at each scrape.
+#[derive(Debug, Clone, Default)]
+pub struct Gauges {
+    /// Sessions per state name.
+    pub sessions_by_state: Vec<(&'static str, usize)>,
+    /// Billed seconds and vCPU-seconds of every session's last usage record.
+    pub usage_totals: (f64, f64),
+    /// Guest channels whose exec clients do not keep up.
+    pub guest_backpressured: usize,
+}
+
+/// Where the endpoint reads the [`Gauges`] from (the session manager), so
+/// this module needs nothing above it.
+pub trait GaugeSource: Send + Sync + 'static {
+    /// The gauges now.
+    fn gauges(&self) -> Gauges;
+}
+
 /// Renders all metrics in Prometheus text format.
-pub fn render(mgr: &Manager) -> String {
+pub fn render(g: &Gauges) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "# TYPE hostagent_sessions gauge");
-    for (state, n) in mgr.count_by_state() {
+    for (state, n) in &g.sessions_by_state {
         let _ = writeln!(out, "hostagent_sessions{{state=\"{state}\"}} {n}");
     }
     let _ = writeln!(out, "# TYPE hostagent_restore_seconds histogram");
@@ -105,7 +121,7 @@ pub fn render(mgr: &Manager) -> String {
         "hostagent_restore_retries_total {}",
         RESTORE_RETRIES.load(Ordering::Relaxed)
     );
-    let u = mgr.usage_totals();
+    let u = g.usage_totals;
     let _ = writeln!(out, "# TYPE hostagent_usage_billed_seconds_total counter");
     let _ = writeln!(out, "hostagent_usage_billed_seconds_total {}", u.0);
     let _ = writeln!(out, "# TYPE hostagent_usage_vcpu_seconds_total counter");
@@ -130,23 +146,23 @@ pub fn render(mgr: &Manager) -> String {
     let _ = writeln!(
         out,
         "hostagent_guest_channels_backpressured {}",
-        mgr.guest_backpressured()
+        g.guest_backpressured
     );
     out
 }
 
 /// Serves `GET /metrics` (any path) until the process exits.
-pub async fn serve(listener: TcpListener, mgr: Arc<Manager>) {
+pub async fn serve<S: GaugeSource>(listener: TcpListener, source: Arc<S>) {
     loop {
         let Ok((mut sock, _)) = listener.accept().await else {
             continue;
         };
-        let mgr = mgr.clone();
+        let source = source.clone();
         tokio::spawn(async move {
             let mut buf = [0u8; 2048];
             let _ =
                 tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf)).await;
-            let body = render(&mgr);
+            let body = render(&source.gauges());
             let resp = format!(
                 "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                 body.len()

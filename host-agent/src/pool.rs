@@ -5,23 +5,17 @@
 //! persisted as sessions: a host-agent that restarts kills the leftovers it
 //! finds there and fills the pool anew. A jailed warm VM holds a uid of its
 //! own ([`JailUids`]); the session that takes it keeps that uid, a warm VM
-//! dropped gives it back.
+//! dropped gives it back. This module is the pool itself; filling it is
+//! the session manager's ([`crate::sessions`], `warm.rs`), and how a VM is
+//! restored is [`crate::launch`].
 
 use std::collections::{HashMap, VecDeque};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use crate::accounting::process_start_ticks;
-use crate::config::Config;
-use crate::error::{Error, Result};
 use crate::jail_uids::JailUids;
-use crate::sessions::Manager;
-use crate::store::ImageRow;
-use vmm_api::command::{jail_id, Bind, DiskSpec, JailSpec, RestoreSpec, Serial};
-use vmm_api::VmState;
-
-use crate::supervisor::{self, run_dirs, VmmProcess};
+use crate::supervisor::VmmProcess;
 
 /// The warm VMs of every image.
 pub struct Pool {
@@ -40,7 +34,8 @@ impl Pool {
 
     /// Kills a warm VM that is not wanted, removes its directory and gives
     /// its uid back.
-    fn discard(&self, vm: &VmmProcess) {
+    /// Kills a warm VM, removes its directory and gives back its uid.
+    pub fn discard(&self, vm: &VmmProcess) {
         vm.kill();
         let _ = std::fs::remove_dir_all(&vm.dir);
         if let Some(uid) = vm.jail_uid {
@@ -81,7 +76,8 @@ impl Pool {
             .sum()
     }
 
-    fn count(&self, image: &str) -> usize {
+    /// How many warm VMs of `image` are alive.
+    pub fn count(&self, image: &str) -> usize {
         let mut map = self.lock();
         let Some(q) = map.get_mut(image) else {
             return 0;
@@ -113,74 +109,12 @@ impl Pool {
         }
     }
 
-    async fn spawn_one(mgr: &Manager, image: &ImageRow) -> Result<VmmProcess> {
-        let dir = mgr.pool_dir().join(uuid::Uuid::new_v4().to_string());
-        let uid = mgr.allocate_jail_uid()?;
-        let started = async {
-            prepare_disk(image, &dir, uid).await?;
-            let (args, jail) = restore_launch(&mgr.cfg, image, &dir, true, Source::Golden, uid);
-            supervisor::spawn(&mgr.vmm_path, &dir, args.into(), jail.as_ref())
-        }
-        .await;
-        let vm = match started {
-            Ok(vm) => vm,
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&dir);
-                if let Some(uid) = uid {
-                    mgr.jail_uids.release(uid);
-                }
-                return Err(e);
-            }
-        };
-        let ready = match std::fs::write(dir.join("pid"), format!("{} {}", vm.pid, vm.start_ticks))
-        {
-            Ok(()) => {
-                supervisor::wait_for_state(&vm, VmState::Paused, Duration::from_secs(30)).await
-            }
-            Err(e) => Err(Error::io(format!("writing {}/pid", dir.display()), e)),
-        };
-        if let Err(e) = ready {
-            mgr.pool.discard(&vm);
-            return Err(e);
-        }
-        Ok(vm)
-    }
-
-    /// Tops up every image with a golden snapshot to `size` warm VMs.
-    pub async fn fill(&self, mgr: &Manager, size: usize) {
-        let Ok(images) = mgr.store.images() else {
-            return;
-        };
-        for image in images.into_iter().filter(|i| !i.golden_dir.is_empty()) {
-            while self.count(&image.id) < size {
-                match Self::spawn_one(mgr, &image).await {
-                    Ok(vm) => {
-                        // The image may have been deleted meanwhile.
-                        if matches!(mgr.store.image(&image.id), Ok(Some(_))) {
-                            self.lock()
-                                .entry(image.id.clone())
-                                .or_default()
-                                .push_back(vm);
-                        } else {
-                            self.discard(&vm);
-                            break;
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!(image = %image.id, error = %e, "warm pool: restore failed");
-                        break;
-                    }
-                }
-            }
-        }
-    }
-
-    /// Runs [`Pool::fill`] forever.
-    pub async fn run(mgr: Arc<Manager>, size: usize) {
-        loop {
-            mgr.pool.fill(&mgr, size).await;
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+    /// Adds a warm VM of `image` (restored and paused).
+    pub fn push(&self, image: &str, vm: VmmProcess) {
+        self.lock()
+            .entry(image.to_string())
+            .or_default()
+            .push_back(vm);
     }
 
     /// Kills warm VMs left by an earlier run and removes their directories.
@@ -205,212 +139,5 @@ impl Pool {
             }
             let _ = std::fs::remove_dir_all(&path);
         }
-    }
-}
-
-/// How to start a restore of `image` for a VM in `dir`: the vmm's restore
-/// (paths as the vmm sees them) and, for a VM jailed as `uid` (= gid), the
-/// jail. The golden snapshot has a vsock device exactly when the VM gets one:
-/// both follow [`Config::vsock_device`].
-pub fn restore_launch(
-    cfg: &Config,
-    image: &ImageRow,
-    dir: &Path,
-    paused: bool,
-    from: Source<'_>,
-    uid: Option<u32>,
-) -> (RestoreSpec, Option<JailSpec>) {
-    let (_, inside) = run_dirs(dir, uid.is_some());
-    let (snapshot, binds) = match (from, uid.is_some()) {
-        (Source::Golden, false) => (PathBuf::from(&image.golden_dir), vec![]),
-        (Source::Golden, true) => (
-            PathBuf::from(GOLDEN_IN_JAIL),
-            vec![Bind {
-                host: PathBuf::from(&image.golden_dir),
-                jail: GOLDEN_IN_JAIL.into(),
-                read_only: true,
-            }],
-        ),
-        // The VM's own snapshots are in its run directory, inside the jail if any.
-        (Source::Own(name), _) => (inside.join("snapshots").join(name), vec![]),
-    };
-    let overhead = cfg.jail.memory_overhead_mib;
-    let jail = uid.map(|uid| JailSpec {
-        id: jail_id(dir),
-        root: dir.join("jail"),
-        uid,
-        gid: uid,
-        binds,
-        taps: vec![],
-        devices: vec![],
-        memory_max_mib: (overhead > 0).then(|| u64::from(image.mem_mib) + overhead),
-    });
-    let mut spec = RestoreSpec::new(snapshot);
-    spec.globals.log_max_bytes = Some(cfg.logs.max_file_bytes);
-    spec.paused = paused;
-    spec.devices.serial = Serial::File(inside.join("serial.log"));
-    if !image.rootfs.is_empty() {
-        spec.devices.disks.push(DiskSpec::rw(inside.join(VM_DISK)));
-    }
-    // As the golden boot had it (see images::build_golden).
-    spec.devices.rng = image.guest_init;
-    spec.devices.vsock = cfg.vsock_device(image.guest_init, &inside);
-    (spec, jail)
-}
-
-/// A VM's own copy of its image's root disk, in its run directory.
-pub const VM_DISK: &str = "disk.ext4";
-
-/// The root disk kept with a golden snapshot: the disk the image booted
-/// with, in the state the snapshot's memory (page cache) expects.
-pub const GOLDEN_DISK: &str = "rootfs.ext4";
-
-/// Copies a disk image keeping holes, sharing blocks where the file system
-/// can (reflink), owned by `owner` if given. Safe in a directory a jailed vmm
-/// can write: see [`crate::safe_fs`].
-pub async fn copy_disk(from: &Path, to: &Path, owner: Option<(u32, u32)>) -> Result<()> {
-    let (src, dst) = (from.to_path_buf(), to.to_path_buf());
-    tokio::task::spawn_blocking(move || crate::safe_fs::copy_file(&src, &dst, owner))
-        .await
-        .map_err(|e| Error::io("copying a disk", std::io::Error::other(e.to_string())))?
-        .map_err(|e| {
-            Error::io(
-                format!("copying disk {} to {}", from.display(), to.display()),
-                e,
-            )
-        })
-}
-
-/// Gives a VM in `dir` its own writable copy of the golden snapshot's root
-/// disk (images with a rootfs only), owned by `uid` (and gid) for a VM jailed
-/// as that uid.
-pub async fn prepare_disk(image: &ImageRow, dir: &Path, uid: Option<u32>) -> Result<()> {
-    if image.rootfs.is_empty() {
-        return Ok(());
-    }
-    let (run, _) = run_dirs(dir, uid.is_some());
-    std::fs::create_dir_all(&run)
-        .map_err(|e| Error::io(format!("creating {}", run.display()), e))?;
-    let owner = uid.map(|u| (u, u));
-    copy_disk(
-        &Path::new(&image.golden_dir).join(GOLDEN_DISK),
-        &run.join(VM_DISK),
-        owner,
-    )
-    .await
-}
-
-/// The snapshot a VM is restored from.
-#[derive(Debug, Clone, Copy)]
-pub enum Source<'a> {
-    /// The image's golden snapshot.
-    Golden,
-    /// One of the VM's own snapshots (SnapshotSession), by directory name.
-    Own(&'a str),
-}
-
-/// Where a jailed VM sees its image's golden snapshot.
-const GOLDEN_IN_JAIL: &str = "/golden";
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::Config;
-
-    fn image(guest_init: bool) -> ImageRow {
-        ImageRow {
-            id: "i".into(),
-            kernel: "/k".into(),
-            rootfs: String::new(),
-            cmdline: String::new(),
-            mem_mib: 64,
-            vcpus: 1,
-            guest_init,
-            golden_dir: "/images/i/golden-1".into(),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn guest_init_vms_get_a_vsock_device_at_their_own_socket() {
-        let cfg = Config::default();
-        let dir = Path::new("/state/sessions/s1");
-        let (spec, jail) = restore_launch(&cfg, &image(true), dir, true, Source::Golden, None);
-        assert_eq!(jail, None);
-        assert_eq!(spec.globals.log_max_bytes, Some(16777216));
-        let vsock = spec.devices.vsock.as_ref().expect("a vsock device");
-        assert_eq!(vsock.arg(), "3:/state/sessions/s1/vsock.sock");
-        assert!(spec.paused);
-        assert_eq!(spec.snapshot, Path::new("/images/i/golden-1"));
-        assert!(spec.devices.rng, "guest-init images get entropy");
-
-        let (spec, _) = restore_launch(&cfg, &image(false), dir, false, Source::Golden, None);
-        assert_eq!(spec.devices.vsock, None);
-        assert!(!spec.devices.rng);
-
-        let off = Config {
-            vsock_device: false,
-            ..Config::default()
-        };
-        assert_eq!(off.vsock_device(true, dir), None);
-    }
-
-    #[test]
-    fn jailed_vms_see_their_golden_snapshot_and_run_directory_inside_the_jail() {
-        let cfg = Config {
-            jail: crate::config::JailSettings {
-                memory_overhead_mib: 128,
-                ..Default::default()
-            },
-            ..Config::default()
-        };
-        let dir = Path::new("/state/sessions/0b5e-s1");
-        let (spec, jail) =
-            restore_launch(&cfg, &image(true), dir, false, Source::Golden, Some(1000));
-        let jail = jail.expect("a jail");
-        assert_eq!(jail.id, "0b5e-s1");
-        assert_eq!(jail.root, dir.join("jail"));
-        assert_eq!((jail.uid, jail.gid), (1000, 1000));
-        assert_eq!(
-            jail.binds,
-            vec![Bind {
-                host: PathBuf::from("/images/i/golden-1"),
-                jail: "/golden".to_string(),
-                read_only: true,
-            }]
-        );
-        assert_eq!(jail.memory_max_mib, Some(64 + 128));
-        assert_eq!(spec.snapshot, Path::new("/golden"));
-        assert_eq!(spec.devices.serial, Serial::File("/run/serial.log".into()));
-        let args = spec.args();
-        assert!(args.contains(&"3:/run/vsock.sock".to_string()), "{args:?}");
-        assert_eq!(
-            run_dirs(dir, true).0,
-            PathBuf::from("/state/sessions/0b5e-s1/jail/run")
-        );
-        // A session's own snapshot: in its run directory, nothing bound in.
-        let (spec, jail) = restore_launch(
-            &cfg,
-            &image(true),
-            dir,
-            false,
-            Source::Own("123-ab"),
-            Some(1000),
-        );
-        assert_eq!(spec.snapshot, Path::new("/run/snapshots/123-ab"));
-        assert!(jail.unwrap().binds.is_empty());
-        let plain = Config::default();
-        let (spec, _) = restore_launch(
-            &plain,
-            &image(false),
-            dir,
-            false,
-            Source::Own("123-ab"),
-            None,
-        );
-        assert_eq!(
-            spec.snapshot,
-            Path::new("/state/sessions/0b5e-s1/snapshots/123-ab")
-        );
     }
 }

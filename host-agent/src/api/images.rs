@@ -9,7 +9,7 @@ use tonic::{Request, Response, Status};
 use super::{idempotent, image_pb};
 use crate::auth::layer::caller_of;
 use crate::error::Error;
-use crate::images::{build_golden, valid_id, validate};
+use crate::images::{valid_id, validate};
 use crate::sessions::{now_ms, Manager};
 use crate::store::ImageRow;
 
@@ -89,11 +89,7 @@ impl Images for ImagesApi {
             &r.idempotency_key,
             "BuildGoldenSnapshot",
             &fp,
-            async {
-                Ok(image_pb(
-                    &build_golden(mgr, &r.image_id, r.settle_ms).await?,
-                ))
-            },
+            async { Ok(image_pb(&mgr.build_golden(&r.image_id, r.settle_ms).await?)) },
         )
         .await?;
         Ok(Response::new(img))

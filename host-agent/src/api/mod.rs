@@ -18,6 +18,7 @@ pub mod exec;
 pub mod images;
 pub mod node;
 pub mod sessions;
+mod status;
 pub mod usage;
 
 /// Checks an idempotency key: empty, or 1..=128 printable ASCII characters.

@@ -12,20 +12,6 @@ use crate::sessions::Manager;
 /// The Node service.
 pub struct NodeApi(pub Arc<Manager>);
 
-/// Total memory of this node in MiB (0 if unknown).
-pub fn host_memory_mib() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find_map(|l| l.strip_prefix("MemTotal:"))
-                .and_then(|v| v.split_whitespace().next())
-                .and_then(|v| v.parse::<u64>().ok())
-        })
-        .map(|kib| kib / 1024)
-        .unwrap_or(0)
-}
-
 #[tonic::async_trait]
 impl Node for NodeApi {
     async fn get_capacity(
@@ -39,7 +25,7 @@ impl Node for NodeApi {
         Ok(Response::new(pb::Capacity {
             vcpus_total,
             vcpus_used,
-            memory_mib_total: host_memory_mib(),
+            memory_mib_total: crate::accounting::host_memory_mib(),
             memory_mib_used: mem_used,
             sessions_max: self.0.cfg.max_sessions,
             sessions_live: self.0.live_count() as u32,

@@ -20,7 +20,7 @@ use serde::Deserialize;
 
 /// Owner recorded for sessions created before owners existed (database
 /// migration); only admin clients see them.
-pub const LEGACY_OWNER: &str = "legacy";
+pub use crate::store::LEGACY_OWNER;
 
 /// The client name of an unauthenticated local caller (Unix socket or
 /// loopback without credentials, where `unauthenticated_local` allows it).

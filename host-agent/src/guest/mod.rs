@@ -34,12 +34,26 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio::sync::{broadcast, mpsc, watch};
 
+use crate::clock::now_ms;
 use crate::error::{Error, Result};
 use crate::metrics;
-use crate::sessions::now_ms;
 use crate::store::{AuditRow, Store};
 
+mod audit;
 pub mod limits;
+mod reader;
+
+use audit::AuditChain;
+use reader::Reader;
+
+/// The stop reasons of [`Violation`]s, as they appear in events.
+pub mod reason {
+    /// The guest sent more audit than `max_audit_bytes_per_session`.
+    pub const AUDIT_LIMIT: &str = "audit_limit";
+    /// The guest sent an audit event out of sequence (a gap, a repeat, or
+    /// going backwards).
+    pub const AUDIT_OUT_OF_ORDER: &str = "audit_out_of_order";
+}
 
 /// Why a session must be stopped because of what its guest sent.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -347,291 +361,6 @@ impl GuestConn {
                     .await
                     .map_err(|e| Error::io("writing the branch bundle", e))?;
                 return Ok(written);
-            }
-        }
-    }
-}
-
-/// The host side of a session's audit chain.
-struct AuditChain {
-    sink: AuditSink,
-    prev_hash: String,
-    last_seq: u64,
-    stored_bytes: u64,
-    /// Set once an event was refused: later ones are dropped.
-    refused: bool,
-}
-
-impl AuditChain {
-    fn load(sink: AuditSink, session_id: &str) -> Result<AuditChain> {
-        let last = sink.store.last_audit(session_id)?;
-        let stored_bytes = sink.store.audit_bytes(session_id)?;
-        let (prev_hash, last_seq) = last.map(|a| (a.host_hash, a.guest_seq)).unwrap_or_default();
-        Ok(AuditChain {
-            sink,
-            prev_hash,
-            last_seq,
-            stored_bytes,
-            refused: false,
-        })
-    }
-
-    fn append(&mut self, session_id: &str, seq: u64, json: String) {
-        let mut h = Sha256::new();
-        h.update(self.prev_hash.as_bytes());
-        h.update(json.as_bytes());
-        let hash = hex::encode(h.finalize());
-        self.stored_bytes += json.len() as u64;
-        let row = AuditRow {
-            session_id: session_id.to_string(),
-            guest_seq: seq,
-            json,
-            host_hash: hash.clone(),
-            received_at: now_ms(),
-        };
-        if let Err(e) = self.sink.store.insert_audit(&row) {
-            tracing::error!(session = session_id, error = %e, "storing audit event");
-        }
-        self.prev_hash = hash;
-        self.last_seq = seq;
-    }
-
-    /// Stores `a` if it is the next event and within the session's volume;
-    /// otherwise refuses it and says why the session must stop.
-    fn accept(&mut self, session_id: &str, a: AuditEvent) -> Option<Violation> {
-        if self.refused {
-            metrics::guest_dropped("audit_refused");
-            return None;
-        }
-        let expected = self.last_seq.saturating_add(1);
-        if a.seq != expected {
-            self.refused = true;
-            metrics::guest_dropped("audit_out_of_order");
-            return Some(Violation {
-                reason: crate::sessions::reason::AUDIT_OUT_OF_ORDER,
-                detail: format!(
-                    "the guest sent audit event seq {} where seq {expected} was due; the event \
-                     was refused and later ones are not stored",
-                    a.seq
-                ),
-            });
-        }
-        let max = self.sink.max_bytes;
-        if self.stored_bytes + a.json.len() as u64 > max {
-            self.refused = true;
-            metrics::guest_dropped("audit_limit");
-            let detail = format!(
-                "audit volume limit of {max} bytes reached: {} bytes stored, event seq {} of {} \
-                 bytes refused, later ones not stored",
-                self.stored_bytes,
-                a.seq,
-                a.json.len()
-            );
-            // The host's own record ends the chain, so ListAudit says it too.
-            let note = serde_json::json!({
-                "actor": "host-agent",
-                "action": "audit.limit_exceeded",
-                "result": detail,
-                "refused_seq": a.seq,
-            })
-            .to_string();
-            self.append(session_id, a.seq, note);
-            return Some(Violation {
-                reason: crate::sessions::reason::AUDIT_LIMIT,
-                detail,
-            });
-        }
-        self.append(session_id, a.seq, a.json);
-        None
-    }
-}
-
-fn exec_id_of(m: &GuestMessage) -> Option<&str> {
-    Some(match m.kind.as_ref()? {
-        Out::ExecStarted(e) => &e.exec_id,
-        Out::Output(o) => &o.exec_id,
-        Out::ExecExited(e) => &e.exec_id,
-        Out::ExecRejected(e) => &e.exec_id,
-        Out::Error(e) if !e.exec_id.is_empty() => &e.exec_id,
-        _ => return None,
-    })
-}
-
-/// The reader task: decodes frames and routes messages.
-struct Reader {
-    shared: Arc<Shared>,
-    control: broadcast::Sender<GuestMessage>,
-    out: mpsc::WeakSender<HostMessage>,
-    audit: Option<AuditChain>,
-    session_id: String,
-}
-
-impl Reader {
-    async fn run(mut self, mut r: tokio::net::unix::OwnedReadHalf) {
-        let mut dec = FrameDecoder::new(DEFAULT_MAX_FRAME);
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            loop {
-                match dec.next_frame() {
-                    Ok(Some(payload)) => match decode_payload::<GuestMessage>(&payload) {
-                        Ok(m) => self.route(m).await,
-                        Err(_) => metrics::guest_dropped("malformed"),
-                    },
-                    Ok(None) => break,
-                    Err(FrameError::Oversize { .. }) => metrics::guest_dropped("oversize"),
-                    Err(FrameError::Malformed(_)) => metrics::guest_dropped("malformed"),
-                }
-            }
-            match r.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => dec.push(&buf[..n]),
-            }
-        }
-        let mut g = self.shared.routes();
-        g.closed = true;
-        g.execs.clear();
-        g.bundle = None;
-    }
-
-    /// Tells the guest something without waiting: a guest that does not read
-    /// its channel only loses these messages.
-    fn reply(&self, m: In) {
-        let sent = self
-            .out
-            .upgrade()
-            .is_some_and(|out| out.try_send(kind(m)).is_ok());
-        if !sent {
-            metrics::guest_dropped("reply_not_sent");
-        }
-    }
-
-    fn refuse(&self, code: Code, message: String) {
-        self.reply(In::Error(GuestError {
-            code: code as i32,
-            message,
-            exec_id: String::new(),
-        }));
-    }
-
-    async fn route(&mut self, m: GuestMessage) {
-        if let Some(id) = exec_id_of(&m).map(str::to_string) {
-            return self.route_exec(id, m).await;
-        }
-        match m.kind {
-            Some(Out::AskRequest(a)) => self.route_ask(a),
-            Some(Out::AuditEvent(a)) => {
-                let Some(chain) = self.audit.as_mut() else {
-                    metrics::guest_dropped("unexpected");
-                    return;
-                };
-                if let Some(v) = chain.accept(&self.session_id, a) {
-                    tracing::warn!(session = %self.session_id, reason = v.reason, detail = %v.detail, "guest audit refused");
-                    self.refuse(Code::Protocol, v.detail.clone());
-                    self.shared.violation.send_if_modified(|cur| {
-                        cur.is_none() && {
-                            *cur = Some(v);
-                            true
-                        }
-                    });
-                }
-            }
-            Some(Out::BundleChunk(c)) => {
-                let tx = self.shared.routes().bundle.clone();
-                match tx {
-                    Some(tx) => {
-                        if tx.send(c).await.is_err() {
-                            metrics::guest_dropped("bundle_unrequested");
-                        }
-                    }
-                    None => metrics::guest_dropped("bundle_unrequested"),
-                }
-            }
-            kind => {
-                let m = GuestMessage { kind };
-                if m.encoded_len() > limits::MAX_CONTROL_BYTES {
-                    metrics::guest_dropped("control_too_large");
-                } else {
-                    // Keeps the newest CONTROL_QUEUE; a waiter sees the older ones as lost.
-                    let _ = self.control.send(m);
-                }
-            }
-        }
-    }
-
-    async fn route_exec(&mut self, id: String, m: GuestMessage) {
-        let ends = matches!(
-            m.kind,
-            Some(Out::ExecExited(_) | Out::ExecRejected(_) | Out::Error(_))
-        );
-        let tx = self.shared.routes().execs.get(&id).cloned();
-        match tx {
-            Some(tx) => {
-                if !self.deliver(&tx, m).await {
-                    self.shared.routes().execs.remove(&id);
-                }
-            }
-            None => metrics::guest_dropped("unexpected"),
-        }
-        if ends {
-            let mut g = self.shared.routes();
-            g.execs.remove(&id);
-            g.asks.retain(|_, a| a.ask.exec_id != id);
-        }
-    }
-
-    /// Hands `m` to an exec's client, waiting (not reading the channel) while
-    /// its queue is full. False when the client is gone.
-    async fn deliver(&self, tx: &mpsc::Sender<GuestMessage>, m: GuestMessage) -> bool {
-        let m = match tx.try_send(m) {
-            Ok(()) => return true,
-            Err(mpsc::error::TrySendError::Closed(_)) => return false,
-            Err(mpsc::error::TrySendError::Full(m)) => m,
-        };
-        let mut draining = self.shared.draining.subscribe();
-        if *draining.borrow() {
-            metrics::guest_dropped("exec_output_after_stop");
-            return false;
-        }
-        self.shared.backpressured.store(true, Ordering::Relaxed);
-        let sent = tokio::select! {
-            r = tx.send(m) => r.is_ok(),
-            _ = draining.wait_for(|d| *d) => {
-                metrics::guest_dropped("exec_output_after_stop");
-                false
-            }
-        };
-        self.shared.backpressured.store(false, Ordering::Relaxed);
-        sent
-    }
-
-    fn route_ask(&mut self, a: AskRequest) {
-        let refused = {
-            let mut g = self.shared.routes();
-            if !g.execs.contains_key(&a.exec_id) {
-                Some("unexpected")
-            } else if a.encoded_len() > limits::MAX_ASK_BYTES {
-                Some("ask_too_large")
-            } else if g.asks.len() >= limits::MAX_PENDING_ASKS && !g.asks.contains_key(&a.ask_id) {
-                Some("asks_full")
-            } else {
-                g.asks.insert(
-                    a.ask_id.clone(),
-                    PendingAsk {
-                        ask: a.clone(),
-                        asked_at: now_ms(),
-                    },
-                );
-                None
-            }
-        };
-        if let Some(why) = refused {
-            metrics::guest_dropped(why);
-            // The command waiting for it is not left hanging.
-            if a.ask_id.len() <= 128 {
-                self.reply(In::Answer(Answer {
-                    ask_id: a.ask_id,
-                    reply: Reply::Reject as i32,
-                }));
             }
         }
     }

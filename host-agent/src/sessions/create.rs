@@ -60,7 +60,7 @@ impl Manager {
                 )));
             }
             let (_, mem_used) = self.used_resources();
-            let host_mem = crate::api::node::host_memory_mib();
+            let host_mem = crate::accounting::host_memory_mib();
             if host_mem > 0 && mem_used + u64::from(image.mem_mib) > host_mem {
                 return Err(Error::ResourceExhausted(format!(
                     "node memory: {mem_used} MiB of {host_mem} MiB are allocated to live \

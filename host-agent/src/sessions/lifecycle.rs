@@ -26,20 +26,11 @@ pub mod reason {
     pub const RESTORE_FAILED: &str = "restore_failed";
     /// host-agent restarted while the session was being restored.
     pub const HOST_AGENT_RESTART: &str = "host_agent_restart";
-    /// The guest sent more audit than `max_audit_bytes_per_session`.
-    pub const AUDIT_LIMIT: &str = "audit_limit";
-    /// The guest sent an audit event out of sequence (a gap, a repeat, or
-    /// going backwards).
-    pub const AUDIT_OUT_OF_ORDER: &str = "audit_out_of_order";
+    /// Stops for what the guest sent (audit over its limit or out of order).
+    pub use crate::guest::reason::{AUDIT_LIMIT, AUDIT_OUT_OF_ORDER};
 }
 
-/// Current time in Unix milliseconds.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
+pub use crate::clock::now_ms;
 
 /// Name of a state for messages ("RUNNING").
 pub fn state_name(s: i32) -> &'static str {

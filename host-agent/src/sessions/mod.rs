@@ -14,10 +14,12 @@
 mod channel;
 mod create;
 mod exits;
+mod golden;
 mod lifecycle;
 mod limits;
 mod ops;
 mod recover;
+mod warm;
 
 use lifecycle::billable;
 pub use lifecycle::{is_terminal, now_ms, reason, state_name};
@@ -39,9 +41,10 @@ use crate::error::{Error, Result};
 use crate::events::EventBus;
 use crate::guest::{self, GuestConn};
 use crate::jail_uids::JailUids;
+use crate::launch::{copy_disk, prepare_disk, restore_launch, Source, VM_DISK};
 use crate::metrics;
 use crate::path_roots::PathRoots;
-use crate::pool::{copy_disk, prepare_disk, restore_launch, Pool, Source, VM_DISK};
+use crate::pool::Pool;
 use crate::repo::Repo;
 use crate::store::{EventRow, ImageRow, SessionRow, Store};
 use crate::supervisor::{self, ExitStatus, VmmProcess};
@@ -350,5 +353,15 @@ impl Manager {
         });
         self.map().insert(sess.id.clone(), sess.clone());
         sess
+    }
+}
+
+impl metrics::GaugeSource for Manager {
+    fn gauges(&self) -> metrics::Gauges {
+        metrics::Gauges {
+            sessions_by_state: self.count_by_state(),
+            usage_totals: self.usage_totals(),
+            guest_backpressured: self.guest_backpressured(),
+        }
     }
 }

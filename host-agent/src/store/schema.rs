@@ -50,7 +50,7 @@ fn has_column(conn: &Connection, table: &str, column: &str) -> rusqlite::Result<
 /// Brings a database written by an older host-agent up to [`SCHEMA`]:
 /// columns added since are added with their defaults. Sessions, events and
 /// usage from before owners were recorded belong to
-/// [`LEGACY_OWNER`](crate::auth::LEGACY_OWNER): only admin clients see them.
+/// [`LEGACY_OWNER`](crate::store::LEGACY_OWNER): only admin clients see them.
 pub(super) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if !has_column(conn, "images", "initrd")? {
         conn.execute_batch("ALTER TABLE images ADD COLUMN initrd TEXT NOT NULL DEFAULT '';")?;
@@ -60,7 +60,7 @@ pub(super) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
             // The table name is one of the constants above.
             conn.execute_batch(&format!(
                 "ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT '{}';",
-                crate::auth::LEGACY_OWNER
+                crate::store::LEGACY_OWNER
             ))?;
         }
     }

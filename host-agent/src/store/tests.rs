@@ -1,4 +1,5 @@
 use super::*;
+use std::collections::BTreeMap;
 
 #[test]
 fn a_database_from_before_the_initrd_column_opens_and_keeps_its_images() {

@@ -1,0 +1,219 @@
+//! Launching a VM from a snapshot: the vmm's restore command line and jail
+//! ([`restore_launch`]), and the VM's own copy of its root disk
+//! ([`prepare_disk`], [`copy_disk`]). Used for sessions and warm VMs alike.
+
+use std::path::{Path, PathBuf};
+
+use vmm_api::command::{jail_id, Bind, DiskSpec, JailSpec, RestoreSpec, Serial};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::store::ImageRow;
+use crate::supervisor::run_dirs;
+
+/// How to start a restore of `image` for a VM in `dir`: the vmm's restore
+/// (paths as the vmm sees them) and, for a VM jailed as `uid` (= gid), the
+/// jail. The golden snapshot has a vsock device exactly when the VM gets one:
+/// both follow [`Config::vsock_device`].
+pub fn restore_launch(
+    cfg: &Config,
+    image: &ImageRow,
+    dir: &Path,
+    paused: bool,
+    from: Source<'_>,
+    uid: Option<u32>,
+) -> (RestoreSpec, Option<JailSpec>) {
+    let (_, inside) = run_dirs(dir, uid.is_some());
+    let (snapshot, binds) = match (from, uid.is_some()) {
+        (Source::Golden, false) => (PathBuf::from(&image.golden_dir), vec![]),
+        (Source::Golden, true) => (
+            PathBuf::from(GOLDEN_IN_JAIL),
+            vec![Bind {
+                host: PathBuf::from(&image.golden_dir),
+                jail: GOLDEN_IN_JAIL.into(),
+                read_only: true,
+            }],
+        ),
+        // The VM's own snapshots are in its run directory, inside the jail if any.
+        (Source::Own(name), _) => (inside.join("snapshots").join(name), vec![]),
+    };
+    let overhead = cfg.jail.memory_overhead_mib;
+    let jail = uid.map(|uid| JailSpec {
+        id: jail_id(dir),
+        root: dir.join("jail"),
+        uid,
+        gid: uid,
+        binds,
+        taps: vec![],
+        devices: vec![],
+        memory_max_mib: (overhead > 0).then(|| u64::from(image.mem_mib) + overhead),
+    });
+    let mut spec = RestoreSpec::new(snapshot);
+    spec.globals.log_max_bytes = Some(cfg.logs.max_file_bytes);
+    spec.paused = paused;
+    spec.devices.serial = Serial::File(inside.join("serial.log"));
+    if !image.rootfs.is_empty() {
+        spec.devices.disks.push(DiskSpec::rw(inside.join(VM_DISK)));
+    }
+    // As the golden boot had it (see images::build_golden).
+    spec.devices.rng = image.guest_init;
+    spec.devices.vsock = cfg.vsock_device(image.guest_init, &inside);
+    (spec, jail)
+}
+
+/// A VM's own copy of its image's root disk, in its run directory.
+pub const VM_DISK: &str = "disk.ext4";
+
+/// The root disk kept with a golden snapshot: the disk the image booted
+/// with, in the state the snapshot's memory (page cache) expects.
+pub const GOLDEN_DISK: &str = "rootfs.ext4";
+
+/// Copies a disk image keeping holes, sharing blocks where the file system
+/// can (reflink), owned by `owner` if given. Safe in a directory a jailed vmm
+/// can write: see [`crate::safe_fs`].
+pub async fn copy_disk(from: &Path, to: &Path, owner: Option<(u32, u32)>) -> Result<()> {
+    let (src, dst) = (from.to_path_buf(), to.to_path_buf());
+    tokio::task::spawn_blocking(move || crate::safe_fs::copy_file(&src, &dst, owner))
+        .await
+        .map_err(|e| Error::io("copying a disk", std::io::Error::other(e.to_string())))?
+        .map_err(|e| {
+            Error::io(
+                format!("copying disk {} to {}", from.display(), to.display()),
+                e,
+            )
+        })
+}
+
+/// Gives a VM in `dir` its own writable copy of the golden snapshot's root
+/// disk (images with a rootfs only), owned by `uid` (and gid) for a VM jailed
+/// as that uid.
+pub async fn prepare_disk(image: &ImageRow, dir: &Path, uid: Option<u32>) -> Result<()> {
+    if image.rootfs.is_empty() {
+        return Ok(());
+    }
+    let (run, _) = run_dirs(dir, uid.is_some());
+    std::fs::create_dir_all(&run)
+        .map_err(|e| Error::io(format!("creating {}", run.display()), e))?;
+    let owner = uid.map(|u| (u, u));
+    copy_disk(
+        &Path::new(&image.golden_dir).join(GOLDEN_DISK),
+        &run.join(VM_DISK),
+        owner,
+    )
+    .await
+}
+
+/// The snapshot a VM is restored from.
+#[derive(Debug, Clone, Copy)]
+pub enum Source<'a> {
+    /// The image's golden snapshot.
+    Golden,
+    /// One of the VM's own snapshots (SnapshotSession), by directory name.
+    Own(&'a str),
+}
+
+/// Where a jailed VM sees its image's golden snapshot.
+const GOLDEN_IN_JAIL: &str = "/golden";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn image(guest_init: bool) -> ImageRow {
+        ImageRow {
+            id: "i".into(),
+            kernel: "/k".into(),
+            rootfs: String::new(),
+            cmdline: String::new(),
+            mem_mib: 64,
+            vcpus: 1,
+            guest_init,
+            golden_dir: "/images/i/golden-1".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn guest_init_vms_get_a_vsock_device_at_their_own_socket() {
+        let cfg = Config::default();
+        let dir = Path::new("/state/sessions/s1");
+        let (spec, jail) = restore_launch(&cfg, &image(true), dir, true, Source::Golden, None);
+        assert_eq!(jail, None);
+        assert_eq!(spec.globals.log_max_bytes, Some(16777216));
+        let vsock = spec.devices.vsock.as_ref().expect("a vsock device");
+        assert_eq!(vsock.arg(), "3:/state/sessions/s1/vsock.sock");
+        assert!(spec.paused);
+        assert_eq!(spec.snapshot, Path::new("/images/i/golden-1"));
+        assert!(spec.devices.rng, "guest-init images get entropy");
+
+        let (spec, _) = restore_launch(&cfg, &image(false), dir, false, Source::Golden, None);
+        assert_eq!(spec.devices.vsock, None);
+        assert!(!spec.devices.rng);
+
+        let off = Config {
+            vsock_device: false,
+            ..Config::default()
+        };
+        assert_eq!(off.vsock_device(true, dir), None);
+    }
+
+    #[test]
+    fn jailed_vms_see_their_golden_snapshot_and_run_directory_inside_the_jail() {
+        let cfg = Config {
+            jail: crate::config::JailSettings {
+                memory_overhead_mib: 128,
+                ..Default::default()
+            },
+            ..Config::default()
+        };
+        let dir = Path::new("/state/sessions/0b5e-s1");
+        let (spec, jail) =
+            restore_launch(&cfg, &image(true), dir, false, Source::Golden, Some(1000));
+        let jail = jail.expect("a jail");
+        assert_eq!(jail.id, "0b5e-s1");
+        assert_eq!(jail.root, dir.join("jail"));
+        assert_eq!((jail.uid, jail.gid), (1000, 1000));
+        assert_eq!(
+            jail.binds,
+            vec![Bind {
+                host: PathBuf::from("/images/i/golden-1"),
+                jail: "/golden".to_string(),
+                read_only: true,
+            }]
+        );
+        assert_eq!(jail.memory_max_mib, Some(64 + 128));
+        assert_eq!(spec.snapshot, Path::new("/golden"));
+        assert_eq!(spec.devices.serial, Serial::File("/run/serial.log".into()));
+        let args = spec.args();
+        assert!(args.contains(&"3:/run/vsock.sock".to_string()), "{args:?}");
+        assert_eq!(
+            run_dirs(dir, true).0,
+            PathBuf::from("/state/sessions/0b5e-s1/jail/run")
+        );
+        // A session's own snapshot: in its run directory, nothing bound in.
+        let (spec, jail) = restore_launch(
+            &cfg,
+            &image(true),
+            dir,
+            false,
+            Source::Own("123-ab"),
+            Some(1000),
+        );
+        assert_eq!(spec.snapshot, Path::new("/run/snapshots/123-ab"));
+        assert!(jail.unwrap().binds.is_empty());
+        let plain = Config::default();
+        let (spec, _) = restore_launch(
+            &plain,
+            &image(false),
+            dir,
+            false,
+            Source::Own("123-ab"),
+            None,
+        );
+        assert_eq!(
+            spec.snapshot,
+            Path::new("/state/sessions/0b5e-s1/snapshots/123-ab")
+        );
+    }
+}

@@ -1,0 +1,175 @@
+//! Building an image's golden snapshot: boot it on a copy of its root disk
+//! in a fresh build directory, capture it (`images::capture`, shared with
+//! the `images golden` command), keep the disk and console with the
+//! snapshot, record it and replace the image's warm VMs.
+
+use ::images::capture::{capture, Capture, CaptureError, Ready};
+use vmm_api::command::{DiskSpec, RunSpec, Serial};
+
+use super::*;
+use crate::images::resolve_files;
+use crate::launch::GOLDEN_DISK;
+
+/// The `vmm run` that boots `image` for its golden snapshot in `build`
+/// (the vsock device, disk and control socket are added by the caller).
+fn boot_spec(image: &ImageRow, build: &Path) -> RunSpec {
+    let mut spec = RunSpec::new(&image.kernel);
+    spec.mem_mib = u64::from(image.mem_mib);
+    spec.vcpus = u64::from(image.vcpus);
+    spec.devices.serial = Serial::File(build.join("serial.log"));
+    if !image.initrd.is_empty() {
+        spec.initrd = Some(PathBuf::from(&image.initrd));
+    }
+    if !image.cmdline.is_empty() {
+        spec.cmdline = Some(image.cmdline.clone());
+    }
+    // A Linux guest gets entropy from the host (virtio-rng) from its first boot.
+    spec.devices.rng = image.guest_init;
+    spec
+}
+
+impl Manager {
+    /// Boots image `id`, lets it settle, pauses it and writes its golden
+    /// snapshot, through the same capture as the `images golden` command
+    /// (`images::capture`), in a blocking task.
+    pub async fn build_golden(&self, id: &str, settle_ms: u32) -> Result<ImageRow> {
+        let mgr = self;
+        let _g = mgr.golden_lock.lock().await;
+        let mut image = mgr
+            .store
+            .image(id)?
+            .ok_or_else(|| Error::not_found("image", id))?;
+        // The files are read now: check them again (the roots may have changed
+        // since registration, or a path in them been replaced by a link).
+        resolve_files(&mut image, &mgr.image_roots)?;
+        let settle = if settle_ms == 0 { 200 } else { settle_ms };
+        let dir = mgr.image_dir(id);
+        let build = dir.join(format!("build-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&build)
+            .map_err(|e| Error::io(format!("creating {}", build.display()), e))?;
+        let mut boot = boot_spec(&image, &build);
+        boot.globals.log_max_bytes = Some(mgr.cfg.logs.max_file_bytes);
+        boot.devices.vsock = mgr.cfg.vsock_device(image.guest_init, &build);
+        boot.devices.control_socket = Some(build.join("control.sock"));
+        // The image boots on a copy of its rootfs; the copy, as the snapshot
+        // leaves it, goes with the golden snapshot (the registered file stays as it is).
+        let build_disk = build.join(GOLDEN_DISK);
+        let golden = dir.join(format!("golden-{}", now_ms()));
+        let result = async {
+            if !image.rootfs.is_empty() {
+                // The operator's path may be a link; the copy is made from what it names.
+                let rootfs = std::fs::canonicalize(&image.rootfs)
+                    .map_err(|e| Error::io(format!("resolving rootfs {}", image.rootfs), e))?;
+                copy_disk(&rootfs, &build_disk, None).await?;
+                boot.devices.disks.push(DiskSpec::rw(&build_disk));
+            }
+            let ready = if image.guest_init {
+                // Idle guest-init answering on vsock is what the snapshot keeps.
+                Ready::GuestInit {
+                    uds: mgr.cfg.vsock_path(&build),
+                    port: mgr.cfg.guest_port,
+                    served_by_vmm: mgr.cfg.vsock_device,
+                    settle: Duration::ZERO,
+                    software: format!("host-agent {}", env!("CARGO_PKG_VERSION")),
+                }
+            } else {
+                Ready::Settle(Duration::from_millis(u64::from(settle)))
+            };
+            let boot_timeout = if image.guest_init {
+                Duration::from_secs(60 + mgr.cfg.guest_ready_timeout_seconds)
+            } else {
+                Duration::from_secs(60)
+            };
+            let job = Capture {
+                vmm: mgr.vmm_path.clone(),
+                boot,
+                ready,
+                snapshot_dir: golden.clone(),
+                boot_timeout,
+                vmm_log: Some(build.join("vmm.log")),
+            };
+            let image_id = id.to_string();
+            tokio::task::spawn_blocking(move || {
+                capture(&job, &mut |line| {
+                    tracing::info!(image = %image_id, "golden build: {line}");
+                })
+            })
+            .await
+            .map_err(|e| Error::Vmm(format!("the golden build task failed: {e}")))?
+            .map_err(|e| match e {
+                CaptureError::NotReady { .. } => Error::Timeout(e.to_string()),
+                other => Error::Vmm(other.to_string()),
+            })?;
+            // The boot's console goes with the snapshot, for whoever has to
+            // find out what the golden guest did.
+            let _ = std::fs::rename(build.join("serial.log"), golden.join("console.log"));
+            if !image.rootfs.is_empty() {
+                std::fs::rename(&build_disk, golden.join(GOLDEN_DISK)).map_err(|e| {
+                    Error::io(
+                        format!("keeping the golden disk in {}", golden.display()),
+                        e,
+                    )
+                })?;
+            }
+            Ok::<_, Error>(())
+        }
+        .await;
+        let _ = std::fs::remove_dir_all(&build);
+        if let Err(e) = result {
+            let _ = std::fs::remove_dir_all(&golden);
+            return Err(e);
+        }
+        let old = PathBuf::from(&image.golden_dir);
+        mgr.store
+            .set_golden(id, &golden.display().to_string(), now_ms())?;
+        mgr.pool.drain(id);
+        if !image.golden_dir.is_empty() && old != golden {
+            // Sessions restored from the old snapshot keep their private
+            // mappings of the unlinked memory file.
+            let _ = std::fs::remove_dir_all(&old);
+        }
+        mgr.store
+            .image(id)?
+            .ok_or_else(|| Error::not_found("image", id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image() -> ImageRow {
+        ImageRow {
+            id: "img".into(),
+            kernel: "/k/vmlinux".into(),
+            cmdline: "console=ttyS0".into(),
+            mem_mib: 512,
+            vcpus: 2,
+            guest_init: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_golden_boot_takes_the_image_initrd_when_it_has_one() {
+        let build = Path::new("/state/images/img/build-1");
+        let without = boot_spec(&image(), build);
+        assert_eq!(without.initrd, None);
+        let with = boot_spec(
+            &ImageRow {
+                initrd: "/k/initrd.gz".into(),
+                ..image()
+            },
+            build,
+        );
+        assert_eq!(with.initrd.as_deref(), Some(Path::new("/k/initrd.gz")));
+        assert_eq!(with.kernel, Path::new("/k/vmlinux"));
+        assert_eq!(with.cmdline.as_deref(), Some("console=ttyS0"));
+        assert_eq!((with.mem_mib, with.vcpus), (512, 2));
+        assert!(with.devices.rng, "guest-init images get entropy");
+        assert_eq!(with.devices.serial, Serial::File(build.join("serial.log")));
+        let args = with.args();
+        let at = args.iter().position(|a| a == "--initrd").expect("--initrd");
+        assert_eq!(args[at + 1], "/k/initrd.gz");
+    }
+}
