@@ -6,8 +6,8 @@ use std::str::FromStr;
 
 use serde::Deserialize;
 
+use crate::arch::x86_64::layout::MAX_DEVICES;
 use crate::arch::x86_64::mptable::MAX_CPUS;
-use crate::devices::virtio::setup::MAX_DEVICES;
 
 /// Guest memory when none is given, in MiB.
 pub const DEFAULT_MEM_MIB: u64 = 128;

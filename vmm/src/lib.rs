@@ -14,6 +14,7 @@ pub mod kvm;
 pub mod logfile;
 pub mod machine;
 pub mod memory;
+pub mod persist;
 pub mod seccomp;
 pub mod signals;
 pub mod snapshot;

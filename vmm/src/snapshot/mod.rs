@@ -7,7 +7,6 @@ pub mod format;
 pub mod manifest;
 pub mod memory_file;
 mod pages;
-pub mod persist;
 pub mod restore_memory;
 pub mod state;
 mod uffd;

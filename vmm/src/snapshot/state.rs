@@ -191,7 +191,7 @@ mod tests {
     use crate::devices::irq::IrqLine;
     use crate::devices::legacy::i8042::persist::{KeyboardState, SourceState};
     use crate::devices::legacy::serial::SerialDevice;
-    use crate::snapshot::persist::Persist;
+    use crate::persist::Persist;
 
     fn sample() -> MachineState {
         let serial = SerialDevice::new(IrqLine::new(4).unwrap(), Box::new(std::io::sink()));

@@ -50,3 +50,12 @@ pub const APIC_START: u64 = 0xfee0_0000;
 /// Where the initrd may end at most (Linux's initrd_addr_max default for 64-bit loaders is higher,
 /// but staying under the MMIO hole keeps it in low RAM).
 pub const INITRD_ALIGN: u64 = 0x1000;
+/// MMIO address of the first virtio device; each next one is a window higher.
+pub const VIRTIO_MMIO_BASE: u64 = 0xd000_0000;
+/// GSI of the first virtio device; each next one uses the next free GSI.
+pub const VIRTIO_FIRST_GSI: u32 = 5;
+/// Highest GSI the IOAPIC has (24 pins).
+pub const VIRTIO_LAST_GSI: u32 = 23;
+/// Most virtio devices a VM can have: one GSI each, from
+/// `VIRTIO_FIRST_GSI` to `VIRTIO_LAST_GSI` except the i8042's AUX line.
+pub const MAX_DEVICES: usize = (VIRTIO_LAST_GSI - VIRTIO_FIRST_GSI) as usize;

@@ -8,7 +8,7 @@ use super::ged::KNOWN_EVENTS;
 use super::power::PowerHandler;
 use super::{locked, AcpiDeviceError, AcpiDevices};
 use crate::memory::GuestMemoryMmap;
-use crate::snapshot::persist::Persist;
+use crate::persist::Persist;
 
 /// Highest GSI the IOAPIC has (24 pins).
 const LAST_GSI: u32 = 23;

@@ -25,17 +25,11 @@ use crate::config::{DeviceConfig, DiskConfig, NetConfig, VsockConfig};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::irq::IrqLine;
 use crate::memory::GuestMemoryMmap;
-use crate::snapshot::persist::Persist;
+use crate::persist::Persist;
 
-/// MMIO address of the first virtio device; each next one is `MMIO_WINDOW` higher.
-pub const VIRTIO_MMIO_BASE: u64 = 0xd000_0000;
-/// GSI of the first virtio device; each next one uses the next free GSI.
-pub const VIRTIO_FIRST_GSI: u32 = 5;
-/// Highest GSI the IOAPIC has (24 pins).
-pub const VIRTIO_LAST_GSI: u32 = 23;
-/// Most virtio devices a VM can have: one GSI each, from
-/// `VIRTIO_FIRST_GSI` to `VIRTIO_LAST_GSI` except the i8042's AUX line.
-pub const MAX_DEVICES: usize = (VIRTIO_LAST_GSI - VIRTIO_FIRST_GSI) as usize;
+pub use crate::arch::x86_64::layout::{
+    MAX_DEVICES, VIRTIO_FIRST_GSI, VIRTIO_LAST_GSI, VIRTIO_MMIO_BASE,
+};
 
 /// The GSI of the `i`-th virtio device: the pins from `VIRTIO_FIRST_GSI`
 /// up, skipping the i8042's AUX interrupt (12), which that device raises

@@ -9,7 +9,7 @@ use super::{
     CMD_WRITE_OUTPUT_PORT, CMD_WRITE_RAM, CMD_WRITE_RAM_LAST, I8042, INITIAL_CTR,
     INITIAL_OUTPUT_PORT, OUTPUT_CAPACITY, RAM_SIZE,
 };
-use crate::snapshot::persist::Persist;
+use crate::persist::Persist;
 
 /// Where a buffered byte came from, as stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

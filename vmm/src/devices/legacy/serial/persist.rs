@@ -7,7 +7,7 @@ use vm_superio::Serial;
 
 use super::{SerialDevice, SerialOut};
 use crate::devices::irq::IrqLine;
-use crate::snapshot::persist::Persist;
+use crate::persist::Persist;
 
 /// The UART's registers and receive FIFO.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -9,7 +9,7 @@ use super::Block;
 use crate::devices::virtio::persist::{CommonState, VirtioPersistError};
 use crate::devices::virtio::{Interrupt, VirtioDevice};
 use crate::memory::GuestMemoryMmap;
-use crate::snapshot::persist::Persist;
+use crate::persist::Persist;
 
 /// What a virtio-blk device saves.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

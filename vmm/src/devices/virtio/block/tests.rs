@@ -8,7 +8,7 @@ use super::*;
 use crate::devices::virtio::test_utils::{
     activate, add_chain, add_raw_chain, interrupt, memory, mock_queue, used, used_idx,
 };
-use crate::snapshot::persist::Persist;
+use crate::persist::Persist;
 
 const HDR: u64 = 0x10_0000;
 const DATA: u64 = 0x11_0000;

@@ -9,7 +9,7 @@ use super::{S_FEATURES_OK, S_NEEDS_RESET};
 use crate::devices::virtio::persist::VirtioPersistError;
 use crate::devices::virtio::Interrupt;
 use crate::memory::GuestMemoryMmap;
-use crate::snapshot::persist::Persist;
+use crate::persist::Persist;
 
 /// The transport's registers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

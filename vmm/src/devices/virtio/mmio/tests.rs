@@ -6,7 +6,7 @@ use super::persist::{MmioConstructorArgs, MmioState};
 use super::*;
 use crate::devices::virtio::rng::Rng;
 use crate::devices::virtio::test_utils::{interrupt, memory};
-use crate::snapshot::persist::Persist;
+use crate::persist::Persist;
 
 fn transport() -> (MmioTransport, Arc<Mutex<Rng>>) {
     let rng = Arc::new(Mutex::new(Rng::new().unwrap()));

@@ -5,7 +5,7 @@ use super::*;
 use crate::devices::virtio::test_utils::{
     activate, add_chain, interrupt, memory, mock_queue, used, used_idx,
 };
-use crate::snapshot::persist::Persist;
+use crate::persist::Persist;
 
 /// A tap device for the test, or `None` (with the reason printed) without CAP_NET_ADMIN.
 fn net(name: &str, mac: Option<[u8; 6]>) -> Option<Net> {

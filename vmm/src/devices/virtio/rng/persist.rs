@@ -8,7 +8,7 @@ use super::Rng;
 use crate::devices::virtio::persist::{CommonState, VirtioPersistError};
 use crate::devices::virtio::{Interrupt, VirtioDevice};
 use crate::memory::GuestMemoryMmap;
-use crate::snapshot::persist::Persist;
+use crate::persist::Persist;
 
 /// What a virtio-rng device saves.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

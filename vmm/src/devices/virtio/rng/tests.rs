@@ -6,7 +6,7 @@ use super::*;
 use crate::devices::virtio::test_utils::{
     activate, add_chain, add_raw_chain, interrupt, memory, mock_queue, used, used_idx,
 };
-use crate::snapshot::persist::Persist;
+use crate::persist::Persist;
 
 #[test]
 fn fills_guest_buffers_with_random_bytes() {

@@ -14,7 +14,7 @@ use super::*;
 use crate::devices::virtio::test_utils::{
     activate, add_chain, interrupt, memory, mock_queue, used, used_idx, TEST_QUEUE_SIZE,
 };
-use crate::snapshot::persist::Persist;
+use crate::persist::Persist;
 
 const GUEST_CID: u64 = 3;
 const TX_BUFS: u64 = 0x10_0000;
