@@ -26,6 +26,7 @@ use proto::guest::host_message::Kind as In;
 use proto::guest::{
     EndTurn, Exec, FetchBranch, GuestMessage, HostMessage, RepoChunk, Shutdown, StartSession,
 };
+use test_harness::git::git;
 use vmm_api::command::{DiskSpec, RestoreSpec, Serial, VsockSpec};
 use vmm_api::process::{file_tail, VmmChild};
 
@@ -50,18 +51,6 @@ fn hardware_virtualization() -> bool {
         .unwrap_or_default()
         .lines()
         .any(|l| l.contains("vmx") || l.contains("svm"))
-}
-
-fn git(dir: &Path, args: &[&str]) -> String {
-    let (ok, text) = sh(Command::new("git")
-        .args(args)
-        .current_dir(dir)
-        .env("GIT_AUTHOR_NAME", "Test")
-        .env("GIT_AUTHOR_EMAIL", "test@example.com")
-        .env("GIT_COMMITTER_NAME", "Test")
-        .env("GIT_COMMITTER_EMAIL", "test@example.com"));
-    assert!(ok, "git {args:?}: {text}");
-    text
 }
 
 /// An image from the environment, or built (cached) with `images`.
