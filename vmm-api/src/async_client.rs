@@ -11,8 +11,7 @@ use tokio::net::UnixStream;
 
 use crate::error::ControlError;
 use crate::protocol::{
-    decode_answer, AnswerError, ChecksumReply, Request, SnapshotKind, SnapshotReply, StatusReply,
-    MAX_ANSWER_LEN,
+    ChecksumReply, Request, SnapshotKind, SnapshotReply, StatusReply, MAX_ANSWER_LEN,
 };
 
 const WHAT: &str = "control socket";
@@ -68,19 +67,7 @@ impl AsyncClient {
                 .read_line(&mut answer)
                 .await
                 .map_err(io)?;
-            if n == 0 {
-                return Err(ControlError::Closed { op });
-            }
-            if !answer.ends_with('\n') {
-                return Err(ControlError::BadAnswer {
-                    op,
-                    message: format!("no end of line within {MAX_ANSWER_LEN} bytes"),
-                });
-            }
-            decode_answer(&answer).map_err(|e| match e {
-                AnswerError::Refused(message) => ControlError::Refused { op, message },
-                AnswerError::Malformed(message) => ControlError::BadAnswer { op, message },
-            })
+            crate::client::decode_line(op, n, &answer)
         };
         tokio::time::timeout(self.timeout, exchange)
             .await

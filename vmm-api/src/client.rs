@@ -97,14 +97,12 @@ impl Client {
         let mut line = request.to_line();
         line.push('\n');
         self.writer.write_all(line.as_bytes()).map_err(io)?;
-        let answer = read_answer(&mut self.reader, op).map_err(|e| match e {
-            ReadError::Io(source) => io(source),
-            ReadError::Control(c) => c,
-        })?;
-        decode_answer(&answer).map_err(|e| match e {
-            AnswerError::Refused(message) => ControlError::Refused { op, message },
-            AnswerError::Malformed(message) => ControlError::BadAnswer { op, message },
-        })
+        let mut answer = String::new();
+        let n = (&mut self.reader)
+            .take(MAX_ANSWER_LEN as u64 + 1)
+            .read_line(&mut answer)
+            .map_err(io)?;
+        decode_line(op, n, &answer)
     }
 
     /// The VM's state.
@@ -145,28 +143,26 @@ impl Client {
     }
 }
 
-enum ReadError {
-    Io(std::io::Error),
-    Control(ControlError),
-}
-
-/// Reads one answer line of at most [`MAX_ANSWER_LEN`] bytes.
-fn read_answer(reader: &mut impl BufRead, op: &'static str) -> Result<String, ReadError> {
-    let mut answer = String::new();
-    let n = reader
-        .take(MAX_ANSWER_LEN as u64 + 1)
-        .read_line(&mut answer)
-        .map_err(ReadError::Io)?;
+/// Decodes the answer line of `n` bytes read (at most
+/// [`MAX_ANSWER_LEN`] + 1) for the request `op`, as either client reads it.
+pub(crate) fn decode_line<T: DeserializeOwned>(
+    op: &'static str,
+    n: usize,
+    answer: &str,
+) -> Result<T, ControlError> {
     if n == 0 {
-        return Err(ReadError::Control(ControlError::Closed { op }));
+        return Err(ControlError::Closed { op });
     }
     if !answer.ends_with('\n') {
-        return Err(ReadError::Control(ControlError::BadAnswer {
+        return Err(ControlError::BadAnswer {
             op,
             message: format!("no end of line within {MAX_ANSWER_LEN} bytes"),
-        }));
+        });
     }
-    Ok(answer)
+    decode_answer(answer).map_err(|e| match e {
+        AnswerError::Refused(message) => ControlError::Refused { op, message },
+        AnswerError::Malformed(message) => ControlError::BadAnswer { op, message },
+    })
 }
 
 #[cfg(test)]

@@ -2,7 +2,6 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// The perf binary under test.
 pub fn perf_bin() -> PathBuf {
@@ -10,30 +9,13 @@ pub fn perf_bin() -> PathBuf {
 }
 
 /// Builds the workspace's vmm in the profile perf was built with (cargo
-/// does not build another package's binary for this package's tests) and
-/// returns its path: next to perf, where perf looks by default.
+/// does not build another package's binary for this package's tests; an
+/// up-to-date vmm is left as it is) and returns its path: next to perf,
+/// where perf looks by default.
 pub fn build_vmm() -> PathBuf {
-    let perf = perf_bin();
-    let profile_dir = perf.parent().expect("perf lives in target/<profile>/");
-    let profile = profile_dir
-        .file_name()
-        .and_then(|n| n.to_str())
-        .expect("profile folder name");
-    let mut cmd = Command::new(env!("CARGO"));
-    cmd.args(["build", "-q", "-p", "vmm"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    match profile {
-        "debug" => {}
-        "release" => {
-            cmd.arg("--release");
-        }
-        other => {
-            cmd.args(["--profile", other]);
-        }
-    }
-    let status = cmd.status().expect("run cargo build -p vmm");
-    assert!(status.success(), "cargo build -p vmm failed");
-    let vmm = profile_dir.join("vmm");
+    let dir = test_harness::bin::profile_dir();
+    test_harness::bin::build("vmm", &dir);
+    let vmm = dir.join("vmm");
     assert!(vmm.is_file(), "{} not built", vmm.display());
     vmm
 }

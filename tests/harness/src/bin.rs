@@ -33,8 +33,8 @@ pub fn profile_dir() -> PathBuf {
 }
 
 /// `cargo build -p name` into `dir` (a profile directory as
-/// [`profile_dir`] returns it).
-fn build(name: &str, dir: &Path) {
+/// [`profile_dir`] returns it): a no-op when the binary is up to date.
+pub fn build(name: &str, dir: &Path) {
     let profile = dir.file_name().and_then(|n| n.to_str()).unwrap_or("debug");
     let above = dir.parent().expect("a profile directory has a parent");
     // The target directory holds `.rustc_info.json`; one level lower,

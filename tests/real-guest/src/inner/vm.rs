@@ -10,58 +10,19 @@ use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use vmm_api::command::Devices;
-use vmm_api::{
-    Client, ControlError, RestoreSpec, RunSpec, SnapshotKind, SnapshotReply, StatusReply,
-};
+use vmm_api::{Client, ControlError, SnapshotKind, SnapshotReply, StatusReply};
 
 use super::{Check, Ctx, INFRA_MARK};
 
 /// How a guest's vmm starts: `vmm run` or `vmm restore`.
-#[derive(Debug, Clone)]
-pub enum Launch {
-    /// Boot a kernel.
-    Run(RunSpec),
-    /// Restore a snapshot.
-    Restore(RestoreSpec),
-}
+pub use vmm_api::VmmCommand as Launch;
 
-impl Launch {
-    /// The devices and sockets, the same for both.
-    pub fn devices_mut(&mut self) -> &mut Devices {
-        match self {
-            Launch::Run(r) => &mut r.devices,
-            Launch::Restore(r) => &mut r.devices,
-        }
-    }
-
-    /// The vmm's arguments.
-    pub fn args(&self) -> Vec<String> {
-        match self {
-            Launch::Run(r) => r.args(),
-            Launch::Restore(r) => r.args(),
-        }
-    }
-
-    /// The guest's RAM when the command line says (a restore takes the
-    /// snapshot's).
-    fn ram_bytes(&self) -> Option<u64> {
-        match self {
-            Launch::Run(r) => Some(r.mem_mib << 20),
-            Launch::Restore(_) => None,
-        }
-    }
-}
-
-impl From<RunSpec> for Launch {
-    fn from(spec: RunSpec) -> Self {
-        Launch::Run(spec)
-    }
-}
-
-impl From<RestoreSpec> for Launch {
-    fn from(spec: RestoreSpec) -> Self {
-        Launch::Restore(spec)
+/// The guest's RAM when the command line says (a restore takes the
+/// snapshot's).
+fn ram_bytes(launch: &Launch) -> Option<u64> {
+    match launch {
+        Launch::Run(r) => Some(r.mem_mib << 20),
+        Launch::Restore(_) => None,
     }
 }
 
@@ -154,7 +115,7 @@ impl Guest {
             });
         }
         let stdin = child.stdin.take();
-        let ram_bytes = launch.ram_bytes();
+        let ram_bytes = ram_bytes(&launch);
         Ok(Guest {
             name: name.to_string(),
             child,
@@ -407,6 +368,7 @@ impl Drop for Guest {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vmm_api::{RestoreSpec, RunSpec};
 
     #[test]
     fn launches_give_their_command_lines_and_ram() {
@@ -417,12 +379,12 @@ mod tests {
             "run --kernel /k/vmlinux --mem-mib 128 --vcpus 1 --serial stdout \
              --control-socket /s/g.ctl"
         );
-        assert_eq!(run.ram_bytes(), Some(128 << 20));
+        assert_eq!(ram_bytes(&run), Some(128 << 20));
         let restore = Launch::from(RestoreSpec::new("/s/snap"));
         assert_eq!(
             restore.args().join(" "),
             "restore --snapshot /s/snap --serial stdout"
         );
-        assert_eq!(restore.ram_bytes(), None);
+        assert_eq!(ram_bytes(&restore), None);
     }
 }
