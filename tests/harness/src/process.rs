@@ -140,6 +140,20 @@ mod tests {
         let file = dir.path().join("log");
         std::fs::write(&file, "").unwrap();
         let mut child = Command::new("tail").arg("-f").arg(&file).spawn().unwrap();
+        // Until the child has exec'ed, its command line is this test's and
+        // names no directory: wait for tail's own.
+        let cmdline = format!("/proc/{}/cmdline", child.id());
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !std::fs::read(&cmdline)
+            .map(|c| String::from_utf8_lossy(&c).contains(&*dir.path().to_string_lossy()))
+            .unwrap_or(false)
+        {
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("tail never showed its command line");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
         kill_processes_under(dir.path());
         let status = child.wait().unwrap();
         assert_eq!(
