@@ -38,6 +38,9 @@ pub enum Error {
     /// The guest channel failed.
     #[error("guest: {0}")]
     Guest(String),
+    /// Making, changing or reading a VM's network failed.
+    #[error("network: {0}")]
+    Network(String),
     /// The state database failed.
     #[error("database: {0}")]
     Store(#[from] rusqlite::Error),
@@ -87,7 +90,7 @@ impl Error {
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::Timeout(_) => Code::DeadlineExceeded,
-            Error::Vmm(_) | Error::Guest(_) => Code::Unavailable,
+            Error::Vmm(_) | Error::Guest(_) | Error::Network(_) => Code::Unavailable,
             Error::Store(_) | Error::Io { .. } => Code::Internal,
             Error::ShuttingDown => Code::Unavailable,
         }

@@ -25,6 +25,7 @@ pub mod images;
 pub mod jail_uids;
 pub mod launch;
 pub mod metrics;
+pub mod network;
 pub mod path_roots;
 pub mod pool;
 pub mod repo;

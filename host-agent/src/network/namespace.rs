@@ -1,0 +1,299 @@
+//! Making and removing a VM's network: its namespace, the veth pair to the
+//! node, the tap the vmm serves, addresses, routes and the namespace's
+//! nftables rules ([`super::rules`]).
+//!
+//! Done with `ip` and `nft` (iproute2 and nftables), the tools operators
+//! read the result with, rather than hand-written netlink: every step is one
+//! command whose failure message names what it tried. A namespace is
+//! removed with `ip netns del`, which takes the veth pair and the tap with
+//! it, so a VM's network is released in one step even after a crash.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use super::addressing::{Slot, GATEWAY_IP, GUEST_PREFIX, TAP_NAME};
+use super::rules::{vm_ruleset, EgressPolicy, DENIED_COUNTER, TABLE};
+use crate::error::{Error, Result};
+
+/// Prefix of every namespace this host-agent makes.
+pub const NETNS_PREFIX: &str = "agentvm-";
+
+/// One VM's network as created.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmNetwork {
+    /// The namespace's name (`/run/netns/<name>`).
+    pub netns: String,
+    /// The node's end of the veth pair.
+    pub veth_host: String,
+    /// The namespace's end.
+    pub veth_vm: String,
+    /// The VM's /30 of the pool.
+    pub slot: Slot,
+    /// The node namespace the veth's other end lives in (`None`: the one
+    /// host-agent runs in; tests name one of their own).
+    pub node_netns: Option<String>,
+}
+
+/// Who owns the tap (the jailed vmm's uid and gid; `None`: root).
+pub type TapOwner = Option<(u32, u32)>;
+
+fn run(what: &str, cmd: &mut Command, stdin: Option<&str>) -> Result<String> {
+    cmd.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = cmd.spawn().map_err(|e| {
+        Error::io(
+            format!(
+                "{what}: running {:?} (are iproute2 and nftables installed?)",
+                cmd.get_program()
+            ),
+            e,
+        )
+    })?;
+    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(text.as_bytes())
+            .map_err(|e| Error::io(format!("{what}: writing to {:?}", cmd.get_program()), e))?;
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|e| Error::io(format!("{what}: waiting for {:?}", cmd.get_program()), e))?;
+    if !out.status.success() {
+        return Err(Error::Network(format!(
+            "{what}: {:?} {:?} failed ({}): {}",
+            cmd.get_program(),
+            cmd.get_args().collect::<Vec<_>>(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `ip [-n ns] args...`.
+fn ip(ns: Option<&str>, args: &[&str]) -> Command {
+    let mut c = Command::new("ip");
+    if let Some(ns) = ns {
+        c.args(["-n", ns]);
+    }
+    c.args(args);
+    c
+}
+
+/// A command run inside namespace `ns`.
+fn in_netns(ns: Option<&str>, program: &str, args: &[&str]) -> Command {
+    match ns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, program]).args(args);
+            c
+        }
+        None => {
+            let mut c = Command::new(program);
+            c.args(args);
+            c
+        }
+    }
+}
+
+/// Turns on IPv4 forwarding inside namespace `ns` (`None`: the node's own;
+/// an operator's setting, changed only when host-agent is told to manage the
+/// node's network).
+pub fn enable_forwarding(ns: Option<&str>) -> Result<()> {
+    run(
+        "enabling IPv4 forwarding",
+        &mut in_netns(ns, "sh", &["-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"]),
+        None,
+    )
+    .map(|_| ())
+}
+
+/// Applies an nftables script inside `ns`.
+pub fn apply_rules(ns: Option<&str>, script: &str) -> Result<()> {
+    run(
+        "loading nftables rules",
+        &mut in_netns(ns, "nft", &["-f", "-"]),
+        Some(script),
+    )
+    .map(|_| ())
+}
+
+impl VmNetwork {
+    /// Names for the VM whose jail id (or session id) is `id` at `slot`;
+    /// interface names stay within the kernel's 15 bytes.
+    pub fn plan(id: &str, slot: Slot, node_netns: Option<String>) -> Self {
+        let short: String = id
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric())
+            .take(24)
+            .collect();
+        Self {
+            netns: format!("{NETNS_PREFIX}{short}"),
+            veth_host: format!("avh{}", slot.index),
+            veth_vm: format!("avv{}", slot.index),
+            slot,
+            node_netns,
+        }
+    }
+
+    /// Creates the namespace, the veth pair, the tap (owned by `tap_owner`)
+    /// and the rules of `policy`. On failure, whatever was made is removed.
+    pub fn create(&self, policy: &EgressPolicy, tap_owner: TapOwner) -> Result<()> {
+        let result = self.create_steps(policy, tap_owner);
+        if result.is_err() {
+            self.remove();
+        }
+        result
+    }
+
+    fn create_steps(&self, policy: &EgressPolicy, tap_owner: TapOwner) -> Result<()> {
+        let node = self.node_netns.as_deref();
+        let ns = Some(self.netns.as_str());
+        let host_cidr = format!("{}/30", self.slot.host_ip);
+        let vm_cidr = format!("{}/30", self.slot.vm_ip);
+        let gateway = format!("{GATEWAY_IP}/{GUEST_PREFIX}");
+        run(
+            "creating the VM's network namespace",
+            &mut ip(None, &["netns", "add", &self.netns]),
+            None,
+        )?;
+        run(
+            "creating the VM's veth pair",
+            &mut ip(
+                node,
+                &[
+                    "link",
+                    "add",
+                    &self.veth_host,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    &self.veth_vm,
+                    "netns",
+                    &self.netns,
+                ],
+            ),
+            None,
+        )?;
+        run(
+            "addressing the node's veth",
+            &mut ip(node, &["addr", "add", &host_cidr, "dev", &self.veth_host]),
+            None,
+        )?;
+        run(
+            "bringing up the node's veth",
+            &mut ip(node, &["link", "set", &self.veth_host, "up"]),
+            None,
+        )?;
+        run(
+            "addressing the VM's veth",
+            &mut ip(ns, &["addr", "add", &vm_cidr, "dev", &self.veth_vm]),
+            None,
+        )?;
+        run(
+            "bringing up the VM's veth",
+            &mut ip(ns, &["link", "set", &self.veth_vm, "up"]),
+            None,
+        )?;
+        run(
+            "bringing up loopback",
+            &mut ip(ns, &["link", "set", "lo", "up"]),
+            None,
+        )?;
+        let host_ip = self.slot.host_ip.to_string();
+        run(
+            "routing the VM to the node",
+            &mut ip(ns, &["route", "add", "default", "via", &host_ip]),
+            None,
+        )?;
+        let (uid, gid) = tap_owner.unwrap_or((0, 0));
+        let (uid, gid) = (uid.to_string(), gid.to_string());
+        run(
+            "creating the VM's tap",
+            &mut ip(
+                ns,
+                &[
+                    "tuntap", "add", "dev", TAP_NAME, "mode", "tap", "user", &uid, "group", &gid,
+                ],
+            ),
+            None,
+        )?;
+        run(
+            "addressing the tap",
+            &mut ip(ns, &["addr", "add", &gateway, "dev", TAP_NAME]),
+            None,
+        )?;
+        run(
+            "bringing up the tap",
+            &mut ip(ns, &["link", "set", TAP_NAME, "up"]),
+            None,
+        )?;
+        enable_forwarding(ns)?;
+        self.update_policy(policy)
+    }
+
+    /// Replaces the namespace's rules with those of `policy`, atomically.
+    pub fn update_policy(&self, policy: &EgressPolicy) -> Result<()> {
+        apply_rules(
+            Some(&self.netns),
+            &vm_ruleset(policy, &self.slot, &self.veth_vm),
+        )
+    }
+
+    /// Packets the namespace's rules dropped so far.
+    pub fn denied_packets(&self) -> Result<u64> {
+        let out = run(
+            "reading the denied counter",
+            &mut in_netns(
+                Some(&self.netns),
+                "nft",
+                &["list", "counter", "ip", TABLE, DENIED_COUNTER],
+            ),
+            None,
+        )?;
+        Ok(out
+            .split_whitespace()
+            .skip_while(|w| *w != "packets")
+            .nth(1)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0))
+    }
+
+    /// Removes the namespace (and with it the veth pair and the tap). Never
+    /// fails: what is already gone is fine.
+    pub fn remove(&self) {
+        if let Err(e) = run(
+            "removing the VM's network namespace",
+            &mut ip(None, &["netns", "del", &self.netns]),
+            None,
+        ) {
+            tracing::debug!(netns = %self.netns, error = %e, "network namespace already gone");
+        }
+        // A veth whose namespace was never made stays on the node.
+        let _ = run(
+            "removing the node's veth",
+            &mut ip(
+                self.node_netns.as_deref(),
+                &["link", "del", &self.veth_host],
+            ),
+            None,
+        );
+    }
+}
+
+/// The namespaces this host-agent made (by their prefix), for removing the
+/// ones no VM owns after a restart.
+pub fn list_namespaces() -> Vec<String> {
+    std::fs::read_dir("/run/netns")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str().map(str::to_string))
+                .filter(|n| n.starts_with(NETNS_PREFIX))
+                .collect()
+        })
+        .unwrap_or_default()
+}

@@ -1,0 +1,303 @@
+//! The nftables rules of a VM's network namespace: egress from the guest is
+//! denied unless the session's allowlist names it, checked where the guest
+//! cannot reach (its own root can flush the guest's rules, not these).
+//!
+//! Order of the forward chain, first match wins:
+//! 1. replies of connections already allowed pass;
+//! 2. anything from the tap not sourced at [`GUEST_IP`] is dropped (a
+//!    guest forging addresses);
+//! 3. [`EgressPolicy::always_deny`] (link-local with the cloud metadata
+//!    address, loopback, the node's own addresses, the VM pool: other VMs)
+//!    is dropped whatever the allowlist says;
+//! 4. private ranges are dropped unless the node's policy names them;
+//! 5. the allowlist: whole destinations, or protocol, destination and port;
+//! 6. everything else is dropped.
+//!
+//! Drops are counted in the table's `denied` counter, never logged per packet.
+//! IPv6 is not forwarded at all (the guest link is IPv4-only).
+
+use std::fmt::Write as _;
+
+use super::addressing::{Cidr4, Slot, GUEST_IP, TAP_NAME};
+
+/// Name of the table in every VM namespace.
+pub const TABLE: &str = "agentvm";
+/// Name of the counter of dropped guest packets in that table.
+pub const DENIED_COUNTER: &str = "denied";
+
+/// A transport protocol of an allow rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Proto {
+    /// TCP.
+    Tcp,
+    /// UDP.
+    Udp,
+}
+
+impl Proto {
+    fn name(self) -> &'static str {
+        match self {
+            Proto::Tcp => "tcp",
+            Proto::Udp => "udp",
+        }
+    }
+}
+
+/// One allowed destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Allow {
+    /// Destination block.
+    pub cidr: Cidr4,
+    /// Protocol (`None`: TCP and UDP, or any protocol when `port` is `None` too).
+    pub proto: Option<Proto>,
+    /// Destination port (`None`: every port).
+    pub port: Option<u16>,
+}
+
+/// Private ranges: denied unless the node's policy names them.
+pub const PRIVATE: &[&str] = &[
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "198.18.0.0/15",
+];
+
+/// Denied whatever any policy says: "this network", loopback, link-local
+/// (the metadata service at 169.254.169.254), multicast and reserved.
+pub const ALWAYS_DENIED: &[&str] = &[
+    "0.0.0.0/8",
+    "127.0.0.0/8",
+    "169.254.0.0/16",
+    "224.0.0.0/4",
+    "240.0.0.0/4",
+];
+
+/// What a VM's guest may reach.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EgressPolicy {
+    /// The session's allowlist.
+    pub allow: Vec<Allow>,
+    /// Dropped first: [`ALWAYS_DENIED`], the node's addresses, the VM pool.
+    pub always_deny: Vec<Cidr4>,
+    /// Private ranges the node's policy lets allowlists name.
+    pub private_allowed: Vec<Cidr4>,
+}
+
+impl EgressPolicy {
+    /// A policy allowing `allow`, denying the fixed ranges plus the node's
+    /// own `node_addresses` and its VM `pool`.
+    pub fn new(
+        allow: Vec<Allow>,
+        node_addresses: &[Cidr4],
+        pool: Cidr4,
+        private_allowed: Vec<Cidr4>,
+    ) -> Self {
+        let mut always_deny: Vec<Cidr4> = ALWAYS_DENIED
+            .iter()
+            .filter_map(|c| Cidr4::parse(c).ok())
+            .collect();
+        always_deny.extend_from_slice(node_addresses);
+        always_deny.push(pool);
+        Self {
+            allow,
+            always_deny,
+            private_allowed,
+        }
+    }
+}
+
+/// Writes an interval set of addresses; nft merges overlapping blocks
+/// (`auto-merge`), so a policy may name a block twice.
+fn addr_set(out: &mut String, name: &str, cidrs: &[Cidr4]) {
+    let _ = writeln!(
+        out,
+        "  set {name} {{\n    type ipv4_addr; flags interval; auto-merge"
+    );
+    if !cidrs.is_empty() {
+        let list: Vec<String> = cidrs.iter().map(Cidr4::to_string).collect();
+        let _ = writeln!(out, "    elements = {{ {} }}", list.join(", "));
+    }
+    let _ = writeln!(out, "  }}");
+}
+
+/// The allowlist entries with a protocol or a port, as
+/// `proto . block . ports` elements.
+fn port_elements(allow: &[Allow]) -> Vec<String> {
+    let mut out = Vec::new();
+    for a in allow {
+        let ports = match a.port {
+            Some(p) => p.to_string(),
+            None => "0-65535".to_string(),
+        };
+        let protos = match (a.proto, a.port) {
+            (None, None) => continue,
+            (Some(p), _) => vec![p],
+            (None, Some(_)) => vec![Proto::Tcp, Proto::Udp],
+        };
+        for p in protos {
+            out.push(format!("{} . {} . {ports}", p.name(), a.cidr));
+        }
+    }
+    out
+}
+
+/// The whole ruleset for the namespace of the VM at `slot`, whose end of
+/// the veth pair is `veth`: replaces any earlier version atomically.
+pub fn vm_ruleset(policy: &EgressPolicy, slot: &Slot, veth: &str) -> String {
+    let mut out = String::new();
+    // Declare, then delete, then write: one atomic transaction that works
+    // whether or not the table exists yet.
+    let _ = writeln!(out, "table ip {TABLE} {{}}\ndelete table ip {TABLE}");
+    let _ = writeln!(out, "table ip {TABLE} {{");
+    addr_set(&mut out, "always_deny", &policy.always_deny);
+    let private: Vec<Cidr4> = PRIVATE
+        .iter()
+        .filter_map(|c| Cidr4::parse(c).ok())
+        .collect();
+    addr_set(&mut out, "private", &private);
+    addr_set(&mut out, "private_allowed", &policy.private_allowed);
+    let whole: Vec<Cidr4> = policy
+        .allow
+        .iter()
+        .filter(|a| a.proto.is_none() && a.port.is_none())
+        .map(|a| a.cidr)
+        .collect();
+    addr_set(&mut out, "allow_any", &whole);
+    let _ = writeln!(
+        out,
+        "  set allow_port {{\n    type inet_proto . ipv4_addr . inet_service; flags interval; auto-merge"
+    );
+    let elements = port_elements(&policy.allow);
+    if !elements.is_empty() {
+        let _ = writeln!(out, "    elements = {{ {} }}", elements.join(", "));
+    }
+    let _ = writeln!(out, "  }}");
+    let _ = writeln!(out, "  counter {DENIED_COUNTER} {{}}");
+    let tap = TAP_NAME;
+    let _ = write!(
+        out,
+        r#"  chain forward {{
+    type filter hook forward priority filter; policy drop;
+    ct state established,related accept
+    iifname "{tap}" ip saddr != {GUEST_IP} counter name {DENIED_COUNTER} drop
+    iifname "{tap}" ip daddr @always_deny counter name {DENIED_COUNTER} drop
+    iifname "{tap}" ip daddr @private ip daddr != @private_allowed counter name {DENIED_COUNTER} drop
+    iifname "{tap}" ip daddr @allow_any accept
+    iifname "{tap}" meta l4proto . ip daddr . th dport @allow_port accept
+    iifname "{tap}" counter name {DENIED_COUNTER} drop
+  }}
+  chain input {{
+    type filter hook input priority filter; policy drop;
+    ct state established,related accept
+    iifname "lo" accept
+    iifname "{tap}" counter name {DENIED_COUNTER} drop
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat;
+    oifname "{veth}" ip saddr {GUEST_IP} snat to {vm_ip}
+  }}
+}}
+table ip6 {TABLE} {{}}
+delete table ip6 {TABLE}
+table ip6 {TABLE} {{
+  chain forward {{
+    type filter hook forward priority filter; policy drop;
+  }}
+  chain input {{
+    type filter hook input priority filter; policy drop;
+    iifname "lo" accept
+  }}
+}}
+"#,
+        vm_ip = slot.vm_ip
+    );
+    out
+}
+
+/// The node's own rules: VMs never reach one another through the node, and
+/// their traffic leaves masqueraded behind the node's address.
+pub fn node_ruleset(pool: Cidr4) -> String {
+    format!(
+        r#"table ip {TABLE}-node {{}}
+delete table ip {TABLE}-node
+table ip {TABLE}-node {{
+  chain forward {{
+    type filter hook forward priority filter; policy accept;
+    ip saddr {pool} ip daddr {pool} drop
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat;
+    ip saddr {pool} ip daddr != {pool} masquerade
+  }}
+}}
+"#
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::Ipv4Addr;
+
+    fn cidr(s: &str) -> Cidr4 {
+        Cidr4::parse(s).unwrap()
+    }
+
+    #[test]
+    fn allow_entries_become_set_elements() {
+        let allow = vec![
+            Allow {
+                cidr: cidr("203.0.113.0/24"),
+                proto: None,
+                port: None,
+            },
+            Allow {
+                cidr: cidr("198.51.100.7"),
+                proto: Some(Proto::Tcp),
+                port: Some(443),
+            },
+            Allow {
+                cidr: cidr("198.51.100.8"),
+                proto: None,
+                port: Some(53),
+            },
+            Allow {
+                cidr: cidr("198.51.100.9"),
+                proto: Some(Proto::Udp),
+                port: None,
+            },
+        ];
+        assert_eq!(
+            port_elements(&allow),
+            [
+                "tcp . 198.51.100.7/32 . 443",
+                "tcp . 198.51.100.8/32 . 53",
+                "udp . 198.51.100.8/32 . 53",
+                "udp . 198.51.100.9/32 . 0-65535",
+            ]
+        );
+        let slot = Slot {
+            index: 0,
+            host_ip: Ipv4Addr::new(10, 200, 0, 1),
+            vm_ip: Ipv4Addr::new(10, 200, 0, 2),
+        };
+        let policy = EgressPolicy::new(allow, &[cidr("192.0.2.1")], cidr("10.200.0.0/16"), vec![]);
+        let rules = vm_ruleset(&policy, &slot, "avv0");
+        assert!(rules.contains("elements = { 203.0.113.0/24 }"), "{rules}");
+        assert!(rules.contains("snat to 10.200.0.2"), "{rules}");
+        assert!(
+            rules.contains("169.254.0.0/16"),
+            "the metadata range is always denied"
+        );
+        assert!(rules.contains("192.0.2.1/32, 10.200.0.0/16"), "{rules}");
+        assert!(rules.contains("ip saddr != 172.16.0.2"), "anti-spoofing");
+    }
+
+    #[test]
+    fn the_node_masquerades_the_pool_and_keeps_vms_apart() {
+        let r = node_ruleset(cidr("10.200.0.0/16"));
+        assert!(r.contains("ip saddr 10.200.0.0/16 ip daddr 10.200.0.0/16 drop"));
+        assert!(r.contains("masquerade"));
+    }
+}

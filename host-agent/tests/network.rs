@@ -1,0 +1,337 @@
+//! VM networks made by `host_agent::network` on namespaces this test makes:
+//! a "node" namespace stands for the host, an "internet" namespace behind
+//! it holds the servers, and for each VM a "guest" namespace is joined where
+//! the tap would be by a veth named `tap0` (the same layer-3 path a guest's
+//! packets take through the tap; the rules match the interface by name).
+//! Needs root, iproute2 and nftables; says so and skips without them.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::process::Command;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use host_agent::network::addressing::{AddressPool, Cidr4, GATEWAY_IP, GUEST_IP, TAP_NAME};
+use host_agent::network::namespace::{apply_rules, enable_forwarding, list_namespaces, VmNetwork};
+use host_agent::network::rules::{node_ruleset, Allow, EgressPolicy, Proto};
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("ip runs");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Why this machine cannot run the test, if it cannot.
+fn missing() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("not root".into());
+    }
+    for tool in ["ip", "nft"] {
+        if Command::new(tool).arg("-V").output().is_err() {
+            return Some(format!("{tool} is not installed (iproute2, nftables)"));
+        }
+    }
+    None
+}
+
+/// A namespace removed when dropped.
+struct Ns(String);
+
+impl Ns {
+    fn new(name: String) -> Ns {
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        ip(&["netns", "add", &name]);
+        ip(&["-n", &name, "link", "set", "lo", "up"]);
+        Ns(name)
+    }
+}
+
+impl Drop for Ns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+/// Runs `f` on a thread inside namespace `ns`.
+fn in_ns<T: Send + 'static>(
+    ns: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> std::thread::JoinHandle<T> {
+    let path = format!("/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let fd = std::fs::File::open(&path).expect("open the namespace");
+        // SAFETY: setns on an open namespace file; it changes only this
+        // thread's network namespace.
+        let rc = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        f()
+    })
+}
+
+/// Connects from namespace `ns`; `Ok(())` when the connection is made and
+/// echoes a byte, the error kind otherwise.
+fn connect_from(ns: &str, to: SocketAddr) -> Result<(), std::io::ErrorKind> {
+    in_ns(ns, move || {
+        let mut s =
+            TcpStream::connect_timeout(&to, Duration::from_secs(2)).map_err(|e| e.kind())?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| e.kind())?;
+        s.write_all(b"x").map_err(|e| e.kind())?;
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b).map_err(|e| e.kind())?;
+        Ok(())
+    })
+    .join()
+    .expect("client thread")
+}
+
+fn guest(vm: &VmNetwork, name: &str) -> Ns {
+    let g = Ns::new(name.to_string());
+    // Where the vmm would serve the tap, a veth into the guest's namespace.
+    ip(&["-n", &vm.netns, "link", "del", TAP_NAME]);
+    ip(&[
+        "link", "add", TAP_NAME, "netns", &vm.netns, "type", "veth", "peer", "name", "eth0",
+        "netns", &g.0,
+    ]);
+    ip(&[
+        "-n",
+        &vm.netns,
+        "addr",
+        "add",
+        &format!("{GATEWAY_IP}/30"),
+        "dev",
+        TAP_NAME,
+    ]);
+    ip(&["-n", &vm.netns, "link", "set", TAP_NAME, "up"]);
+    ip(&[
+        "-n",
+        &g.0,
+        "addr",
+        "add",
+        &format!("{GUEST_IP}/30"),
+        "dev",
+        "eth0",
+    ]);
+    ip(&["-n", &g.0, "link", "set", "eth0", "up"]);
+    ip(&[
+        "-n",
+        &g.0,
+        "route",
+        "add",
+        "default",
+        "via",
+        &GATEWAY_IP.to_string(),
+    ]);
+    g
+}
+
+#[test]
+fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
+    if let Some(why) = missing() {
+        println!("skipped: {why}");
+        return;
+    }
+    let tag = std::process::id();
+    let node = Ns::new(format!("nd{tag}"));
+    let inet = Ns::new(format!("in{tag}"));
+    ip(&[
+        "link", "add", "up0", "netns", &node.0, "type", "veth", "peer", "name", "wan0", "netns",
+        &inet.0,
+    ]);
+    ip(&["-n", &node.0, "addr", "add", "203.0.113.1/24", "dev", "up0"]);
+    ip(&["-n", &node.0, "link", "set", "up0", "up"]);
+    ip(&[
+        "-n",
+        &node.0,
+        "route",
+        "add",
+        "default",
+        "via",
+        "203.0.113.2",
+    ]);
+    for a in ["203.0.113.2/24", "203.0.113.3/24", "203.0.113.4/24"] {
+        ip(&["-n", &inet.0, "addr", "add", a, "dev", "wan0"]);
+    }
+    ip(&["-n", &inet.0, "link", "set", "wan0", "up"]);
+    let pool_block = Cidr4::parse("10.200.0.0/16").unwrap();
+    enable_forwarding(Some(&node.0)).unwrap();
+    apply_rules(Some(&node.0), &node_ruleset(pool_block)).unwrap();
+
+    // Servers on the internet: an echo on two addresses, a UDP sink.
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let (udp_tx, udp_rx) = mpsc::channel::<SocketAddr>();
+    let _servers = in_ns(&inet.0, move || {
+        for addr in ["203.0.113.3:8080", "203.0.113.4:8080"] {
+            let l = TcpListener::bind(addr).expect("bind");
+            std::thread::spawn(move || {
+                for mut s in l.incoming().flatten() {
+                    let mut b = [0u8; 1];
+                    if s.read_exact(&mut b).is_ok() {
+                        let _ = s.write_all(&b);
+                    }
+                }
+            });
+        }
+        let u = UdpSocket::bind("203.0.113.3:5353").expect("bind udp");
+        ready_tx.send(()).expect("ready");
+        let mut buf = [0u8; 64];
+        while let Ok((_, from)) = u.recv_from(&mut buf) {
+            if udp_tx.send(from).is_err() {
+                break;
+            }
+        }
+    });
+    ready_rx.recv().expect("servers up");
+
+    let mut pool = AddressPool::new(pool_block).unwrap();
+    let policy = EgressPolicy::new(
+        vec![
+            Allow {
+                cidr: Cidr4::parse("203.0.113.3").unwrap(),
+                proto: Some(Proto::Tcp),
+                port: Some(8080),
+            },
+            Allow {
+                cidr: Cidr4::parse("203.0.113.3").unwrap(),
+                proto: Some(Proto::Udp),
+                port: Some(5353),
+            },
+        ],
+        &[Cidr4::parse("203.0.113.1").unwrap()],
+        pool_block,
+        vec![],
+    );
+    let vms: Vec<VmNetwork> = ["a", "b"]
+        .iter()
+        .map(|s| {
+            let vm = VmNetwork::plan(
+                &format!("t{tag}{s}"),
+                pool.allocate().unwrap(),
+                Some(node.0.clone()),
+            );
+            vm.create(&policy, None).expect("create the VM's network");
+            vm
+        })
+        .collect();
+    let guests: Vec<Ns> = vms
+        .iter()
+        .zip(["a", "b"])
+        .map(|(vm, s)| guest(vm, &format!("g{tag}{s}")))
+        .collect();
+
+    // Two clones with the same guest address reach the internet at once.
+    let server: SocketAddr = "203.0.113.3:8080".parse().unwrap();
+    let both: Vec<_> = guests
+        .iter()
+        .map(|g| {
+            let g = g.0.clone();
+            std::thread::spawn(move || connect_from(&g, server))
+        })
+        .collect();
+    for (i, t) in both.into_iter().enumerate() {
+        assert_eq!(
+            t.join().unwrap(),
+            Ok(()),
+            "guest {i} reaches the allowed server"
+        );
+    }
+
+    // Denied: dropped on the host side (a timeout, never a refusal that
+    // would show the packet got through).
+    let g = guests[0].0.as_str();
+    for (what, to) in [
+        ("a server not in the allowlist", "203.0.113.4:8080"),
+        ("an allowed address on another port", "203.0.113.3:9090"),
+        ("the node's own address", "203.0.113.1:22"),
+        ("the node's end of the veth", "10.200.0.1:22"),
+        ("the other VM", "10.200.0.6:8080"),
+        ("the metadata service", "169.254.169.254:80"),
+    ] {
+        assert_eq!(
+            connect_from(g, to.parse().unwrap()),
+            Err(std::io::ErrorKind::TimedOut),
+            "{what} ({to}) must be dropped"
+        );
+    }
+
+    // A guest forging its source address gets nothing through.
+    ip(&["-n", g, "addr", "add", "192.0.2.77/32", "dev", "eth0"]);
+    let sent = in_ns(g, || {
+        let honest = UdpSocket::bind((GUEST_IP, 0)).unwrap();
+        honest.send_to(b"honest", "203.0.113.3:5353").unwrap();
+        let forged = UdpSocket::bind("192.0.2.77:0").unwrap();
+        forged.send_to(b"forged", "203.0.113.3:5353").unwrap();
+    });
+    sent.join().unwrap();
+    let first = udp_rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the honest datagram");
+    assert_eq!(
+        first.ip().to_string(),
+        "203.0.113.1",
+        "masqueraded behind the node"
+    );
+    assert!(
+        udp_rx.recv_timeout(Duration::from_secs(1)).is_err(),
+        "the forged datagram must be dropped"
+    );
+    assert!(vms[0].denied_packets().unwrap() >= 7, "drops are counted");
+
+    // Narrowing the allowlist of a live VM takes effect at once.
+    let mut narrowed = policy.clone();
+    narrowed.allow.retain(|a| a.proto == Some(Proto::Udp));
+    vms[0].update_policy(&narrowed).unwrap();
+    assert_eq!(connect_from(g, server), Err(std::io::ErrorKind::TimedOut));
+    assert_eq!(
+        connect_from(&guests[1].0, server),
+        Ok(()),
+        "the other VM keeps its policy"
+    );
+
+    // Even a policy that allows everything keeps the node, the other VMs
+    // and the metadata service out.
+    let mut everything = policy.clone();
+    everything.allow = vec![Allow {
+        cidr: Cidr4::parse("0.0.0.0/0").unwrap(),
+        proto: None,
+        port: None,
+    }];
+    vms[1].update_policy(&everything).unwrap();
+    let g = guests[1].0.as_str();
+    assert_eq!(connect_from(g, "203.0.113.4:8080".parse().unwrap()), Ok(()));
+    for (what, to) in [
+        ("the node's own address", "203.0.113.1:22"),
+        ("the node's end of the veth", "10.200.0.5:22"),
+        ("the other VM", "10.200.0.2:8080"),
+        ("the metadata service", "169.254.169.254:80"),
+    ] {
+        assert_eq!(
+            connect_from(g, to.parse().unwrap()),
+            Err(std::io::ErrorKind::TimedOut),
+            "{what} ({to}) must be dropped whatever the allowlist says"
+        );
+    }
+
+    // Nothing is left once the VMs' networks are removed.
+    drop(guests);
+    for vm in &vms {
+        vm.remove();
+        pool.release(&vm.slot);
+    }
+    let left: Vec<String> = list_namespaces()
+        .into_iter()
+        .filter(|n| n.contains(&format!("t{tag}")))
+        .collect();
+    assert!(left.is_empty(), "namespaces left: {left:?}");
+    let links = Command::new("ip")
+        .args(["-n", &node.0, "-o", "link"])
+        .output()
+        .unwrap();
+    let links = String::from_utf8_lossy(&links.stdout);
+    assert!(!links.contains("avh"), "veths left on the node: {links}");
+}
