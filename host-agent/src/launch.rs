@@ -47,6 +47,7 @@ pub fn restore_launch(
         taps: vec![],
         devices: vec![],
         memory_max_mib: (overhead > 0).then(|| u64::from(image.mem_mib) + overhead),
+        netns: None,
     });
     let mut spec = RestoreSpec::new(snapshot);
     spec.globals.log_max_bytes = Some(cfg.logs.max_file_bytes);

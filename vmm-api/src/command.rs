@@ -306,6 +306,9 @@ pub struct JailSpec {
     pub devices: Vec<String>,
     /// Memory limit of the VM's cgroup, MiB.
     pub memory_max_mib: Option<u64>,
+    /// A network namespace to join (the VM's, made by the caller with its
+    /// tap) instead of a new, empty one.
+    pub netns: Option<PathBuf>,
 }
 
 impl JailSpec {
@@ -338,6 +341,9 @@ impl JailSpec {
         }
         if let Some(m) = self.memory_max_mib {
             a.extend(["--memory-max".into(), format!("{m}M")]);
+        }
+        if let Some(n) = &self.netns {
+            a.extend(["--netns-path".into(), n.display().to_string()]);
         }
         a.push("--".into());
         a.extend(inner);
@@ -444,6 +450,7 @@ mod tests {
             taps: vec!["tap1".into()],
             devices: vec![],
             memory_max_mib: Some(300),
+            netns: None,
         };
         assert_eq!(
             jail.wrap(vec!["restore".into(), "--snapshot".into(), "/golden".into()]).join(" "),

@@ -82,6 +82,10 @@ struct JailArgs {
     /// network namespace (only loopback and the --tap interfaces in it).
     #[arg(long, hide = true)]
     netns: bool,
+    /// Join this network namespace (e.g. `/run/netns/NAME`, made by the
+    /// caller with the VM's tap in it) instead of making a new, empty one.
+    #[arg(long, value_name = "PATH")]
+    netns_path: Option<PathBuf>,
     /// A tap for the VM (repeatable): a host tap of that name is moved
     /// into the jail's namespace and back when the VM ends; any other is created
     /// there. Either way it is persistent, owned by --uid and up.
@@ -296,6 +300,7 @@ fn jail(args: JailArgs) -> Result<i32, (i32, String)> {
         uid: args.uid,
         gid: args.gid,
         taps: args.taps,
+        netns: args.netns_path,
         binds: args
             .binds
             .iter()
@@ -494,6 +499,7 @@ mod tests {
             taps: vec!["tap1".into()],
             devices: vec!["kvm".into(), "userfaultfd".into()],
             memory_max_mib: Some(300),
+            netns: Some("/run/netns/agentvm-vm1".into()),
         };
         let Command::Jail(j) = parse(jail.wrap(restore.args())).command else {
             panic!("not jail")
@@ -501,6 +507,10 @@ mod tests {
         assert_eq!((j.uid, j.gid), (2_000_000_001, 2_000_000_002));
         assert_eq!(j.binds, ["/s/golden:/golden:ro"]);
         assert_eq!(j.taps, ["tap1"]);
+        assert_eq!(
+            j.netns_path.as_deref(),
+            Some(std::path::Path::new("/run/netns/agentvm-vm1"))
+        );
         assert_eq!(j.devices, ["kvm", "userfaultfd"]);
         assert_eq!(j.memory_max.as_deref(), Some("300M"));
         let Command::Restore(r) = parse(j.vmm_args).command else {

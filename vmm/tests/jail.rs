@@ -359,6 +359,136 @@ fn a_host_tap_moves_into_the_jails_network_namespace_and_back() {
     assert!(on_host.exists(), "the tap did not come back to the host");
 }
 
+/// A network namespace for a test, removed on drop.
+struct TestNetns(String);
+
+impl Drop for TestNetns {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.0])
+            .output();
+    }
+}
+
+fn ip(args: &[&str]) {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_jailed_vmm_joins_the_network_namespace_it_is_given_and_serves_its_tap() {
+    if !jail_supported() {
+        return;
+    }
+    if !Path::new("/dev/net/tun").exists() {
+        println!("skipped: /dev/net/tun is missing");
+        return;
+    }
+    // As host-agent makes a VM's network: a namespace holding a tap owned by
+    // the jail's uid.
+    let netns = TestNetns(format!("jn{}", std::process::id()));
+    let _ = std::process::Command::new("ip")
+        .args(["netns", "del", &netns.0])
+        .output();
+    ip(&["netns", "add", &netns.0]);
+    ip(&[
+        "-n", &netns.0, "tuntap", "add", "dev", "tap0", "mode", "tap", "user", "65534", "group",
+        "65534",
+    ]);
+    ip(&["-n", &netns.0, "link", "set", "tap0", "up"]);
+    let netns_path = format!("/run/netns/{}", netns.0);
+
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("root");
+    let id = format!("join-{}", std::process::id());
+    let kernel_bind = format!("{}:/kernel:ro", guest("virtio_net").display());
+    let child = jailed(
+        &id,
+        &root,
+        &kernel_bind,
+        &[
+            "--netns-path",
+            &netns_path,
+            "--device",
+            "kvm",
+            "--device",
+            "urandom",
+            "--device",
+            "tun",
+        ],
+        &[
+            "run",
+            "--kernel",
+            "/kernel",
+            "--net",
+            "tap0,mac=02:11:22:33:44:56",
+            "--serial",
+            "file:/run/serial.log",
+            "--cmdline",
+            "console=ttyS0 rx_spins=4000000000",
+        ],
+    );
+    let pid = find_jailed_vmm(child.id());
+    let mut ctl = Control::connect(&root.join("run/ctl.sock"));
+    let log = wait_for_text(&root.join("run/serial.log"), "net: sent");
+    assert!(log.contains("net.tx_used="), "{log}");
+    // The vmm's namespace is the one given, not a new one.
+    let given = std::fs::metadata(&netns_path).unwrap().ino();
+    assert_eq!(ns(&pid, "net"), format!("net:[{given}]"));
+    // The guest's frame arrived on the given namespace's tap.
+    let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
+    let line = dev
+        .lines()
+        .find(|l| l.trim_start().starts_with("tap0:"))
+        .unwrap_or_else(|| panic!("no tap0 in the vmm's namespace: {dev}"));
+    let rx_packets: u64 = line
+        .split(':')
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(rx_packets >= 1, "{line}");
+    assert_eq!(ctl.send_raw(r#"{"op":"stop"}"#)["ok"], true);
+    let out = wait_with_deadline(child, Duration::from_secs(20));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    // The host's own namespace (this test's) is refused.
+    let host_ns = format!("/proc/{}/ns/net", std::process::id());
+    let refused = vmm()
+        .args([
+            "jail",
+            "--id",
+            "hostns",
+            "--root",
+            t.path().join("r2").to_str().unwrap(),
+        ])
+        .args(["--uid", "65534", "--gid", "65534", "--netns-path", &host_ns])
+        .args(["--", "run", "--kernel", "/kernel"])
+        .output()
+        .unwrap();
+    assert_ne!(refused.status.code(), Some(0));
+    assert!(
+        stderr(&refused).contains("host's own network namespace"),
+        "{}",
+        stderr(&refused)
+    );
+    // The namespace and its tap outlive the VM: they are the caller's.
+    let after = std::process::Command::new("ip")
+        .args(["-n", &netns.0, "-o", "link"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&after.stdout).contains("tap0"));
+}
+
 #[test]
 fn a_jailed_restore_serves_memory_through_userfaultfd() {
     if !jail_supported() {

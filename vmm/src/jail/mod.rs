@@ -18,6 +18,8 @@ mod network;
 mod setup;
 
 use std::ffi::CString;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -74,6 +76,9 @@ pub struct JailConfig {
     /// Taps for the jail's network namespace: a host tap of that name is moved
     /// in (and back out when the VM ends), any other is created inside.
     pub taps: Vec<String>,
+    /// A network namespace to join (made by the caller, holding the VM's
+    /// tap) instead of a new one.
+    pub netns: Option<PathBuf>,
     /// Files brought into the jail.
     pub binds: Vec<BindMount>,
     /// Host devices made available (from /dev/kvm, /dev/net/tun, /dev/urandom, /dev/userfaultfd).
@@ -234,17 +239,52 @@ pub fn run(config: &JailConfig) -> Result<i32, JailError> {
     let root = setup::prepare_root(config)?;
     let cgroup = Cgroup::create(&config.cgroup_root, &config.id, &config.limits)?;
 
-    // Always a network namespace of its own: only loopback and the jail's taps.
-    let flags = libc::CLONE_NEWNS
-        | libc::CLONE_NEWPID
-        | libc::CLONE_NEWIPC
-        | libc::CLONE_NEWUTS
-        | libc::CLONE_NEWNET;
+    // Always a network namespace apart from the host's: a new one with only
+    // loopback and the jail's taps, or the one the caller made for the VM.
+    let joined = config
+        .netns
+        .as_deref()
+        .map(|path| {
+            std::fs::File::open(path).map_err(|source| JailError::Prepare {
+                path: path.into(),
+                what: "opening the network namespace to join",
+                source,
+            })
+        })
+        .transpose()?;
+    if let Some(file) = &joined {
+        let same_as_host = match (file.metadata(), std::fs::metadata("/proc/self/ns/net")) {
+            (Ok(j), Ok(h)) => j.ino() == h.ino() && j.dev() == h.dev(),
+            _ => false,
+        };
+        if same_as_host {
+            return Err(JailError::Invalid(
+                "--netns-path names the host's own network namespace: the vmm would reach the host's network"
+                    .into(),
+            ));
+        }
+    }
+    let mut flags =
+        libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
+    if joined.is_none() {
+        flags |= libc::CLONE_NEWNET;
+    }
     let host_netns = network::current_netns()?;
     // SAFETY: unshare only changes this process's namespaces; the jailer is single-threaded
     // here (no vmm threads exist in `vmm jail`), which CLONE_NEWNS requires.
     if unsafe { libc::unshare(flags) } != 0 {
         return Err(JailError::Unshare(std::io::Error::last_os_error()));
+    }
+    if let (Some(file), Some(path)) = (&joined, config.netns.as_deref()) {
+        // SAFETY: setns on a namespace file this function opened; CLONE_NEWNET makes the
+        // kernel refuse a file that is not a network namespace.
+        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(JailError::Prepare {
+                path: path.into(),
+                what: "joining the network namespace (is it one?)",
+                source: std::io::Error::last_os_error(),
+            });
+        }
     }
     // Dropped after the vmm ends (or on an error below): host taps go back to the host.
     let _network = network::JailNetwork::setup(host_netns, &config.taps, config.uid)?;
