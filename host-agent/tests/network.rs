@@ -335,3 +335,41 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
     let links = String::from_utf8_lossy(&links.stdout);
     assert!(!links.contains("avh"), "veths left on the node: {links}");
 }
+
+/// Benchmark (run with `--ignored`): making and removing one VM's network,
+/// the time it adds to a CreateSession that makes it on the way.
+#[test]
+#[ignore]
+fn bench_network_setup_and_teardown() {
+    if let Some(why) = missing() {
+        println!("skipped: {why}");
+        return;
+    }
+    let tag = std::process::id();
+    let node = Ns::new(format!("nb{tag}"));
+    let mut pool = AddressPool::new(Cidr4::parse("10.201.0.0/16").unwrap()).unwrap();
+    let pool_block = pool.block();
+    let policy = EgressPolicy::new(vec![], &[], pool_block, vec![]);
+    let mut create = vec![];
+    let mut remove = vec![];
+    for i in 0..20 {
+        let vm = VmNetwork::plan(
+            &format!("b{tag}x{i}"),
+            pool.allocate().unwrap(),
+            Some(node.0.clone()),
+        );
+        let t = std::time::Instant::now();
+        vm.create(&policy, None).unwrap();
+        create.push(t.elapsed().as_secs_f64() * 1000.0);
+        let t = std::time::Instant::now();
+        vm.remove();
+        remove.push(t.elapsed().as_secs_f64() * 1000.0);
+        pool.release(&vm.slot);
+    }
+    create.sort_by(f64::total_cmp);
+    remove.sort_by(f64::total_cmp);
+    println!(
+        "VM network over 20 runs: create median {:.1} ms (min {:.1}), remove median {:.1} ms (min {:.1})",
+        create[10], create[0], remove[10], remove[0]
+    );
+}
