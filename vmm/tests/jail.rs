@@ -279,6 +279,57 @@ impl Drop for HostTap {
     }
 }
 
+/// A jailed vmm running the virtio-net test guest on `tap` (jail options
+/// `opts`), once the guest has sent its frame: the jailed vmm's pid and its
+/// control connection.
+fn jailed_net_guest(
+    id: &str,
+    root: &Path,
+    opts: &[&str],
+    net: &str,
+) -> (std::process::Child, String, Control) {
+    let kernel_bind = format!("{}:/kernel:ro", guest("virtio_net").display());
+    let child = jailed(
+        id,
+        root,
+        &kernel_bind,
+        opts,
+        &[
+            "run",
+            "--kernel",
+            "/kernel",
+            "--net",
+            net,
+            "--serial",
+            "file:/run/serial.log",
+            "--cmdline",
+            "console=ttyS0 rx_spins=4000000000",
+        ],
+    );
+    let pid = find_jailed_vmm(child.id());
+    let ctl = Control::connect(&root.join("run/ctl.sock"));
+    let log = wait_for_text(&root.join("run/serial.log"), "net: sent");
+    assert!(log.contains("net.tx_used="), "{log}");
+    (child, pid, ctl)
+}
+
+/// Packets `tap` received in the network namespace of process `pid`.
+fn tap_rx_packets(pid: &str, tap: &str) -> u64 {
+    let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
+    let line = dev
+        .lines()
+        .find(|l| l.trim_start().starts_with(&format!("{tap}:")))
+        .unwrap_or_else(|| panic!("{tap} is not in the namespace of {pid}: {dev}"));
+    line.split(':')
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
 #[test]
 fn a_host_tap_moves_into_the_jails_network_namespace_and_back() {
     if !jail_supported() {
@@ -296,29 +347,8 @@ fn a_host_tap_moves_into_the_jails_network_namespace_and_back() {
     let t = tempfile::tempdir().unwrap();
     let root = t.path().join("root");
     let id = format!("tap-{}", std::process::id());
-    let kernel_bind = format!("{}:/kernel:ro", guest("virtio_net").display());
     let net = format!("{},mac=02:11:22:33:44:55", tap.0);
-    let child = jailed(
-        &id,
-        &root,
-        &kernel_bind,
-        &["--tap", &tap.0],
-        &[
-            "run",
-            "--kernel",
-            "/kernel",
-            "--net",
-            &net,
-            "--serial",
-            "file:/run/serial.log",
-            "--cmdline",
-            "console=ttyS0 rx_spins=4000000000",
-        ],
-    );
-    let pid = find_jailed_vmm(child.id());
-    let mut ctl = Control::connect(&root.join("run/ctl.sock"));
-    let log = wait_for_text(&root.join("run/serial.log"), "net: sent");
-    assert!(log.contains("net.tx_used="), "{log}");
+    let (child, pid, mut ctl) = jailed_net_guest(&id, &root, &["--tap", &tap.0], &net);
 
     assert_ne!(
         ns(&pid, "net"),
@@ -336,21 +366,8 @@ fn a_host_tap_moves_into_the_jails_network_namespace_and_back() {
         .any(|info| info.contains(&format!("iff:\t{}", tap.0)));
     assert!(attached, "the jailed vmm has no fd on {}", tap.0);
     // ...and the guest's frame arrived on it, inside the jail's namespace.
+    assert!(tap_rx_packets(&pid, &tap.0) >= 1);
     let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
-    let line = dev
-        .lines()
-        .find(|l| l.trim_start().starts_with(&format!("{}:", tap.0)))
-        .unwrap_or_else(|| panic!("{} is not in the jail's namespace: {dev}", tap.0));
-    let rx_packets: u64 = line
-        .split(':')
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!(rx_packets >= 1, "{line}");
     assert!(dev.contains("lo:"), "{dev}");
 
     assert_eq!(ctl.send_raw(r#"{"op":"stop"}"#)["ok"], true);
@@ -408,11 +425,9 @@ fn a_jailed_vmm_joins_the_network_namespace_it_is_given_and_serves_its_tap() {
     let t = tempfile::tempdir().unwrap();
     let root = t.path().join("root");
     let id = format!("join-{}", std::process::id());
-    let kernel_bind = format!("{}:/kernel:ro", guest("virtio_net").display());
-    let child = jailed(
+    let (child, pid, mut ctl) = jailed_net_guest(
         &id,
         &root,
-        &kernel_bind,
         &[
             "--netns-path",
             &netns_path,
@@ -423,41 +438,13 @@ fn a_jailed_vmm_joins_the_network_namespace_it_is_given_and_serves_its_tap() {
             "--device",
             "tun",
         ],
-        &[
-            "run",
-            "--kernel",
-            "/kernel",
-            "--net",
-            "tap0,mac=02:11:22:33:44:56",
-            "--serial",
-            "file:/run/serial.log",
-            "--cmdline",
-            "console=ttyS0 rx_spins=4000000000",
-        ],
+        "tap0,mac=02:11:22:33:44:56",
     );
-    let pid = find_jailed_vmm(child.id());
-    let mut ctl = Control::connect(&root.join("run/ctl.sock"));
-    let log = wait_for_text(&root.join("run/serial.log"), "net: sent");
-    assert!(log.contains("net.tx_used="), "{log}");
     // The vmm's namespace is the one given, not a new one.
     let given = std::fs::metadata(&netns_path).unwrap().ino();
     assert_eq!(ns(&pid, "net"), format!("net:[{given}]"));
     // The guest's frame arrived on the given namespace's tap.
-    let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
-    let line = dev
-        .lines()
-        .find(|l| l.trim_start().starts_with("tap0:"))
-        .unwrap_or_else(|| panic!("no tap0 in the vmm's namespace: {dev}"));
-    let rx_packets: u64 = line
-        .split(':')
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!(rx_packets >= 1, "{line}");
+    assert!(tap_rx_packets(&pid, "tap0") >= 1);
     assert_eq!(ctl.send_raw(r#"{"op":"stop"}"#)["ok"], true);
     let out = wait_with_deadline(child, Duration::from_secs(20));
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
