@@ -5,15 +5,20 @@
 //! packets take through the tap; the rules match the interface by name).
 //! Needs root, iproute2 and nftables; says so and skips without them.
 
+use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::AsRawFd;
+use std::path::Path;
 use std::process::Command;
 use std::sync::mpsc;
 use std::time::Duration;
 
 use host_agent::network::addressing::{AddressPool, Cidr4, GATEWAY_IP, GUEST_IP, TAP_NAME};
-use host_agent::network::namespace::{apply_rules, enable_forwarding, list_namespaces, VmNetwork};
+use host_agent::network::namespace::{
+    apply_rules, enable_forwarding, list_namespaces, VmNetwork, NETNS_PREFIX,
+};
+use host_agent::network::node::{NodeNetwork, NodeSettings};
 use host_agent::network::rules::{node_ruleset, Allow, EgressPolicy, Proto};
 
 fn ip(args: &[&str]) {
@@ -210,6 +215,7 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
         .iter()
         .map(|s| {
             let vm = VmNetwork::plan(
+                NETNS_PREFIX,
                 &format!("t{tag}{s}"),
                 pool.allocate().unwrap(),
                 Some(node.0.clone()),
@@ -323,7 +329,7 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
         vm.remove();
         pool.release(&vm.slot);
     }
-    let left: Vec<String> = list_namespaces()
+    let left: Vec<String> = list_namespaces(NETNS_PREFIX)
         .into_iter()
         .filter(|n| n.contains(&format!("t{tag}")))
         .collect();
@@ -334,6 +340,77 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
         .unwrap();
     let links = String::from_utf8_lossy(&links.stdout);
     assert!(!links.contains("avh"), "veths left on the node: {links}");
+}
+
+#[test]
+fn the_node_hands_out_addresses_takes_vms_back_and_removes_orphans() {
+    if let Some(why) = missing() {
+        println!("skipped: {why}");
+        return;
+    }
+    let tag = std::process::id();
+    let node = Ns::new(format!("nn{tag}"));
+    ip(&[
+        "-n", &node.0, "link", "add", "d0", "type", "veth", "peer", "name", "d1",
+    ]);
+    ip(&["-n", &node.0, "addr", "add", "192.0.2.9/24", "dev", "d0"]);
+    let prefix = format!("avt{tag}-");
+    let settings = NodeSettings {
+        pool: "10.202.0.0/29".into(),
+        allow: vec!["203.0.113.3 tcp 8080".into()],
+        private_allowed: vec![],
+        node_netns: Some(node.0.clone()),
+        manage_node: true,
+        netns_prefix: prefix.clone(),
+    };
+    let net = NodeNetwork::start(&settings).unwrap();
+    // The node's own address is denied to every VM; its rules are loaded.
+    assert!(
+        net.policy()
+            .always_deny
+            .contains(&Cidr4::parse("192.0.2.9").unwrap()),
+        "{:?}",
+        net.policy()
+    );
+    let rules = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &node.0,
+            "nft",
+            "list",
+            "table",
+            "ip",
+            "agentvm-node",
+        ])
+        .output()
+        .unwrap();
+    assert!(rules.status.success(), "the node's table is loaded");
+
+    let a = net.make("a", Some((65534, 65534))).unwrap();
+    let b = net.make("b", None).unwrap();
+    assert_ne!(a.slot.vm_ip, b.slot.vm_ip);
+    // The pool (a /29: two VMs) is used up, with an error that says so.
+    let e = net.make("c", None).unwrap_err().to_string();
+    assert!(e.contains("used up"), "{e}");
+    assert!(
+        !Path::new(&format!("/run/netns/{prefix}c")).exists(),
+        "a failed make leaves nothing"
+    );
+
+    // After a restart: VM a is found running, b is not: b's namespace goes.
+    let restarted = NodeNetwork::start(&settings).unwrap();
+    let a2 = restarted.adopt("a", a.slot.vm_ip).unwrap();
+    assert_eq!(a2, a);
+    let live: HashSet<String> = [a.netns.clone()].into();
+    assert_eq!(restarted.remove_orphans(&live), 1);
+    assert!(!Path::new(&format!("/run/netns/{}", b.netns)).exists());
+    // b's addresses are free again; a's are not.
+    let c = restarted.make("c", None).unwrap();
+    assert_eq!(c.slot, b.slot);
+    restarted.release(&a2);
+    restarted.release(&c);
+    assert!(list_namespaces(&prefix).is_empty());
 }
 
 /// Benchmark (run with `--ignored`): making and removing one VM's network,
@@ -354,6 +431,7 @@ fn bench_network_setup_and_teardown() {
     let mut remove = vec![];
     for i in 0..20 {
         let vm = VmNetwork::plan(
+            NETNS_PREFIX,
             &format!("b{tag}x{i}"),
             pool.allocate().unwrap(),
             Some(node.0.clone()),

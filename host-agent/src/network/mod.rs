@@ -8,4 +8,5 @@
 
 pub mod addressing;
 pub mod namespace;
+pub mod node;
 pub mod rules;

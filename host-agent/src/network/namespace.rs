@@ -15,7 +15,8 @@ use super::addressing::{Slot, GATEWAY_IP, GUEST_PREFIX, TAP_NAME};
 use super::rules::{vm_ruleset, EgressPolicy, DENIED_COUNTER, TABLE};
 use crate::error::{Error, Result};
 
-/// Prefix of every namespace this host-agent makes.
+/// Prefix of the namespaces host-agent makes (a node's settings may name
+/// another, so that two host-agents, or tests, keep apart).
 pub const NETNS_PREFIX: &str = "agentvm-";
 
 /// One VM's network as created.
@@ -122,16 +123,17 @@ pub fn apply_rules(ns: Option<&str>, script: &str) -> Result<()> {
 }
 
 impl VmNetwork {
-    /// Names for the VM whose jail id (or session id) is `id` at `slot`;
-    /// interface names stay within the kernel's 15 bytes.
-    pub fn plan(id: &str, slot: Slot, node_netns: Option<String>) -> Self {
+    /// Names for the VM whose jail id (or session id) is `id` at `slot`,
+    /// its namespace named `<prefix><id>`; interface names stay within the
+    /// kernel's 15 bytes.
+    pub fn plan(prefix: &str, id: &str, slot: Slot, node_netns: Option<String>) -> Self {
         let short: String = id
             .chars()
             .filter(|c| c.is_ascii_alphanumeric())
             .take(24)
             .collect();
         Self {
-            netns: format!("{NETNS_PREFIX}{short}"),
+            netns: format!("{prefix}{short}"),
             veth_host: format!("avh{}", slot.index),
             veth_vm: format!("avv{}", slot.index),
             slot,
@@ -285,14 +287,14 @@ impl VmNetwork {
     }
 }
 
-/// The namespaces this host-agent made (by their prefix), for removing the
-/// ones no VM owns after a restart.
-pub fn list_namespaces() -> Vec<String> {
+/// The namespaces whose names start with `prefix`, for removing the ones no
+/// VM owns after a restart.
+pub fn list_namespaces(prefix: &str) -> Vec<String> {
     std::fs::read_dir("/run/netns")
         .map(|d| {
             d.flatten()
                 .filter_map(|e| e.file_name().to_str().map(str::to_string))
-                .filter(|n| n.starts_with(NETNS_PREFIX))
+                .filter(|n| n.starts_with(prefix))
                 .collect()
         })
         .unwrap_or_default()
