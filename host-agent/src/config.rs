@@ -54,6 +54,54 @@ impl Default for JailSettings {
     }
 }
 
+/// Sessions' networks: the node's pool of VM addresses and its egress policy.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct NetworkConfig {
+    /// The IPv4 block VMs' host-side /30s come from.
+    pub pool: String,
+    /// The node-wide allowlist: `CIDR`, `CIDR tcp|udp` or `CIDR tcp|udp PORT`.
+    pub allow: Vec<String>,
+    /// Private ranges an allowlist may name (otherwise always denied).
+    pub private_allowed: Vec<String>,
+    /// Turn on IPv4 forwarding and load the node's rules (masquerading the
+    /// pool, no VM-to-VM traffic) at start; off where the operator manages
+    /// the node's firewall.
+    pub manage_node: bool,
+    /// Prefix of the VMs' network namespaces; at start, namespaces under it
+    /// that no live session owns are removed.
+    pub netns_prefix: String,
+    /// The namespace that stands for the node (tests); unset: host-agent's own.
+    pub node_netns: Option<String>,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        NetworkConfig {
+            pool: "10.200.0.0/16".into(),
+            allow: vec![],
+            private_allowed: vec![],
+            manage_node: true,
+            netns_prefix: crate::network::namespace::NETNS_PREFIX.into(),
+            node_netns: None,
+        }
+    }
+}
+
+impl NetworkConfig {
+    /// The settings of [`crate::network::node::NodeNetwork::start`].
+    pub fn node_settings(&self) -> crate::network::node::NodeSettings {
+        crate::network::node::NodeSettings {
+            pool: self.pool.clone(),
+            allow: self.allow.clone(),
+            private_allowed: self.private_allowed.clone(),
+            node_netns: self.node_netns.clone(),
+            manage_node: self.manage_node,
+            netns_prefix: self.netns_prefix.clone(),
+        }
+    }
+}
+
 /// An inclusive range of uids, written `FIRST-LAST`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UidRange {
@@ -195,6 +243,11 @@ pub struct Config {
     pub no_jail: bool,
     /// How jailed vmm processes are confined.
     pub jail: JailSettings,
+    /// Sessions' networks (`None`, the default: VMs get no network device).
+    /// With it, golden snapshots are built with a virtio-net device and
+    /// every session of such an image gets a network namespace of its own
+    /// with host-side egress rules (see the README).
+    pub network: Option<NetworkConfig>,
     /// Size bounds of VMs' serial and vmm logs.
     pub logs: LogLimits,
     /// How long READY may take for guest-init images (seconds).
@@ -244,6 +297,7 @@ impl Default for Config {
             vsock_device: true,
             no_jail: false,
             jail: JailSettings::default(),
+            network: None,
             logs: LogLimits::default(),
             guest_ready_timeout_seconds: 120,
             allowed_image_roots: None,
@@ -335,6 +389,12 @@ impl Config {
         if self.logs.max_file_bytes < 4096 {
             return Err(Error::invalid(
                 "logs.max_file_bytes must be at least 4096 (--max-log-bytes)",
+            ));
+        }
+        if self.network.is_some() && self.warm_pool_size > 0 {
+            return Err(Error::invalid(
+                "network with a warm pool is not supported yet: set warm_pool_size to 0 \
+                 or leave network unset",
             ));
         }
         Ok(())

@@ -8,6 +8,7 @@ use vmm_api::command::{jail_id, Bind, DiskSpec, JailSpec, RestoreSpec, Serial};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::network::addressing::{GUEST_MAC, TAP_NAME};
 use crate::store::ImageRow;
 use crate::supervisor::run_dirs;
 
@@ -15,6 +16,9 @@ use crate::supervisor::run_dirs;
 /// (paths as the vmm sees them) and, for a VM jailed as `uid` (= gid), the
 /// jail. The golden snapshot has a vsock device exactly when the VM gets one:
 /// both follow [`Config::vsock_device`].
+/// With `netns` (the VM's network namespace, for an image whose golden
+/// snapshot has a network device), the VM gets its virtio-net device on the
+/// namespace's tap: a jailed vmm joins the namespace.
 pub fn restore_launch(
     cfg: &Config,
     image: &ImageRow,
@@ -22,6 +26,7 @@ pub fn restore_launch(
     paused: bool,
     from: Source<'_>,
     uid: Option<u32>,
+    netns: Option<&str>,
 ) -> (RestoreSpec, Option<JailSpec>) {
     let (_, inside) = run_dirs(dir, uid.is_some());
     let (snapshot, binds) = match (from, uid.is_some()) {
@@ -47,7 +52,14 @@ pub fn restore_launch(
         taps: vec![],
         devices: vec![],
         memory_max_mib: (overhead > 0).then(|| u64::from(image.mem_mib) + overhead),
-        netns: None,
+        netns: netns.map(|n| PathBuf::from("/run/netns").join(n)),
+    });
+    let jail = jail.map(|mut j| {
+        if j.netns.is_some() {
+            // The tap: /dev/net/tun besides the defaults.
+            j.devices = ["kvm", "urandom", "tun"].map(String::from).to_vec();
+        }
+        j
     });
     let mut spec = RestoreSpec::new(snapshot);
     spec.globals.log_max_bytes = Some(cfg.logs.max_file_bytes);
@@ -59,7 +71,25 @@ pub fn restore_launch(
     // As the golden boot had it (see images::build_golden).
     spec.devices.rng = image.guest_init;
     spec.devices.vsock = cfg.vsock_device(image.guest_init, &inside);
+    if netns.is_some() {
+        spec.devices.net = Some(guest_nic());
+    }
     (spec, jail)
+}
+
+/// The file in a golden snapshot directory that says the snapshot has a
+/// virtio-net device (its VMs need a network to be restored).
+pub const NETWORK_MARKER: &str = "network";
+
+/// Whether `image`'s golden snapshot has a network device.
+pub fn has_network(image: &ImageRow) -> bool {
+    !image.golden_dir.is_empty() && Path::new(&image.golden_dir).join(NETWORK_MARKER).exists()
+}
+
+/// The vmm's `--net` value of every VM: the namespace's tap with the
+/// clone-safe MAC.
+pub fn guest_nic() -> String {
+    format!("{TAP_NAME},mac={GUEST_MAC}")
 }
 
 /// A VM's own copy of its image's root disk, in its run directory.
@@ -139,7 +169,8 @@ mod tests {
     fn guest_init_vms_get_a_vsock_device_at_their_own_socket() {
         let cfg = Config::default();
         let dir = Path::new("/state/sessions/s1");
-        let (spec, jail) = restore_launch(&cfg, &image(true), dir, true, Source::Golden, None);
+        let (spec, jail) =
+            restore_launch(&cfg, &image(true), dir, true, Source::Golden, None, None);
         assert_eq!(jail, None);
         assert_eq!(spec.globals.log_max_bytes, Some(16777216));
         let vsock = spec.devices.vsock.as_ref().expect("a vsock device");
@@ -148,7 +179,7 @@ mod tests {
         assert_eq!(spec.snapshot, Path::new("/images/i/golden-1"));
         assert!(spec.devices.rng, "guest-init images get entropy");
 
-        let (spec, _) = restore_launch(&cfg, &image(false), dir, false, Source::Golden, None);
+        let (spec, _) = restore_launch(&cfg, &image(false), dir, false, Source::Golden, None, None);
         assert_eq!(spec.devices.vsock, None);
         assert!(!spec.devices.rng);
 
@@ -169,8 +200,15 @@ mod tests {
             ..Config::default()
         };
         let dir = Path::new("/state/sessions/0b5e-s1");
-        let (spec, jail) =
-            restore_launch(&cfg, &image(true), dir, false, Source::Golden, Some(1000));
+        let (spec, jail) = restore_launch(
+            &cfg,
+            &image(true),
+            dir,
+            false,
+            Source::Golden,
+            Some(1000),
+            None,
+        );
         let jail = jail.expect("a jail");
         assert_eq!(jail.id, "0b5e-s1");
         assert_eq!(jail.root, dir.join("jail"));
@@ -200,6 +238,7 @@ mod tests {
             false,
             Source::Own("123-ab"),
             Some(1000),
+            None,
         );
         assert_eq!(spec.snapshot, Path::new("/run/snapshots/123-ab"));
         assert!(jail.unwrap().binds.is_empty());
@@ -210,6 +249,7 @@ mod tests {
             dir,
             false,
             Source::Own("123-ab"),
+            None,
             None,
         );
         assert_eq!(

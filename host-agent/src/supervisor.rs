@@ -266,11 +266,16 @@ pub fn kill_orphans(sessions_dir: &Path, live: &std::collections::HashSet<u32>) 
 /// `dir/vmm.log` and its control socket in its run directory ([`run_dirs`]).
 /// With `jail`, through `vmm jail` (its root is normally `dir/jail`); paths
 /// in `command` are then paths inside the jail.
+///
+/// With `netns` and no jail, the vmm runs in that network namespace
+/// (`ip netns exec`, which execs the vmm in the same process); a jailed vmm
+/// joins its namespace through [`JailSpec::netns`].
 pub fn spawn(
     vmm: &Path,
     dir: &Path,
     mut command: VmmCommand,
     jail: Option<&JailSpec>,
+    netns: Option<&str>,
 ) -> Result<VmmProcess> {
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
@@ -288,7 +293,14 @@ pub fn spawn(
         Some(j) => j.wrap(command.args()),
         None => command.args(),
     };
-    let mut cmd = tokio::process::Command::new(vmm);
+    let mut cmd = match (jail, netns) {
+        (None, Some(ns)) => {
+            let mut c = tokio::process::Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(vmm);
+            c
+        }
+        _ => tokio::process::Command::new(vmm),
+    };
     cmd.args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))

@@ -55,6 +55,9 @@ pub struct Capture {
     /// Where the vmm's standard output and error go (`None`: stdout
     /// discarded, stderr inherited).
     pub vmm_log: Option<PathBuf>,
+    /// Run the vmm in this network namespace (`ip netns exec`, which execs
+    /// the vmm in the same process): where the boot's tap is.
+    pub netns: Option<String>,
 }
 
 /// What a capture produced.
@@ -135,13 +138,21 @@ pub fn capture(c: &Capture, note: &mut dyn FnMut(&str)) -> Result<Captured, Capt
         }
         None => (Stdio::null(), Stdio::inherit()),
     };
-    let mut vm =
-        VmmChild::spawn_with(&c.vmm, &c.boot.args(), stdout, stderr).map_err(|source| {
-            CaptureError::Spawn {
-                vmm: c.vmm.clone(),
-                source,
-            }
-        })?;
+    let (program, args) = match &c.netns {
+        Some(ns) => {
+            let mut a = vec!["netns".to_string(), "exec".into(), ns.clone()];
+            a.push(c.vmm.display().to_string());
+            a.extend(c.boot.args());
+            (PathBuf::from("ip"), a)
+        }
+        None => (c.vmm.clone(), c.boot.args()),
+    };
+    let mut vm = VmmChild::spawn_with(&program, &args, stdout, stderr).map_err(|source| {
+        CaptureError::Spawn {
+            vmm: c.vmm.clone(),
+            source,
+        }
+    })?;
     let tail = |lines| match (&c.boot.devices.serial, &c.vmm_log) {
         (Serial::File(console), log) => {
             let mut t = format!("console tail:\n{}", file_tail(console, lines));

@@ -180,6 +180,7 @@ pub fn build(opts: &GoldenOptions) -> Result<Outcome> {
                 snapshot_dir: snap.clone(),
                 boot_timeout: opts.boot_timeout,
                 vmm_log: None,
+                netns: None,
             },
             &mut |line| progress::note(step, line),
         )

@@ -169,6 +169,26 @@ impl NodeNetwork {
         ))
     }
 
+    /// Takes back the network of the VM named `id` found after a restart,
+    /// reading its VM address from its namespace; `None` when the namespace
+    /// is gone or holds no address of the pool.
+    pub fn adopt_existing(&self, id: &str) -> Option<VmNetwork> {
+        let probe = VmNetwork::plan(&self.prefix, id, self.pool().slot(0), None);
+        if !std::path::Path::new("/run/netns")
+            .join(&probe.netns)
+            .exists()
+        {
+            return None;
+        }
+        let block = self.pool().block();
+        let vm_ip = node_addresses(Some(&probe.netns))
+            .ok()?
+            .into_iter()
+            .map(|c| c.addr)
+            .find(|a| block.contains(*a) && (u32::from(*a) - u32::from(block.addr)) % 4 == 2)?;
+        self.adopt(id, vm_ip).ok()
+    }
+
     /// Removes a VM's network and gives its addresses back.
     pub fn release(&self, vm: &VmNetwork) {
         vm.remove();

@@ -292,7 +292,60 @@ impl Manager {
             self.store.put_session(&i.row)?;
         }
         prepare_disk(image, dir, uid).await?;
-        let (args, jail) = restore_launch(&self.cfg, image, dir, false, Source::Golden, uid);
-        supervisor::spawn(&self.vmm_path, dir, args.into(), jail.as_ref())
+        let netns = self.session_network(sess, image, dir, uid).await?;
+        let (args, jail) = restore_launch(
+            &self.cfg,
+            image,
+            dir,
+            false,
+            Source::Golden,
+            uid,
+            netns.as_deref(),
+        );
+        supervisor::spawn(
+            &self.vmm_path,
+            dir,
+            args.into(),
+            jail.as_ref(),
+            netns.as_deref(),
+        )
+    }
+
+    /// Makes the network of the session's VM in `dir` when its image's
+    /// golden snapshot has a network device (the tap owned by the jail's
+    /// `uid`); returns the namespace. Kept with the session, released when
+    /// it ends.
+    async fn session_network(
+        &self,
+        sess: &Arc<Session>,
+        image: &ImageRow,
+        dir: &Path,
+        uid: Option<u32>,
+    ) -> Result<Option<String>> {
+        if !has_network(image) {
+            return Ok(None);
+        }
+        let node = self.network.clone().ok_or_else(|| {
+            Error::FailedPrecondition(format!(
+                "image {}'s golden snapshot has a network device, but this node has no \
+                 network configured: set `network` or rebuild the golden snapshot",
+                image.id
+            ))
+        })?;
+        let id = vmm_api::command::jail_id(dir);
+        // A retried restore (its vmm is gone) gets a fresh network: the
+        // tap's owner is the new vmm's uid.
+        let earlier = sess.lock().network.take();
+        let vm = tokio::task::spawn_blocking(move || {
+            if let Some(old) = earlier {
+                node.release(&old);
+            }
+            node.make(&id, uid.map(|u| (u, u)))
+        })
+        .await
+        .map_err(|e| Error::Network(format!("the network task failed: {e}")))??;
+        let netns = vm.netns.clone();
+        sess.lock().network = Some(vm);
+        Ok(Some(netns))
     }
 }

@@ -8,7 +8,8 @@ use vmm_api::command::{DiskSpec, RunSpec, Serial};
 
 use super::*;
 use crate::images::resolve_files;
-use crate::launch::GOLDEN_DISK;
+use crate::launch::{guest_nic, GOLDEN_DISK, NETWORK_MARKER};
+use crate::network::addressing::guest_kernel_ip_param;
 
 /// The `vmm run` that boots `image` for its golden snapshot in `build`
 /// (the vsock device, disk and control socket are added by the caller).
@@ -80,6 +81,20 @@ impl Manager {
             } else {
                 Duration::from_secs(60)
             };
+            // On a node with a network, the image boots with a virtio-net
+            // device on a tap of its own namespace, configured at boot with
+            // the address every clone keeps; the namespace goes after the build.
+            let node = mgr.network.clone();
+            let build_id = format!("build{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+            if node.is_some() {
+                boot.devices.net = Some(guest_nic());
+                let cmdline = boot.cmdline.take().unwrap_or_default();
+                boot.cmdline = Some(
+                    format!("{cmdline} {}", guest_kernel_ip_param())
+                        .trim()
+                        .to_string(),
+                );
+            }
             let job = Capture {
                 vmm: mgr.vmm_path.clone(),
                 boot,
@@ -87,19 +102,37 @@ impl Manager {
                 snapshot_dir: golden.clone(),
                 boot_timeout,
                 vmm_log: Some(build.join("vmm.log")),
+                netns: None,
             };
             let image_id = id.to_string();
             tokio::task::spawn_blocking(move || {
-                capture(&job, &mut |line| {
+                let build_net = match &node {
+                    Some(n) => Some(n.make(&build_id, None)?),
+                    None => None,
+                };
+                let job = Capture {
+                    netns: build_net.as_ref().map(|n| n.netns.clone()),
+                    ..job
+                };
+                let captured = capture(&job, &mut |line| {
                     tracing::info!(image = %image_id, "golden build: {line}");
+                });
+                if let (Some(n), Some(vm)) = (&node, &build_net) {
+                    n.release(vm);
+                }
+                captured.map_err(|e| match e {
+                    CaptureError::NotReady { .. } => Error::Timeout(e.to_string()),
+                    other => Error::Vmm(other.to_string()),
                 })
             })
             .await
-            .map_err(|e| Error::Vmm(format!("the golden build task failed: {e}")))?
-            .map_err(|e| match e {
-                CaptureError::NotReady { .. } => Error::Timeout(e.to_string()),
-                other => Error::Vmm(other.to_string()),
-            })?;
+            .map_err(|e| Error::Vmm(format!("the golden build task failed: {e}")))??;
+            if mgr.network.is_some() {
+                // Sessions of this snapshot need a network to be restored.
+                std::fs::write(golden.join(NETWORK_MARKER), "virtio-net on tap0\n").map_err(
+                    |e| Error::io(format!("marking {} as networked", golden.display()), e),
+                )?;
+            }
             // The boot's console goes with the snapshot, for whoever has to
             // find out what the golden guest did.
             let _ = std::fs::rename(build.join("serial.log"), golden.join("console.log"));

@@ -103,8 +103,17 @@ impl Manager {
         let now = now_ms();
         inner.row.state = to;
         if is_terminal(to) {
-            // The session is over: its uid may go to another VM.
+            // The session is over: its uid may go to another VM, and its
+            // network goes (a vmm still in the namespace keeps it alive
+            // until it exits; the node's end of the veth goes at once).
             self.jail_uids.release(inner.row.jail_uid);
+            if let (Some(vm), Some(node)) = (inner.network.take(), self.network.clone()) {
+                let release = move || node.release(&vm);
+                match tokio::runtime::Handle::try_current() {
+                    Ok(rt) => drop(rt.spawn_blocking(release)),
+                    Err(_) => release(),
+                }
+            }
         }
         if matches!(
             S::try_from(to),

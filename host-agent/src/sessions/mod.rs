@@ -41,8 +41,10 @@ use crate::error::{Error, Result};
 use crate::events::EventBus;
 use crate::guest::{self, GuestConn};
 use crate::jail_uids::JailUids;
-use crate::launch::{copy_disk, prepare_disk, restore_launch, Source, VM_DISK};
+use crate::launch::{copy_disk, has_network, prepare_disk, restore_launch, Source, VM_DISK};
 use crate::metrics;
+use crate::network::namespace::VmNetwork;
+use crate::network::node::NodeNetwork;
 use crate::path_roots::PathRoots;
 use crate::pool::Pool;
 use crate::repo::Repo;
@@ -100,6 +102,8 @@ struct Inner {
     guest: Option<Arc<GuestConn>>,
     /// Why the branch was not fetched at Stop, for the STOPPED event.
     fetch_error: Option<String>,
+    /// The VM's network, for images whose golden snapshot has one.
+    network: Option<VmNetwork>,
 }
 
 /// One session in memory.
@@ -167,6 +171,8 @@ pub struct Manager {
     pub repository_roots: PathRoots,
     /// uids of jailed VMs.
     pub jail_uids: Arc<JailUids>,
+    /// The node's network for sessions (`network` in the configuration).
+    pub network: Option<Arc<NodeNetwork>>,
 }
 
 impl Manager {
@@ -198,6 +204,11 @@ impl Manager {
         let events = EventBus::new(&store)?;
         let vmm_path = cfg.vmm_path();
         let jail_uids = Arc::new(JailUids::new(cfg.jail.uid_range));
+        let network = cfg
+            .network
+            .as_ref()
+            .map(|n| NodeNetwork::start(&n.node_settings()).map(Arc::new))
+            .transpose()?;
         Ok(Arc::new(Manager {
             cfg,
             store,
@@ -205,6 +216,7 @@ impl Manager {
             vmm_path,
             pool: Pool::new(jail_uids.clone()),
             jail_uids,
+            network,
             sessions: Mutex::new(HashMap::new()),
             create_lock: tokio::sync::Mutex::new(()),
             golden_lock: tokio::sync::Mutex::new(()),
@@ -348,6 +360,7 @@ impl Manager {
                 enforcing: false,
                 guest: None,
                 fetch_error: None,
+                network: None,
             }),
             state,
         });

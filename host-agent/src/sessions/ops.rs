@@ -214,6 +214,8 @@ impl Manager {
             let _ = std::fs::remove_file(self.cfg.vsock_path(&run_host));
         }
         // The same uid as before: the run directory and its files are its.
+        // The same network too: the namespace outlives the old vmm.
+        let netns = sess.lock().network.as_ref().map(|n| n.netns.clone());
         let (args, jail) = restore_launch(
             &self.cfg,
             &image,
@@ -221,9 +223,17 @@ impl Manager {
             false,
             Source::Own(&name),
             old.jail_uid,
+            netns.as_deref(),
         );
         let vmm = Arc::new(
-            supervisor::spawn(&self.vmm_path, &dir, args.into(), jail.as_ref()).map_err(fail)?,
+            supervisor::spawn(
+                &self.vmm_path,
+                &dir,
+                args.into(),
+                jail.as_ref(),
+                netns.as_deref(),
+            )
+            .map_err(fail)?,
         );
         let recorded = {
             let mut i = sess.lock();

@@ -28,6 +28,10 @@ impl Manager {
             if is_terminal(state) {
                 continue;
             }
+            if let (Some(node), true) = (&self.network, has_network(&image)) {
+                let id = vmm_api::command::jail_id(Path::new(&row.dir));
+                sess.lock().network = node.adopt_existing(&id);
+            }
             if let Err(e) = self.recover_one(&sess, row, &image).await {
                 tracing::error!(session = %sess.id, error = %e, "re-attaching session");
             }
@@ -41,6 +45,18 @@ impl Manager {
             .map(|r| r.vmm_pid)
             .collect();
         supervisor::kill_orphans(&self.cfg.state_dir.join("sessions"), &live);
+        if let Some(node) = &self.network {
+            // Networks of VMs that are gone, or that a crash left unrecorded.
+            let owned: std::collections::HashSet<String> = self
+                .all()
+                .iter()
+                .filter_map(|s| s.lock().network.as_ref().map(|n| n.netns.clone()))
+                .collect();
+            let removed = node.remove_orphans(&owned);
+            if removed > 0 {
+                tracing::info!(removed, "removed VM network namespaces no session owns");
+            }
+        }
         Ok(())
     }
 

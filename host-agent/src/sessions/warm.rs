@@ -10,8 +10,9 @@ impl Manager {
         let uid = self.allocate_jail_uid()?;
         let started = async {
             prepare_disk(image, &dir, uid).await?;
-            let (args, jail) = restore_launch(&self.cfg, image, &dir, true, Source::Golden, uid);
-            supervisor::spawn(&self.vmm_path, &dir, args.into(), jail.as_ref())
+            let (args, jail) =
+                restore_launch(&self.cfg, image, &dir, true, Source::Golden, uid, None);
+            supervisor::spawn(&self.vmm_path, &dir, args.into(), jail.as_ref(), None)
         }
         .await;
         let vm = match started {

@@ -1,0 +1,206 @@
+//! Sessions with a network: host-agent configured with `network` builds the
+//! golden snapshot with a virtio-net device and gives each session's VM a
+//! namespace of its own, which the jailed vmm joins and which goes when the
+//! session ends, or, after a SIGKILLed host-agent, when nothing owns it.
+//! A test namespace stands for the node. Needs root, cgroups, iproute2 and
+//! nftables; says so and skips without them.
+
+mod common;
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use proto::hostagent as pb;
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("ip runs");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A namespace removed when dropped.
+struct Ns(String);
+
+impl Drop for Ns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+/// The jailed vmm under jailer `pid`.
+fn jailed_vmm(pid: u32) -> u32 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let children =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        if let Some(c) = children.split_whitespace().next() {
+            return c.parse().unwrap();
+        }
+        assert!(Instant::now() < deadline, "no jailed vmm under {pid}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The session's namespaces under `prefix`.
+fn namespaces(prefix: &str) -> Vec<String> {
+    std::fs::read_dir("/run/netns")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str().map(str::to_string))
+                .filter(|n| n.starts_with(prefix))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn wait_gone(path: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} is still there",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
+    if !jail_supported() {
+        return;
+    }
+    if Command::new("nft").arg("-V").output().is_err() || !Path::new("/dev/net/tun").exists() {
+        println!("skipped: nftables or /dev/net/tun is missing");
+        return;
+    }
+    let tag = std::process::id();
+    let node = Ns(format!("sn{tag}"));
+    let _ = Command::new("ip").args(["netns", "del", &node.0]).output();
+    ip(&["netns", "add", &node.0]);
+    let prefix = format!("avs{tag}-");
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let cfg = cfg_dir.path().join("config.json");
+    std::fs::write(
+        &cfg,
+        serde_json::json!({
+            "network": {
+                "pool": "10.204.0.0/24",
+                "node_netns": node.0,
+                "netns_prefix": prefix,
+                "allow": ["203.0.113.0/24 tcp 443"]
+            }
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let mut agent = Agent::start(&["--config", cfg.to_str().unwrap()]);
+
+    // The golden snapshot: booted with a NIC in a namespace of its own,
+    // which goes after the build; the snapshot is marked as networked.
+    let mut images = agent.images().await;
+    images
+        .register_image(pb::RegisterImageRequest {
+            image_id: "net".into(),
+            kernel_path: test_harness::guests::path("virtio_net")
+                .display()
+                .to_string(),
+            cmdline: "console=ttyS0 rx_spins=4000000000".into(),
+            mem_mib: 32,
+            vcpus: 1,
+            ..Default::default()
+        })
+        .await
+        .expect("register");
+    images
+        .build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+            image_id: "net".into(),
+            settle_ms: 300,
+            ..Default::default()
+        })
+        .await
+        .expect("golden snapshot");
+    let golden: Vec<_> = std::fs::read_dir(agent.state_dir().join("images/net"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("golden-"))
+        })
+        .collect();
+    assert_eq!(golden.len(), 1, "{golden:?}");
+    assert!(
+        golden[0].join("network").exists(),
+        "the golden snapshot is marked as having a network device"
+    );
+    assert!(
+        namespaces(&prefix).is_empty(),
+        "the build's namespace is gone"
+    );
+
+    // A session: its jailed vmm is in the session's namespace, on its tap.
+    let s = agent.create("net", "").await;
+    let s = agent.wait_state(&s.session_id, S::Running).await;
+    let vmm = jailed_vmm(s.vmm_pid);
+    let ours = namespaces(&prefix);
+    assert_eq!(ours.len(), 1, "{ours:?}");
+    let netns = format!("/run/netns/{}", ours[0]);
+    let ino = std::fs::metadata(&netns).unwrap().ino();
+    let vmm_ns = std::fs::read_link(format!("/proc/{vmm}/ns/net")).unwrap();
+    assert_eq!(vmm_ns.to_string_lossy(), format!("net:[{ino}]"));
+    let on_tap = std::fs::read_dir(format!("/proc/{vmm}/fdinfo"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_to_string(e.unwrap().path()).ok())
+        .any(|info| info.contains("iff:\ttap0"));
+    assert!(on_tap, "the restored vmm serves the namespace's tap");
+    let rules = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &ours[0],
+            "nft",
+            "list",
+            "set",
+            "ip",
+            "agentvm",
+            "allow_port",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&rules.stdout).contains("203.0.113.0/24 . 443"),
+        "the node's allowlist is loaded: {}",
+        String::from_utf8_lossy(&rules.stdout)
+    );
+
+    // Stopped: the namespace goes.
+    agent.stop(&s.session_id).await;
+    wait_gone(Path::new(&netns));
+
+    // A SIGKILLed host-agent: the running session keeps its namespace, a
+    // namespace nothing owns is removed at the restart.
+    let s2 = agent.create("net", "").await;
+    agent.wait_state(&s2.session_id, S::Running).await;
+    let kept = namespaces(&prefix);
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    agent.kill9();
+    let stray = format!("{prefix}stray");
+    ip(&["netns", "add", &stray]);
+    agent.spawn();
+    agent.wait_state(&s2.session_id, S::Running).await;
+    wait_gone(&Path::new("/run/netns").join(&stray));
+    assert_eq!(
+        namespaces(&prefix),
+        kept,
+        "the live session's namespace stays"
+    );
+    agent.stop(&s2.session_id).await;
+    wait_gone(&Path::new("/run/netns").join(&kept[0]));
+}
