@@ -180,6 +180,59 @@ async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
         String::from_utf8_lossy(&rules.stdout)
     );
 
+    // The allowlist of the live session changes at once (the local caller
+    // is an admin here, so it may widen it), is recorded as an event, and
+    // bad entries are refused with their reason.
+    let mut sessions = agent.sessions().await;
+    let net = sessions
+        .update_session_network(pb::UpdateSessionNetworkRequest {
+            session_id: s.session_id.clone(),
+            allow: vec!["203.0.113.0/24 tcp 443".into(), "198.51.100.0/24".into()],
+            deny: vec!["203.0.113.66".into()],
+        })
+        .await
+        .expect("update the network")
+        .into_inner();
+    assert_eq!(net.allow, ["203.0.113.0/24 tcp 443", "198.51.100.0/24"]);
+    assert_eq!(net.deny, ["203.0.113.66/32"]);
+    assert!(net.vm_address.starts_with("10.204.0."), "{net:?}");
+    let set = |name: &str| {
+        let out = Command::new("ip")
+            .args([
+                "netns", "exec", &ours[0], "nft", "list", "set", "ip", "agentvm", name,
+            ])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(
+        set("allow_any").contains("198.51.100.0/24"),
+        "{}",
+        set("allow_any")
+    );
+    assert!(
+        set("always_deny").contains("203.0.113.66"),
+        "{}",
+        set("always_deny")
+    );
+    let events = agent.session_events(&s.session_id).await;
+    assert!(
+        events.iter().any(|e| e.reason == "network_updated"),
+        "{events:?}"
+    );
+    for (allow, says) in [("300.1.1.1", "not an IPv4"), ("1.2.3.4 icmp", "tcp or udp")] {
+        let e = sessions
+            .update_session_network(pb::UpdateSessionNetworkRequest {
+                session_id: s.session_id.clone(),
+                allow: vec![allow.into()],
+                deny: vec![],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(says), "{}", e.message());
+    }
+
     // Stopped: the namespace goes.
     agent.stop(&s.session_id).await;
     wait_gone(Path::new(&netns));
@@ -223,4 +276,176 @@ async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
     );
     agent.stop(&s2.session_id).await;
     wait_gone(&Path::new("/run/netns").join(&kept[0]));
+}
+
+/// A request carrying bearer `token`.
+fn as_client<T>(token: &str, msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.metadata_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    r
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_admin_scope_a_sessions_allowlist_only_narrows() {
+    if !jail_supported() {
+        return;
+    }
+    if Command::new("nft").arg("-V").output().is_err() || !Path::new("/dev/net/tun").exists() {
+        println!("skipped: nftables or /dev/net/tun is missing");
+        return;
+    }
+    const ADMIN: &str = "net-admin-token-0123456789";
+    const ALICE: &str = "net-alice-token-0123456789";
+    let sha = |t: &str| {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(t.as_bytes()))
+    };
+    let tag = std::process::id();
+    let node = Ns(format!("sw{tag}"));
+    let _ = Command::new("ip").args(["netns", "del", &node.0]).output();
+    ip(&["netns", "add", &node.0]);
+    let prefix = format!("avw{tag}-");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.json");
+    std::fs::write(
+        &cfg,
+        serde_json::json!({
+            "network": {
+                "pool": "10.205.0.0/28",
+                "node_netns": node.0,
+                "netns_prefix": prefix,
+                "allow": ["203.0.113.0/24 tcp 443", "198.51.100.0/24"]
+            }
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let clients = dir.path().join("clients");
+    std::fs::write(
+        &clients,
+        format!(
+            "ops admin sha256:{}\nalice sessions sha256:{}\n",
+            sha(ADMIN),
+            sha(ALICE)
+        ),
+    )
+    .unwrap();
+    let agent = Agent::start(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--clients-file",
+        clients.to_str().unwrap(),
+    ]);
+    let ch = agent.channel().await;
+    let mut images = proto::hostagent::images_client::ImagesClient::new(ch.clone());
+    images
+        .register_image(as_client(
+            ADMIN,
+            pb::RegisterImageRequest {
+                image_id: "net".into(),
+                kernel_path: test_harness::guests::path("virtio_net")
+                    .display()
+                    .to_string(),
+                cmdline: "console=ttyS0 rx_spins=4000000000".into(),
+                mem_mib: 32,
+                vcpus: 1,
+                ..Default::default()
+            },
+        ))
+        .await
+        .expect("register");
+    images
+        .build_golden_snapshot(as_client(
+            ADMIN,
+            pb::BuildGoldenSnapshotRequest {
+                image_id: "net".into(),
+                settle_ms: 300,
+                ..Default::default()
+            },
+        ))
+        .await
+        .expect("golden snapshot");
+    let mut sessions = proto::hostagent::sessions_client::SessionsClient::new(ch);
+    let s = sessions
+        .create_session(as_client(
+            ALICE,
+            pb::CreateSessionRequest {
+                image_id: "net".into(),
+                ..Default::default()
+            },
+        ))
+        .await
+        .expect("alice creates a session")
+        .into_inner();
+    let update = |token: &'static str, allow: &[&str]| {
+        as_client(
+            token,
+            pb::UpdateSessionNetworkRequest {
+                session_id: s.session_id.clone(),
+                allow: allow.iter().map(|a| a.to_string()).collect(),
+                deny: vec![],
+            },
+        )
+    };
+    // Narrower entries: fine for a `sessions` client.
+    let narrowed = sessions
+        .update_session_network(update(
+            ALICE,
+            &["203.0.113.7 tcp 443", "198.51.100.9 udp 53"],
+        ))
+        .await
+        .expect("alice narrows")
+        .into_inner();
+    assert_eq!(
+        narrowed.allow,
+        ["203.0.113.7/32 tcp 443", "198.51.100.9/32 udp 53"]
+    );
+    // Wider again (what the node allowed before): refused, and nothing changes.
+    let e = sessions
+        .update_session_network(update(ALICE, &["203.0.113.0/24 tcp 443"]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("admin scope"), "{}", e.message());
+    let ns = namespaces(&prefix);
+    let set = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &ns[0],
+            "nft",
+            "list",
+            "set",
+            "ip",
+            "agentvm",
+            "allow_port",
+        ])
+        .output()
+        .unwrap();
+    let set = String::from_utf8_lossy(&set.stdout);
+    assert!(
+        set.contains("203.0.113.7") && !set.contains("203.0.113.0/24"),
+        "{set}"
+    );
+    // An admin may widen it.
+    sessions
+        .update_session_network(update(ADMIN, &["203.0.113.0/24 tcp 443"]))
+        .await
+        .expect("the admin widens");
+    sessions
+        .stop_session(as_client(
+            ALICE,
+            pb::SessionCall {
+                session_id: s.session_id.clone(),
+                ..Default::default()
+            },
+        ))
+        .await
+        .expect("stop");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !namespaces(&prefix).is_empty() {
+        assert!(Instant::now() < deadline, "left: {:?}", namespaces(&prefix));
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

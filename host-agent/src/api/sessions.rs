@@ -217,6 +217,30 @@ impl Sessions for SessionsApi {
         Ok(Response::new(s))
     }
 
+    async fn update_session_network(
+        &self,
+        req: Request<pb::UpdateSessionNetworkRequest>,
+    ) -> Result<Response<pb::SessionNetwork>, Status> {
+        let caller = caller_of(&req)?;
+        let r = req.into_inner();
+        owned_session(&self.0, &caller, &r.session_id)?;
+        let state = self
+            .0
+            .update_network(
+                &r.session_id,
+                &r.allow,
+                &r.deny,
+                caller.may(crate::auth::Scope::Admin),
+            )
+            .await?;
+        Ok(Response::new(pb::SessionNetwork {
+            session_id: r.session_id,
+            allow: state.allow,
+            deny: state.deny,
+            vm_address: state.vm_address,
+        }))
+    }
+
     async fn stop_session(
         &self,
         req: Request<pb::SessionCall>,

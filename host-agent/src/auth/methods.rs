@@ -31,8 +31,14 @@ pub fn required(path: &str) -> Access {
         },
         "hostagent.v1.Sessions" => match method {
             "GetSession" | "ListSessions" => Needs(Read),
-            "CreateSession" | "PauseSession" | "ResumeSession" | "SnapshotSession"
-            | "RestoreSession" | "StopSession" | "DeleteSession" => Needs(Sessions),
+            "CreateSession"
+            | "PauseSession"
+            | "ResumeSession"
+            | "SnapshotSession"
+            | "RestoreSession"
+            | "StopSession"
+            | "DeleteSession"
+            | "UpdateSessionNetwork" => Needs(Sessions),
             _ => Unknown,
         },
         "hostagent.v1.Exec" => match method {

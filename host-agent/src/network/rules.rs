@@ -54,6 +54,33 @@ pub struct Allow {
     pub port: Option<u16>,
 }
 
+impl Allow {
+    /// Whether everything `other` allows is allowed by `self` too.
+    pub fn covers(&self, other: &Allow) -> bool {
+        self.cidr.prefix <= other.cidr.prefix
+            && self.cidr.contains(other.cidr.addr)
+            && (self.proto.is_none() || self.proto == other.proto)
+            && (self.port.is_none() || self.port == other.port)
+    }
+}
+
+impl std::fmt::Display for Allow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.cidr)?;
+        if let Some(p) = self.proto {
+            write!(f, " {}", p.name())?;
+        }
+        if let Some(port) = self.port {
+            if self.proto.is_none() {
+                // `CIDR PORT` is not an entry: a port needs its protocol.
+                return write!(f, " tcp {port}");
+            }
+            write!(f, " {port}")?;
+        }
+        Ok(())
+    }
+}
+
 /// Private ranges: denied unless the node's policy names them.
 pub const PRIVATE: &[&str] = &[
     "10.0.0.0/8",
@@ -292,6 +319,26 @@ mod tests {
         );
         assert!(rules.contains("192.0.2.1/32, 10.200.0.0/16"), "{rules}");
         assert!(rules.contains("ip saddr != 172.16.0.2"), "anti-spoofing");
+    }
+
+    #[test]
+    fn narrower_entries_are_covered_and_wider_ones_not() {
+        let a = |c: &str, proto, port| Allow {
+            cidr: cidr(c),
+            proto,
+            port,
+        };
+        let wide = a("203.0.113.0/24", None, None);
+        let https = a("203.0.113.0/24", Some(Proto::Tcp), Some(443));
+        assert!(wide.covers(&https));
+        assert!(https.covers(&a("203.0.113.7", Some(Proto::Tcp), Some(443))));
+        assert!(!https.covers(&wide));
+        assert!(!https.covers(&a("203.0.113.7", Some(Proto::Udp), Some(443))));
+        assert!(!https.covers(&a("203.0.113.7", Some(Proto::Tcp), None)));
+        assert!(!wide.covers(&a("203.0.112.0/23", None, None)));
+        assert!(!wide.covers(&a("198.51.100.1", None, None)));
+        assert_eq!(https.to_string(), "203.0.113.0/24 tcp 443");
+        assert_eq!(wide.to_string(), "203.0.113.0/24");
     }
 
     #[test]

@@ -345,7 +345,11 @@ impl Manager {
         .await
         .map_err(|e| Error::Network(format!("the network task failed: {e}")))??;
         let netns = vm.netns.clone();
-        sess.lock().network = Some(vm);
+        let (allow, deny) = self.initial_policy();
+        let mut i = sess.lock();
+        i.network = Some(vm);
+        i.net_allow = allow;
+        i.net_deny = deny;
         Ok(Some(netns))
     }
 }

@@ -185,6 +185,31 @@ impl Manager {
     }
 }
 
+impl Manager {
+    /// Records an event of `sess` that changes no state (from = to = its
+    /// state now), such as a change of its network policy.
+    pub(super) fn note(&self, sess: &Session, reason: &str, detail: &str) -> Result<()> {
+        // Held while the event is written, as a transition holds it: the
+        // row written with it is the row as it is.
+        let inner = sess.lock();
+        let state = inner.row.state;
+        let ev = EventRow {
+            seq: 0,
+            session_id: sess.id.clone(),
+            execution_id: inner.row.execution_id.clone(),
+            at: now_ms(),
+            from: state,
+            to: state,
+            reason: reason.to_string(),
+            detail: detail.to_string(),
+        };
+        let seq = self.store.transition(&inner.row, &ev)?;
+        drop(inner);
+        self.events.committed(seq);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

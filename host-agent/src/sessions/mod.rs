@@ -17,12 +17,14 @@ mod exits;
 mod golden;
 mod lifecycle;
 mod limits;
+mod network;
 mod ops;
 mod recover;
 mod warm;
 
 use lifecycle::billable;
 pub use lifecycle::{is_terminal, now_ms, reason, state_name};
+pub use network::NetworkState;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -104,6 +106,10 @@ struct Inner {
     fetch_error: Option<String>,
     /// The VM's network, for images whose golden snapshot has one.
     network: Option<VmNetwork>,
+    /// The session's allowlist in force (with a network).
+    net_allow: Vec<crate::network::rules::Allow>,
+    /// Blocks denied to the session on top of the node's.
+    net_deny: Vec<crate::network::addressing::Cidr4>,
 }
 
 /// One session in memory.
@@ -361,6 +367,8 @@ impl Manager {
                 guest: None,
                 fetch_error: None,
                 network: None,
+                net_allow: vec![],
+                net_deny: vec![],
             }),
             state,
         });

@@ -30,7 +30,12 @@ impl Manager {
             }
             if let (Some(node), true) = (&self.network, has_network(&image)) {
                 let id = vmm_api::command::jail_id(Path::new(&row.dir));
-                sess.lock().network = node.adopt_existing(&id);
+                let (allow, deny) =
+                    Self::kept_policy(Path::new(&row.dir)).unwrap_or_else(|| self.initial_policy());
+                let mut i = sess.lock();
+                i.network = node.adopt_existing(&id);
+                i.net_allow = allow;
+                i.net_deny = deny;
             }
             if let Err(e) = self.recover_one(&sess, row, &image).await {
                 tracing::error!(session = %sess.id, error = %e, "re-attaching session");
