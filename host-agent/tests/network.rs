@@ -14,53 +14,15 @@ use std::process::Command;
 use std::sync::mpsc;
 use std::time::Duration;
 
+mod common;
+
+use common::netns::{ip, missing_tools as missing, Ns};
 use host_agent::network::addressing::{AddressPool, Cidr4, GATEWAY_IP, GUEST_IP, TAP_NAME};
 use host_agent::network::namespace::{
     apply_rules, enable_forwarding, list_namespaces, VmNetwork, NETNS_PREFIX,
 };
 use host_agent::network::node::{NodeNetwork, NodeSettings};
 use host_agent::network::rules::{node_ruleset, Allow, EgressPolicy, Proto};
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("ip runs");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Why this machine cannot run the test, if it cannot.
-fn missing() -> Option<String> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("not root".into());
-    }
-    for tool in ["ip", "nft"] {
-        if Command::new(tool).arg("-V").output().is_err() {
-            return Some(format!("{tool} is not installed (iproute2, nftables)"));
-        }
-    }
-    None
-}
-
-/// A namespace removed when dropped.
-struct Ns(String);
-
-impl Ns {
-    fn new(name: String) -> Ns {
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        ip(&["netns", "add", &name]);
-        ip(&["-n", &name, "link", "set", "lo", "up"]);
-        Ns(name)
-    }
-}
-
-impl Drop for Ns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
-    }
-}
 
 /// Runs `f` on a thread inside namespace `ns`.
 fn in_ns<T: Send + 'static>(

@@ -12,26 +12,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::netns::{ip, missing_tools, Ns};
 use common::*;
 use proto::hostagent as pb;
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("ip runs");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A namespace removed when dropped.
-struct Ns(String);
-
-impl Drop for Ns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
-    }
-}
 
 /// The jailed vmm under jailer `pid`.
 fn jailed_vmm(pid: u32) -> u32 {
@@ -49,14 +32,7 @@ fn jailed_vmm(pid: u32) -> u32 {
 
 /// The session's namespaces under `prefix`.
 fn namespaces(prefix: &str) -> Vec<String> {
-    std::fs::read_dir("/run/netns")
-        .map(|d| {
-            d.flatten()
-                .filter_map(|e| e.file_name().to_str().map(str::to_string))
-                .filter(|n| n.starts_with(prefix))
-                .collect()
-        })
-        .unwrap_or_default()
+    host_agent::network::namespace::list_namespaces(prefix)
 }
 
 fn wait_gone(path: &Path) {
@@ -71,36 +47,64 @@ fn wait_gone(path: &Path) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
-    if !jail_supported() {
-        return;
-    }
-    if Command::new("nft").arg("-V").output().is_err() || !Path::new("/dev/net/tun").exists() {
-        println!("skipped: nftables or /dev/net/tun is missing");
-        return;
-    }
-    let tag = std::process::id();
-    let node = Ns(format!("sn{tag}"));
-    let _ = Command::new("ip").args(["netns", "del", &node.0]).output();
-    ip(&["netns", "add", &node.0]);
-    let prefix = format!("avs{tag}-");
-    let cfg_dir = tempfile::tempdir().unwrap();
-    let cfg = cfg_dir.path().join("config.json");
+/// A namespace standing for the node, and a host-agent whose `network`
+/// uses it with `pool`, `allow` and the namespace prefix `prefix`;
+/// `extra` are more host-agent flags.
+fn networked_agent(
+    name: &str,
+    prefix: &str,
+    pool: &str,
+    allow: &[&str],
+    extra: &[&str],
+) -> (Ns, tempfile::TempDir, Agent) {
+    let node = Ns::new(name.to_string());
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.json");
     std::fs::write(
         &cfg,
         serde_json::json!({
             "network": {
-                "pool": "10.204.0.0/26",
+                "pool": pool,
                 "node_netns": node.0,
                 "netns_prefix": prefix,
-                "allow": ["203.0.113.0/24 tcp 443"]
+                "allow": allow,
             }
         })
         .to_string(),
     )
     .unwrap();
-    let mut agent = Agent::start(&["--config", cfg.to_str().unwrap()]);
+    let mut args = vec!["--config", cfg.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let agent = Agent::start(&args);
+    (node, dir, agent)
+}
+
+/// Whether the network session tests can run here (printing why not).
+fn can_run() -> bool {
+    if !jail_supported() {
+        return false;
+    }
+    if let Some(why) = missing_tools() {
+        println!("skipped: {why}");
+        return false;
+    }
+    true
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
+    if !can_run() {
+        return;
+    }
+    let tag = std::process::id();
+    let prefix = format!("avs{tag}-");
+    let (node, _cfg, mut agent) = networked_agent(
+        &format!("sn{tag}"),
+        &prefix,
+        "10.204.0.0/26",
+        &["203.0.113.0/24 tcp 443"],
+        &[],
+    );
 
     // The golden snapshot: booted with a NIC in a namespace of its own,
     // which goes after the build; the snapshot is marked as networked.
@@ -288,11 +292,7 @@ fn as_client<T>(token: &str, msg: T) -> tonic::Request<T> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_admin_scope_a_sessions_allowlist_only_narrows() {
-    if !jail_supported() {
-        return;
-    }
-    if Command::new("nft").arg("-V").output().is_err() || !Path::new("/dev/net/tun").exists() {
-        println!("skipped: nftables or /dev/net/tun is missing");
+    if !can_run() {
         return;
     }
     const ADMIN: &str = "net-admin-token-0123456789";
@@ -302,25 +302,8 @@ async fn without_the_admin_scope_a_sessions_allowlist_only_narrows() {
         hex::encode(sha2::Sha256::digest(t.as_bytes()))
     };
     let tag = std::process::id();
-    let node = Ns(format!("sw{tag}"));
-    let _ = Command::new("ip").args(["netns", "del", &node.0]).output();
-    ip(&["netns", "add", &node.0]);
     let prefix = format!("avw{tag}-");
     let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("config.json");
-    std::fs::write(
-        &cfg,
-        serde_json::json!({
-            "network": {
-                "pool": "10.205.0.0/28",
-                "node_netns": node.0,
-                "netns_prefix": prefix,
-                "allow": ["203.0.113.0/24 tcp 443", "198.51.100.0/24"]
-            }
-        })
-        .to_string(),
-    )
-    .unwrap();
     let clients = dir.path().join("clients");
     std::fs::write(
         &clients,
@@ -331,12 +314,13 @@ async fn without_the_admin_scope_a_sessions_allowlist_only_narrows() {
         ),
     )
     .unwrap();
-    let agent = Agent::start(&[
-        "--config",
-        cfg.to_str().unwrap(),
-        "--clients-file",
-        clients.to_str().unwrap(),
-    ]);
+    let (_node, _cfg, agent) = networked_agent(
+        &format!("sw{tag}"),
+        &prefix,
+        "10.205.0.0/28",
+        &["203.0.113.0/24 tcp 443", "198.51.100.0/24"],
+        &["--clients-file", clients.to_str().unwrap()],
+    );
     let ch = agent.channel().await;
     let mut images = proto::hostagent::images_client::ImagesClient::new(ch.clone());
     images

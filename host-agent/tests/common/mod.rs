@@ -7,6 +7,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod fake_guest;
+pub mod netns;
 
 use proto::hostagent as pb;
 
