@@ -1,0 +1,30 @@
+//! The network address every clone of a golden snapshot keeps, as the two
+//! ends see it: host-agent puts `ip=` on the golden boot's kernel command
+//! line and routes the namespace for that address; guest-init, as PID 1,
+//! reads the same parameter and configures the guest's NIC from it (the
+//! project's kernel has no IP autoconfiguration of its own).
+
+use std::net::Ipv4Addr;
+
+use guest_init::pid1::cmdline::Cmdline;
+use host_agent::network::addressing::{guest_kernel_ip_param, GATEWAY_IP, GUEST_IP, GUEST_PREFIX};
+
+#[test]
+fn guest_init_configures_the_address_host_agent_routes() {
+    let line = format!(
+        "console=ttyS0 root=/dev/vda rw init=/sbin/init {}",
+        guest_kernel_ip_param()
+    );
+    let ip = Cmdline::parse(&line)
+        .ip
+        .expect("guest-init reads the ip= parameter");
+    assert_eq!(ip.addr, GUEST_IP);
+    assert_eq!(ip.gateway, Some(GATEWAY_IP));
+    let prefix = u32::from(ip.netmask).leading_ones();
+    assert_eq!(prefix, u32::from(GUEST_PREFIX));
+    assert_eq!(ip.netmask, Ipv4Addr::new(255, 255, 255, 252));
+    assert_eq!(ip.device, "eth0");
+    // The gateway is on the guest's link.
+    let mask = u32::from(ip.netmask);
+    assert_eq!(u32::from(GUEST_IP) & mask, u32::from(GATEWAY_IP) & mask);
+}
