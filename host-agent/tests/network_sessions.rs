@@ -79,6 +79,29 @@ fn networked_agent(
     (node, dir, agent)
 }
 
+/// The image of the virtio-net test guest (it sends a frame, then waits).
+fn net_image() -> pb::RegisterImageRequest {
+    pb::RegisterImageRequest {
+        image_id: "net".into(),
+        kernel_path: test_harness::guests::path("virtio_net")
+            .display()
+            .to_string(),
+        cmdline: "console=ttyS0 rx_spins=4000000000".into(),
+        mem_mib: 32,
+        vcpus: 1,
+        ..Default::default()
+    }
+}
+
+/// Its golden snapshot.
+fn net_golden() -> pb::BuildGoldenSnapshotRequest {
+    pb::BuildGoldenSnapshotRequest {
+        image_id: "net".into(),
+        settle_ms: 300,
+        ..Default::default()
+    }
+}
+
 /// Whether the network session tests can run here (printing why not).
 fn can_run() -> bool {
     if !jail_supported() {
@@ -109,25 +132,9 @@ async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
     // The golden snapshot: booted with a NIC in a namespace of its own,
     // which goes after the build; the snapshot is marked as networked.
     let mut images = agent.images().await;
+    images.register_image(net_image()).await.expect("register");
     images
-        .register_image(pb::RegisterImageRequest {
-            image_id: "net".into(),
-            kernel_path: test_harness::guests::path("virtio_net")
-                .display()
-                .to_string(),
-            cmdline: "console=ttyS0 rx_spins=4000000000".into(),
-            mem_mib: 32,
-            vcpus: 1,
-            ..Default::default()
-        })
-        .await
-        .expect("register");
-    images
-        .build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
-            image_id: "net".into(),
-            settle_ms: 300,
-            ..Default::default()
-        })
+        .build_golden_snapshot(net_golden())
         .await
         .expect("golden snapshot");
     let golden: Vec<_> = std::fs::read_dir(agent.state_dir().join("images/net"))
@@ -324,30 +331,11 @@ async fn without_the_admin_scope_a_sessions_allowlist_only_narrows() {
     let ch = agent.channel().await;
     let mut images = proto::hostagent::images_client::ImagesClient::new(ch.clone());
     images
-        .register_image(as_client(
-            ADMIN,
-            pb::RegisterImageRequest {
-                image_id: "net".into(),
-                kernel_path: test_harness::guests::path("virtio_net")
-                    .display()
-                    .to_string(),
-                cmdline: "console=ttyS0 rx_spins=4000000000".into(),
-                mem_mib: 32,
-                vcpus: 1,
-                ..Default::default()
-            },
-        ))
+        .register_image(as_client(ADMIN, net_image()))
         .await
         .expect("register");
     images
-        .build_golden_snapshot(as_client(
-            ADMIN,
-            pb::BuildGoldenSnapshotRequest {
-                image_id: "net".into(),
-                settle_ms: 300,
-                ..Default::default()
-            },
-        ))
+        .build_golden_snapshot(as_client(ADMIN, net_golden()))
         .await
         .expect("golden snapshot");
     let mut sessions = proto::hostagent::sessions_client::SessionsClient::new(ch);
