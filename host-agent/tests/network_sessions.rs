@@ -79,6 +79,17 @@ fn networked_agent(
     (node, dir, agent)
 }
 
+/// The elements of set `name` in the VM namespace `netns`, as nft lists them.
+fn nft_set(netns: &str, name: &str) -> String {
+    let out = Command::new("ip")
+        .args([
+            "netns", "exec", netns, "nft", "list", "set", "ip", "agentvm", name,
+        ])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// The image of the virtio-net test guest (it sends a frame, then waits).
 fn net_image() -> pb::RegisterImageRequest {
     pb::RegisterImageRequest {
@@ -171,24 +182,11 @@ async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
         .filter_map(|e| std::fs::read_to_string(e.unwrap().path()).ok())
         .any(|info| info.contains("iff:\ttap0"));
     assert!(on_tap, "the restored vmm serves the namespace's tap");
-    let rules = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &ours[0],
-            "nft",
-            "list",
-            "set",
-            "ip",
-            "agentvm",
-            "allow_port",
-        ])
-        .output()
-        .unwrap();
+    let rules = nft_set(&ours[0], "allow_port");
     assert!(
-        String::from_utf8_lossy(&rules.stdout).contains("203.0.113.0/24 . 443"),
+        rules.contains("203.0.113.0/24 . 443"),
         "the node's allowlist is loaded: {}",
-        String::from_utf8_lossy(&rules.stdout)
+        rules
     );
 
     // The allowlist of the live session changes at once (the local caller
@@ -207,15 +205,7 @@ async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
     assert_eq!(net.allow, ["203.0.113.0/24 tcp 443", "198.51.100.0/24"]);
     assert_eq!(net.deny, ["203.0.113.66/32"]);
     assert!(net.vm_address.starts_with("10.204.0."), "{net:?}");
-    let set = |name: &str| {
-        let out = Command::new("ip")
-            .args([
-                "netns", "exec", &ours[0], "nft", "list", "set", "ip", "agentvm", name,
-            ])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let set = |name: &str| nft_set(&ours[0], name);
     assert!(
         set("allow_any").contains("198.51.100.0/24"),
         "{}",
@@ -381,21 +371,8 @@ async fn without_the_admin_scope_a_sessions_allowlist_only_narrows() {
     assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
     assert!(e.message().contains("admin scope"), "{}", e.message());
     let ns = namespaces(&prefix);
-    let set = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &ns[0],
-            "nft",
-            "list",
-            "set",
-            "ip",
-            "agentvm",
-            "allow_port",
-        ])
-        .output()
-        .unwrap();
-    let set = String::from_utf8_lossy(&set.stdout);
+    let set = nft_set(&ns[0], "allow_port");
+
     assert!(
         set.contains("203.0.113.7") && !set.contains("203.0.113.0/24"),
         "{set}"
