@@ -16,7 +16,7 @@ use std::time::Duration;
 
 mod common;
 
-use common::netns::{ip, missing_tools as missing, Ns};
+use common::netns::{ip, missing_tools as missing, Cleanup, Ns};
 use host_agent::network::addressing::{AddressPool, Cidr4, GATEWAY_IP, GUEST_IP, TAP_NAME};
 use host_agent::network::namespace::{
     apply_rules, enable_forwarding, list_namespaces, VmNetwork, NETNS_PREFIX,
@@ -186,6 +186,7 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
             vm
         })
         .collect();
+    let _cleanup = Cleanup(vms.iter().map(|v| v.netns.clone()).collect());
     let guests: Vec<Ns> = vms
         .iter()
         .zip(["a", "b"])
@@ -349,6 +350,12 @@ fn the_node_hands_out_addresses_takes_vms_back_and_removes_orphans() {
         .unwrap();
     assert!(rules.status.success(), "the node's table is loaded");
 
+    let _cleanup = Cleanup(
+        ["a", "b", "c"]
+            .iter()
+            .map(|v| format!("{prefix}{v}"))
+            .collect(),
+    );
     let a = net.make("a", Some((65534, 65534))).unwrap();
     let b = net.make("b", None).unwrap();
     assert_ne!(a.slot.vm_ip, b.slot.vm_ip);

@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::netns::{ip, missing_tools, Ns};
+use common::netns::{ip, missing_tools, Ns, PrefixCleanup};
 use common::*;
 use proto::hostagent as pb;
 
@@ -132,6 +132,8 @@ async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
     }
     let tag = std::process::id();
     let prefix = format!("avs{tag}-");
+    // Dropped last: after host-agent and its VMs.
+    let _cleanup = PrefixCleanup(prefix.clone());
     let (node, _cfg, mut agent) = networked_agent(
         &format!("sn{tag}"),
         &prefix,
@@ -300,6 +302,7 @@ async fn without_the_admin_scope_a_sessions_allowlist_only_narrows() {
     };
     let tag = std::process::id();
     let prefix = format!("avw{tag}-");
+    let _cleanup = PrefixCleanup(prefix.clone());
     let dir = tempfile::tempdir().unwrap();
     let clients = dir.path().join("clients");
     std::fs::write(

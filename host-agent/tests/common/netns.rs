@@ -48,3 +48,27 @@ pub fn missing_tools() -> Option<String> {
     }
     None
 }
+
+/// Namespaces a test's code under test made, removed when dropped (also when
+/// the test fails half-way); removing one already gone is fine.
+pub struct Cleanup(pub Vec<String>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for ns in &self.0 {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
+/// Every namespace whose name starts with the prefix, removed when dropped:
+/// what a host-agent under test made, even when the test fails half-way.
+pub struct PrefixCleanup(pub String);
+
+impl Drop for PrefixCleanup {
+    fn drop(&mut self) {
+        for ns in host_agent::network::namespace::list_namespaces(&self.0) {
+            let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+        }
+    }
+}
