@@ -97,7 +97,8 @@ fn net_image() -> pb::RegisterImageRequest {
         kernel_path: test_harness::guests::path("virtio_net")
             .display()
             .to_string(),
-        cmdline: "console=ttyS0 rx_spins=4000000000".into(),
+        // Waits for a frame (none comes) far longer than any test runs.
+        cmdline: "console=ttyS0 rx_spins=1000000000000000".into(),
         mem_mib: 32,
         vcpus: 1,
         ..Default::default()
@@ -184,6 +185,20 @@ async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
         .filter_map(|e| std::fs::read_to_string(e.unwrap().path()).ok())
         .any(|info| info.contains("iff:\ttap0"));
     assert!(on_tap, "the restored vmm serves the namespace's tap");
+    // No IPv6 there: nothing is sent down the tap that the guest did not ask for.
+    let v6 = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &ours[0],
+            "cat",
+            "/proc/sys/net/ipv6/conf/tap0/disable_ipv6",
+        ])
+        .output()
+        .unwrap();
+    if v6.status.success() {
+        assert_eq!(String::from_utf8_lossy(&v6.stdout).trim(), "1");
+    }
     let rules = nft_set(&ours[0], "allow_port");
     assert!(
         rules.contains("203.0.113.0/24 . 443"),
@@ -222,6 +237,36 @@ async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
     assert!(
         events.iter().any(|e| e.reason == "network_updated"),
         "{events:?}"
+    );
+    // The operator's CLI: narrowing through `sessions network`, as JSON.
+    let addr = agent.addr.clone();
+    let out = Command::new(env!("CARGO_BIN_EXE_host-agent"))
+        .args(["--addr", &addr, "--output", "json", "sessions", "network"])
+        .arg(&s.session_id)
+        .args([
+            "--allow",
+            "203.0.113.0/24 tcp 443",
+            "--deny",
+            "203.0.113.67",
+        ])
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        let events = agent.session_events(&s.session_id).await;
+        panic!(
+            "{}; events: {events:?}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let printed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        printed["allow"],
+        serde_json::json!(["203.0.113.0/24 tcp 443"])
+    );
+    assert_eq!(
+        printed["deny"],
+        serde_json::json!(["203.0.113.66/32", "203.0.113.67/32"]),
+        "deny blocks are added, never dropped"
     );
     for (allow, says) in [("300.1.1.1", "not an IPv4"), ("1.2.3.4 icmp", "tcp or udp")] {
         let e = sessions

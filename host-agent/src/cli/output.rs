@@ -189,6 +189,28 @@ impl Record for pb::Event {
     }
 }
 
+impl Record for pb::SessionNetwork {
+    fn headers() -> &'static [&'static str] {
+        &["SESSION", "VM ADDRESS", "ALLOW", "DENY"]
+    }
+    fn cells(&self) -> Vec<String> {
+        vec![
+            self.session_id.clone(),
+            or_dash(&self.vm_address),
+            or_dash(&self.allow.join(", ")),
+            or_dash(&self.deny.join(", ")),
+        ]
+    }
+    fn json(&self) -> Value {
+        json!({
+            "session_id": self.session_id,
+            "vm_address": self.vm_address,
+            "allow": self.allow,
+            "deny": self.deny,
+        })
+    }
+}
+
 impl Record for pb::UsageRecord {
     fn headers() -> &'static [&'static str] {
         &[
@@ -280,6 +302,26 @@ impl Record for NodeInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_session_network_prints_its_lists() {
+        let n = pb::SessionNetwork {
+            session_id: "s1".into(),
+            allow: vec!["203.0.113.0/24 tcp 443".into(), "198.51.100.0/24".into()],
+            deny: vec![],
+            vm_address: "10.200.0.2".into(),
+        };
+        assert_eq!(
+            n.cells(),
+            [
+                "s1",
+                "10.200.0.2",
+                "203.0.113.0/24 tcp 443, 198.51.100.0/24",
+                "-"
+            ]
+        );
+        assert_eq!(n.json()["allow"][1], "198.51.100.0/24");
+    }
 
     #[test]
     fn columns_line_up_under_their_headers() {

@@ -162,6 +162,21 @@ impl VmNetwork {
             &mut ip(None, &["netns", "add", &self.netns]),
             None,
         )?;
+        // No IPv6 in the namespace (the guest link is IPv4-only): otherwise
+        // the kernel sends router and neighbour solicitations down the tap
+        // to the guest as soon as it is up.
+        run(
+            "turning IPv6 off in the VM's namespace",
+            &mut in_netns(
+                ns,
+                "sh",
+                &[
+                    "-c",
+                    "[ ! -d /proc/sys/net/ipv6 ] || { echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 && echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6; }",
+                ],
+            ),
+            None,
+        )?;
         run(
             "creating the VM's veth pair",
             &mut ip(

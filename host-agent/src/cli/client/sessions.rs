@@ -47,6 +47,18 @@ pub enum SessionsCmd {
     Snapshot { id: String },
     /// Roll a session back to one of its snapshots.
     Restore { id: String, snapshot_dir: String },
+    /// Replace a live session's egress allowlist and add denied blocks
+    /// (narrowing only, unless the client is an admin); prints the network.
+    Network {
+        id: String,
+        /// An allowed destination: `CIDR`, `CIDR tcp|udp`, `"CIDR tcp|udp
+        /// PORT"` (repeatable; the whole new allowlist).
+        #[arg(long = "allow")]
+        allow: Vec<String>,
+        /// A block denied whatever any allowlist says (repeatable).
+        #[arg(long = "deny")]
+        deny: Vec<String>,
+    },
 }
 
 /// Runs `sessions <cmd>`.
@@ -120,6 +132,19 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
                     })
                 ),
             }
+            return Ok(());
+        }
+        SessionsCmd::Network { id, allow, deny } => {
+            let n = cl
+                .update_session_network(pb::UpdateSessionNetworkRequest {
+                    session_id: id,
+                    allow,
+                    deny,
+                })
+                .await
+                .map_err(st)?
+                .into_inner();
+            print_all(&[n], out);
             return Ok(());
         }
         SessionsCmd::Restore { id, snapshot_dir } => cl
