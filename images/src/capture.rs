@@ -7,7 +7,7 @@
 //! (where the files go, caching, the jail-free build directory) stays with
 //! each caller.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -85,6 +85,14 @@ pub enum CaptureError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// The vmm's log file could not be made.
+    #[error("cannot create the vmm log {path}: {source}")]
+    Log {
+        /// The log file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
     /// The vmm exited before the guest was ready.
     #[error("the vmm exited ({status}) before the guest was ready; {tail}")]
     Exited {
@@ -110,13 +118,6 @@ pub enum CaptureError {
     Control(#[from] ControlError),
 }
 
-fn io_error(path: &Path, what: &str, e: std::io::Error) -> CaptureError {
-    CaptureError::Spawn {
-        vmm: path.to_path_buf(),
-        source: std::io::Error::new(e.kind(), format!("{what}: {e}")),
-    }
-}
-
 /// Boots `c.boot`, waits for `c.ready`, writes a full snapshot to
 /// `c.snapshot_dir` and stops the vmm (killed if it does not exit). `note`
 /// hears progress lines (every ten seconds while waiting).
@@ -129,11 +130,14 @@ pub fn capture(c: &Capture, note: &mut dyn FnMut(&str)) -> Result<Captured, Capt
         .ok_or(CaptureError::NoControlSocket)?;
     let (stdout, stderr) = match &c.vmm_log {
         Some(log) => {
-            let f =
-                std::fs::File::create(log).map_err(|e| io_error(log, "creating the vmm log", e))?;
-            let f2 = f
-                .try_clone()
-                .map_err(|e| io_error(log, "duplicating the vmm log", e))?;
+            let f = std::fs::File::create(log).map_err(|source| CaptureError::Log {
+                path: log.clone(),
+                source,
+            })?;
+            let f2 = f.try_clone().map_err(|source| CaptureError::Log {
+                path: log.clone(),
+                source,
+            })?;
             (Stdio::from(f), Stdio::from(f2))
         }
         None => (Stdio::null(), Stdio::inherit()),
