@@ -50,16 +50,13 @@ pub fn restore_launch(
         gid: uid,
         binds,
         taps: vec![],
-        devices: vec![],
+        // With a network, the tap needs /dev/net/tun besides the defaults.
+        devices: match netns {
+            Some(_) => ["kvm", "urandom", "tun"].map(String::from).to_vec(),
+            None => vec![],
+        },
         memory_max_mib: (overhead > 0).then(|| u64::from(image.mem_mib) + overhead),
         netns: netns.map(|n| PathBuf::from("/run/netns").join(n)),
-    });
-    let jail = jail.map(|mut j| {
-        if j.netns.is_some() {
-            // The tap: /dev/net/tun besides the defaults.
-            j.devices = ["kvm", "urandom", "tun"].map(String::from).to_vec();
-        }
-        j
     });
     let mut spec = RestoreSpec::new(snapshot);
     spec.globals.log_max_bytes = Some(cfg.logs.max_file_bytes);
