@@ -20,7 +20,7 @@ use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 
-use super::manifest::EgressEntry;
+use super::manifest::{EgressEntry, EgressTarget, EntryError};
 
 /// Name of the nftables table guest-init owns.
 pub const TABLE: &str = "guest_egress";
@@ -46,6 +46,15 @@ pub enum EgressError {
     /// A host name with characters nftables or /etc/hosts cannot take.
     #[error("egress: {0:?} is not a valid host name")]
     BadHost(String),
+}
+
+impl From<EntryError> for EgressError {
+    fn from(e: EntryError) -> Self {
+        match e {
+            EntryError::BadEntry(i) => EgressError::BadEntry(i),
+            EntryError::BadHost(h) => EgressError::BadHost(h),
+        }
+    }
 }
 
 impl FromStr for Cidr {
@@ -170,13 +179,6 @@ pub struct EgressPlan {
     pub refused: Vec<(IpAddr, String)>,
 }
 
-fn valid_host(h: &str) -> bool {
-    !h.is_empty()
-        && h.len() <= 253
-        && h.chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.')
-}
-
 /// Resolves the entries with `resolve` (host name to addresses).
 pub fn plan(
     entries: &[EgressEntry],
@@ -184,12 +186,10 @@ pub fn plan(
 ) -> Result<EgressPlan, EgressError> {
     let mut plan = EgressPlan::default();
     for (i, e) in entries.iter().enumerate() {
-        match (&e.host, &e.cidr) {
-            (Some(host), None) => {
-                if !valid_host(host) {
-                    return Err(EgressError::BadHost(host.clone()));
-                }
-                for ip in resolve(host) {
+        match e.target(i)? {
+            EgressTarget::Host(host) => {
+                let host = host.to_string();
+                for ip in resolve(&host) {
                     if is_special(ip) {
                         plan.refused.push((ip, host.clone()));
                         continue;
@@ -202,12 +202,11 @@ pub fn plan(
                     });
                 }
             }
-            (None, Some(cidr)) => plan.allowed.push(Allowed {
+            EgressTarget::Cidr(cidr) => plan.allowed.push(Allowed {
                 cidr: cidr.parse()?,
                 ports: e.ports.clone(),
                 origin: format!("cidr {cidr}"),
             }),
-            _ => return Err(EgressError::BadEntry(i)),
         }
     }
     Ok(plan)

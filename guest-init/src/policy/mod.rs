@@ -8,7 +8,7 @@ pub mod command;
 pub mod egress;
 pub mod git;
 pub mod glob;
-pub mod manifest;
+pub use agent_manifest as manifest;
 pub mod risky_env;
 pub mod rules;
 pub mod secrets;

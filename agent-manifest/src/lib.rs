@@ -60,6 +60,49 @@ pub struct EgressEntry {
     pub ports: Vec<u16>,
 }
 
+/// What an [`EgressEntry`] names, checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EgressTarget<'a> {
+    /// A host name (letters, digits, `-` and `.`, at most 253 characters).
+    Host(&'a str),
+    /// An address block as written; its syntax is the reader's to check.
+    Cidr(&'a str),
+}
+
+/// An egress entry that names no target, both, or a host name no resolver,
+/// nftables rule or hosts file can take.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EntryError {
+    /// Neither or both of `host` and `cidr`.
+    #[error("egress: each entry needs exactly one of `host` or `cidr` (entry {0})")]
+    BadEntry(usize),
+    /// A host name with characters outside `[A-Za-z0-9.-]`, or too long.
+    #[error("egress: {0:?} is not a valid host name")]
+    BadHost(String),
+}
+
+impl EgressEntry {
+    /// The entry's target; `index` is its place in the list, for the error.
+    pub fn target(&self, index: usize) -> Result<EgressTarget<'_>, EntryError> {
+        match (&self.host, &self.cidr) {
+            (Some(host), None) if valid_host(host) => Ok(EgressTarget::Host(host)),
+            (Some(host), None) => Err(EntryError::BadHost(host.clone())),
+            (None, Some(cidr)) => Ok(EgressTarget::Cidr(cidr)),
+            _ => Err(EntryError::BadEntry(index)),
+        }
+    }
+}
+
+/// Whether `h` is a host name this project accepts: ASCII letters, digits,
+/// `-` and `.` only (nothing a rule, a hosts file or a DNS name could be
+/// confused by), 1 to 253 characters.
+pub fn valid_host(h: &str) -> bool {
+    !h.is_empty()
+        && h.len() <= 253
+        && h.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.')
+}
+
 /// Why a manifest was refused. Any of these stops the session.
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
@@ -109,5 +152,32 @@ mod tests {
             Err(ManifestError::Version(2))
         ));
         assert!(Manifest::parse("version: [\n").is_err());
+    }
+
+    #[test]
+    fn entry_targets() {
+        let e = |host: Option<&str>, cidr: Option<&str>| EgressEntry {
+            host: host.map(Into::into),
+            cidr: cidr.map(Into::into),
+            ports: vec![],
+        };
+        assert_eq!(
+            e(Some("crates.io"), None).target(0),
+            Ok(EgressTarget::Host("crates.io"))
+        );
+        assert_eq!(
+            e(None, Some("10.0.0.0/8")).target(0),
+            Ok(EgressTarget::Cidr("10.0.0.0/8"))
+        );
+        assert_eq!(
+            e(Some("a\"; flush ruleset"), None).target(0),
+            Err(EntryError::BadHost("a\"; flush ruleset".into()))
+        );
+        assert_eq!(e(None, None).target(3), Err(EntryError::BadEntry(3)));
+        assert_eq!(
+            e(Some("a.b"), Some("1.2.3.4/32")).target(4),
+            Err(EntryError::BadEntry(4))
+        );
+        assert!(!valid_host(&"a".repeat(254)));
     }
 }
