@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use vmm_api::command::{jail_id, Bind, DiskSpec, JailSpec, RestoreSpec, Serial};
+use vmm_api::command::{jail_id, Bind, DiskSpec, JailSpec, NetSpec, RestoreSpec, Serial};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -85,8 +85,10 @@ pub fn has_network(image: &ImageRow) -> bool {
 
 /// The vmm's `--net` value of every VM: the namespace's tap with the
 /// clone-safe MAC.
-pub fn guest_nic() -> String {
-    format!("{TAP_NAME},mac={GUEST_MAC}")
+pub fn guest_nic() -> NetSpec {
+    // GUEST_MAC is a constant, well-formed MAC address; a malformed one
+    // fails every VM launch at once (and the launch tests).
+    NetSpec::with_mac(TAP_NAME, GUEST_MAC).expect("GUEST_MAC is a well-formed MAC address")
 }
 
 /// A VM's own copy of its image's root disk, in its run directory.

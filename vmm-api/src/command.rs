@@ -4,7 +4,11 @@
 //! own paths (sockets, snapshots, disks) are created by this project and are
 //! UTF-8.
 
+use std::fmt;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use crate::rate_limit::{set_once, IoLimit, NetLimits, SpecError, TokenUnit};
 
 /// Where the guest's serial console goes.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -44,30 +48,224 @@ impl VsockSpec {
     }
 }
 
-/// A virtio-blk disk.
+/// A virtio-blk disk: `PATH[,ro][,bw=RATE][,iops=RATE]` on the command line
+/// (see [`crate::rate_limit`] for `RATE`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiskSpec {
     /// The raw image.
     pub path: PathBuf,
     /// Attach read-only.
     pub read_only: bool,
+    /// Bandwidth (bytes of data moved) and IOPS (requests) limits.
+    pub limits: IoLimit,
 }
 
+/// The fields `--disk` takes after the path.
+const DISK_FIELDS: &str = "ro, rw, bw=RATE or iops=RATE after PATH (PATH without commas)";
+
 impl DiskSpec {
-    /// A writable disk.
+    /// A writable disk without limits.
     pub fn rw(path: impl Into<PathBuf>) -> Self {
         Self {
             path: path.into(),
             read_only: false,
+            limits: IoLimit::default(),
+        }
+    }
+
+    /// A read-only disk without limits.
+    pub fn ro(path: impl Into<PathBuf>) -> Self {
+        Self {
+            read_only: true,
+            ..Self::rw(path)
         }
     }
 
     fn arg(&self) -> String {
+        self.to_string()
+    }
+}
+
+/// The `--disk` option's text.
+impl fmt::Display for DiskSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.path.display())?;
         if self.read_only {
-            format!("{},ro", self.path.display())
-        } else {
-            self.path.display().to_string()
+            f.write_str(",ro")?;
         }
+        if let Some(bw) = &self.limits.bandwidth {
+            write!(f, ",bw={bw}")?;
+        }
+        if let Some(ops) = &self.limits.ops {
+            write!(f, ",iops={ops}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Parses `PATH[,ro|,rw][,bw=RATE][,iops=RATE]`.
+impl FromStr for DiskSpec {
+    type Err = SpecError;
+
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        let mut parts = s.split(',');
+        let path = parts.next().unwrap_or_default();
+        if path.is_empty() {
+            return Err(SpecError::Invalid {
+                field: "path".into(),
+                value: s.into(),
+                expected: "PATH[,ro][,bw=RATE][,iops=RATE] with a non-empty PATH",
+            });
+        }
+        let mut spec = DiskSpec::rw(path);
+        let mut mode_given = false;
+        for part in parts {
+            match part.split_once('=') {
+                None if part == "ro" || part == "rw" => {
+                    if mode_given {
+                        return Err(SpecError::Repeated {
+                            field: "ro/rw".into(),
+                        });
+                    }
+                    mode_given = true;
+                    spec.read_only = part == "ro";
+                }
+                Some(("bw", v)) => set_once(&mut spec.limits.bandwidth, "bw", v, TokenUnit::Bytes)?,
+                Some(("iops", v)) => set_once(&mut spec.limits.ops, "iops", v, TokenUnit::Ops)?,
+                _ => {
+                    return Err(SpecError::Unknown {
+                        field: part.into(),
+                        known: DISK_FIELDS,
+                    })
+                }
+            }
+        }
+        Ok(spec)
+    }
+}
+
+/// A virtio-net device: `TAP[,mac=MAC][,rx_bw=RATE][,tx_bw=RATE][,rx_ops=RATE][,tx_ops=RATE]`
+/// on the command line (see [`crate::rate_limit`] for `RATE`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetSpec {
+    /// The tap interface (opened, or created if absent), at most 15 characters.
+    pub tap: String,
+    /// The MAC offered to the guest; `None` lets the guest pick one.
+    pub mac: Option<[u8; 6]>,
+    /// Receive and transmit limits.
+    pub limits: NetLimits,
+}
+
+/// The fields `--net` takes after the tap.
+const NET_FIELDS: &str = "mac=aa:bb:cc:dd:ee:ff, rx_bw=RATE, tx_bw=RATE, rx_ops=RATE or \
+     tx_ops=RATE after TAP";
+
+impl NetSpec {
+    /// A device on `tap` without a MAC or limits.
+    pub fn tap(tap: impl Into<String>) -> Self {
+        Self {
+            tap: tap.into(),
+            mac: None,
+            limits: NetLimits::default(),
+        }
+    }
+
+    /// A device on `tap` offering `mac` (`aa:bb:cc:dd:ee:ff`) to the guest.
+    pub fn with_mac(tap: impl Into<String>, mac: &str) -> Result<Self, SpecError> {
+        Ok(Self {
+            mac: Some(parse_mac(mac)?),
+            ..Self::tap(tap)
+        })
+    }
+}
+
+/// Parses a MAC address `aa:bb:cc:dd:ee:ff` (hex digits, either case).
+pub fn parse_mac(text: &str) -> Result<[u8; 6], SpecError> {
+    let invalid = || SpecError::Invalid {
+        field: "mac".into(),
+        value: text.into(),
+        expected: "six two-digit hex bytes separated by colons, e.g. 02:00:00:00:00:01",
+    };
+    let bytes: Vec<u8> = text
+        .split(':')
+        .map(|b| {
+            if b.len() == 2 {
+                u8::from_str_radix(b, 16).ok()
+            } else {
+                None
+            }
+        })
+        .collect::<Option<_>>()
+        .ok_or_else(invalid)?;
+    <[u8; 6]>::try_from(bytes).map_err(|_| invalid())
+}
+
+/// The `--net` option's text.
+impl fmt::Display for NetSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.tap)?;
+        if let Some(m) = &self.mac {
+            write!(
+                f,
+                ",mac={:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+                m[0], m[1], m[2], m[3], m[4], m[5]
+            )?;
+        }
+        let fields = [
+            ("rx_bw", &self.limits.rx.bandwidth),
+            ("tx_bw", &self.limits.tx.bandwidth),
+            ("rx_ops", &self.limits.rx.ops),
+            ("tx_ops", &self.limits.tx.ops),
+        ];
+        for (name, limit) in fields {
+            if let Some(l) = limit {
+                write!(f, ",{name}={l}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parses `TAP[,mac=MAC][,rx_bw=RATE][,tx_bw=RATE][,rx_ops=RATE][,tx_ops=RATE]`.
+impl FromStr for NetSpec {
+    type Err = SpecError;
+
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        let mut parts = s.split(',');
+        let tap = parts.next().unwrap_or_default();
+        // IFNAMSIZ is 16 including the NUL.
+        if tap.is_empty() || tap.len() > 15 || tap.contains('/') || tap.contains('=') {
+            return Err(SpecError::Invalid {
+                field: "tap".into(),
+                value: tap.into(),
+                expected: "an interface name of 1 to 15 characters without '/' or '=', first",
+            });
+        }
+        let mut spec = NetSpec::tap(tap);
+        for part in parts {
+            let l = &mut spec.limits;
+            match part.split_once('=') {
+                Some(("mac", v)) => {
+                    if spec.mac.is_some() {
+                        return Err(SpecError::Repeated {
+                            field: "mac".into(),
+                        });
+                    }
+                    spec.mac = Some(parse_mac(v)?);
+                }
+                Some((f @ "rx_bw", v)) => set_once(&mut l.rx.bandwidth, f, v, TokenUnit::Bytes)?,
+                Some((f @ "tx_bw", v)) => set_once(&mut l.tx.bandwidth, f, v, TokenUnit::Bytes)?,
+                Some((f @ "rx_ops", v)) => set_once(&mut l.rx.ops, f, v, TokenUnit::Ops)?,
+                Some((f @ "tx_ops", v)) => set_once(&mut l.tx.ops, f, v, TokenUnit::Ops)?,
+                _ => {
+                    return Err(SpecError::Unknown {
+                        field: part.into(),
+                        known: NET_FIELDS,
+                    })
+                }
+            }
+        }
+        Ok(spec)
     }
 }
 
@@ -107,8 +305,8 @@ pub struct Devices {
     pub disks: Vec<DiskSpec>,
     /// virtio-vsock.
     pub vsock: Option<VsockSpec>,
-    /// virtio-net: `TAP[,mac=MAC]`.
-    pub net: Option<String>,
+    /// virtio-net.
+    pub net: Option<NetSpec>,
     /// virtio-rng.
     pub rng: bool,
 }
@@ -126,7 +324,7 @@ impl Devices {
             args.extend(["--vsock".into(), v.arg()]);
         }
         if let Some(n) = &self.net {
-            args.extend(["--net".into(), n.clone()]);
+            args.extend(["--net".into(), n.to_string()]);
         }
         if self.rng {
             args.push("--rng".into());
@@ -373,6 +571,7 @@ pub fn jail_id(dir: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rate_limit::RateLimit;
 
     #[test]
     fn run_lines_name_every_device() {
@@ -386,18 +585,12 @@ mod tests {
         spec.devices = Devices {
             serial: Serial::File("/run/serial.log".into()),
             control_socket: Some("/run/control.sock".into()),
-            disks: vec![
-                DiskSpec::rw("/d/root.ext4"),
-                DiskSpec {
-                    path: "/d/ro.img".into(),
-                    read_only: true,
-                },
-            ],
+            disks: vec![DiskSpec::rw("/d/root.ext4"), DiskSpec::ro("/d/ro.img")],
             vsock: Some(VsockSpec {
                 cid: 3,
                 uds: "/run/v.sock".into(),
             }),
-            net: Some("tap0,mac=02:00:00:00:00:01".into()),
+            net: Some(NetSpec::with_mac("tap0", "02:00:00:00:00:01").unwrap()),
             rng: true,
         };
         assert_eq!(
@@ -456,6 +649,111 @@ mod tests {
             jail.wrap(vec!["restore".into(), "--snapshot".into(), "/golden".into()]).join(" "),
             "jail --id vm1 --root /v/jail --uid 2000000001 --gid 2000000001 \
              --bind /s/golden:/golden:ro --tap tap1 --memory-max 300M -- restore --snapshot /golden"
+        );
+    }
+
+    #[test]
+    fn net_options_parse_and_print_back() {
+        let n: NetSpec =
+            "tap0,mac=02:00:00:00:00:0A,rx_bw=10M,tx_bw=1M/100+4M,rx_ops=1000,tx_ops=50/10"
+                .parse()
+                .unwrap();
+        assert_eq!(n.tap, "tap0");
+        assert_eq!(n.mac, Some([2, 0, 0, 0, 0, 10]));
+        assert_eq!(n.limits.rx.bandwidth, Some(RateLimit::per_second(10 << 20)));
+        assert_eq!(
+            n.limits.tx.bandwidth,
+            Some(RateLimit {
+                size: 1 << 20,
+                burst: 4 << 20,
+                refill_ms: 100
+            })
+        );
+        assert_eq!(n.limits.rx.ops, Some(RateLimit::per_second(1000)));
+        assert_eq!(n.limits.tx.ops.unwrap().refill_ms, 10);
+        assert_eq!(n.to_string().parse::<NetSpec>(), Ok(n.clone()));
+        assert_eq!(
+            n.to_string(),
+            "tap0,mac=02:00:00:00:00:0a,rx_bw=10485760,tx_bw=1048576/100+4194304,\
+             rx_ops=1000,tx_ops=50/10"
+        );
+        let plain: NetSpec = "tap1".parse().unwrap();
+        assert_eq!(plain, NetSpec::tap("tap1"));
+        assert_eq!(plain.to_string(), "tap1");
+        // The order of the fields after the tap does not matter.
+        assert_eq!(
+            "t,tx_ops=5,mac=02:00:00:00:00:01".parse::<NetSpec>(),
+            "t,mac=02:00:00:00:00:01,tx_ops=5".parse::<NetSpec>()
+        );
+    }
+
+    #[test]
+    fn bad_net_options_say_which_field_and_what_form() {
+        let err = |s: &str| s.parse::<NetSpec>().unwrap_err().to_string();
+        assert!(err("").starts_with("invalid tap"), "{}", err(""));
+        assert!(err("a-name-longer-than-15").starts_with("invalid tap"));
+        assert!(err("rx_bw=1M").starts_with("invalid tap"));
+        assert!(err("tap0,mac=02:00").starts_with("invalid mac \"02:00\""));
+        assert!(err("tap0,speed=1").starts_with("unknown field \"speed=1\""));
+        assert!(err("tap0,rx_bw").starts_with("unknown field \"rx_bw\""));
+        assert!(err("tap0,rx_bw=fast").starts_with("invalid rx_bw \"fast\": expected BYTES"));
+        assert!(err("tap0,tx_ops=1K").starts_with("invalid tx_ops \"1K\": expected COUNT"));
+        assert_eq!(
+            err("tap0,rx_bw=1M,rx_bw=2M"),
+            "field rx_bw is given more than once"
+        );
+        assert_eq!(
+            err("tap0,mac=02:00:00:00:00:01,mac=02:00:00:00:00:02"),
+            "field mac is given more than once"
+        );
+    }
+
+    #[test]
+    fn disk_options_parse_and_print_back() {
+        let d: DiskSpec = "/img,ro,bw=4M+1M,iops=100/100".parse().unwrap();
+        assert_eq!(d.path, PathBuf::from("/img"));
+        assert!(d.read_only);
+        assert_eq!(
+            d.limits.bandwidth,
+            Some(RateLimit {
+                size: 4 << 20,
+                burst: 1 << 20,
+                refill_ms: 1000
+            })
+        );
+        assert_eq!(d.limits.ops.unwrap().size, 100);
+        assert_eq!(d.to_string().parse::<DiskSpec>(), Ok(d));
+        assert_eq!("/img".parse::<DiskSpec>(), Ok(DiskSpec::rw("/img")));
+        assert_eq!("/img,rw".parse::<DiskSpec>(), Ok(DiskSpec::rw("/img")));
+        assert_eq!("/img,ro".parse::<DiskSpec>(), Ok(DiskSpec::ro("/img")));
+        assert_eq!(DiskSpec::ro("/img").to_string(), "/img,ro");
+        let err = |s: &str| s.parse::<DiskSpec>().unwrap_err().to_string();
+        assert!(err(",ro").starts_with("invalid path"));
+        assert!(err("/a,b").starts_with("unknown field \"b\""));
+        assert!(err("/a,ro,rw").contains("more than once"));
+        assert!(err("/a,iops=0").starts_with("invalid iops \"0\""));
+        assert!(err("/a,bw=1M/0").starts_with("invalid bw \"1M/0\""));
+        assert!(err("/a,bw=1M,bw=1M").contains("more than once"));
+    }
+
+    #[test]
+    fn limits_reach_the_command_line() {
+        let mut spec = RunSpec::new("/k");
+        let mut net = NetSpec::tap("tap0");
+        net.limits.rx.bandwidth = Some(RateLimit::per_second(1000));
+        net.limits.tx.ops = Some(RateLimit {
+            size: 10,
+            burst: 5,
+            refill_ms: 100,
+        });
+        spec.devices.net = Some(net);
+        let mut disk = DiskSpec::rw("/d");
+        disk.limits.ops = Some(RateLimit::per_second(50));
+        spec.devices.disks.push(disk);
+        let line = spec.args().join(" ");
+        assert!(
+            line.ends_with("--disk /d,iops=50 --net tap0,rx_bw=1000,tx_ops=10/100+5"),
+            "{line}"
         );
     }
 

@@ -18,9 +18,16 @@ pub mod error;
 pub mod peer;
 pub mod process;
 pub mod protocol;
+pub mod rate_limit;
 pub mod vsock;
 
 pub use client::Client;
-pub use command::{JailSpec, RestoreSpec, RunSpec, Serial, VmmCommand, VsockSpec};
+pub use command::{
+    DiskSpec, JailSpec, NetSpec, RestoreSpec, RunSpec, Serial, VmmCommand, VsockSpec,
+};
 pub use error::ControlError;
-pub use protocol::{ChecksumReply, Request, SnapshotKind, SnapshotReply, StatusReply, VmState};
+pub use protocol::{
+    BlkCounters, ChecksumReply, NetCounters, Request, SnapshotKind, SnapshotReply, StatusReply,
+    VmState,
+};
+pub use rate_limit::{IoLimit, NetLimits, RateLimit, SpecError};

@@ -102,6 +102,52 @@ pub struct StatusReply {
     pub state: VmState,
     /// Number of vCPUs.
     pub vcpus: u32,
+    /// The virtio-net device's counters; absent without one (and from a vmm
+    /// that predates them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net: Option<NetCounters>,
+    /// Each virtio-blk disk's counters, in `--disk` order; absent without disks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<BlkCounters>,
+}
+
+/// What a virtio-net device moved since its vmm process started (a restored
+/// VM starts again from zero). Bytes are Ethernet frame bytes, without the
+/// virtio-net header.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct NetCounters {
+    /// Bytes of frames delivered to the guest.
+    pub rx_bytes: u64,
+    /// Frames delivered to the guest.
+    pub rx_packets: u64,
+    /// Bytes of guest frames written to the tap.
+    pub tx_bytes: u64,
+    /// Guest frames written to the tap.
+    pub tx_packets: u64,
+    /// Times the receive rate limiter held a frame back.
+    pub rx_throttled: u64,
+    /// Times the transmit rate limiter held a guest frame back.
+    pub tx_throttled: u64,
+}
+
+/// What a virtio-blk disk did since its vmm process started (a restored VM
+/// starts again from zero). Only requests that succeeded are counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BlkCounters {
+    /// Bytes read from the disk into guest memory.
+    pub read_bytes: u64,
+    /// Bytes written from guest memory to the disk.
+    pub write_bytes: u64,
+    /// Read requests.
+    pub reads: u64,
+    /// Write requests.
+    pub writes: u64,
+    /// Flush requests.
+    pub flushes: u64,
+    /// Times the rate limiter held a request back.
+    pub throttled: u64,
 }
 
 /// The answer to a snapshot.
@@ -345,6 +391,8 @@ mod tests {
         let status = StatusReply {
             state: VmState::Paused,
             vcpus: 2,
+            net: None,
+            disks: vec![],
         };
         let line = ok_value(&status).to_string();
         assert_eq!(
@@ -356,6 +404,48 @@ mod tests {
         let reply: SnapshotReply = decode_answer(snap).unwrap();
         assert_eq!(reply.pages_written, 2);
         assert_eq!(reply.kind, SnapshotKind::Diff);
+    }
+
+    #[test]
+    fn status_counters_travel_and_older_answers_still_decode() {
+        let status = StatusReply {
+            state: VmState::Running,
+            vcpus: 1,
+            net: Some(NetCounters {
+                rx_bytes: 1,
+                rx_packets: 2,
+                tx_bytes: 3,
+                tx_packets: 4,
+                rx_throttled: 5,
+                tx_throttled: 6,
+            }),
+            disks: vec![
+                BlkCounters {
+                    read_bytes: 512,
+                    reads: 1,
+                    ..BlkCounters::default()
+                },
+                BlkCounters {
+                    flushes: 1,
+                    throttled: 9,
+                    ..BlkCounters::default()
+                },
+            ],
+        };
+        let line = ok_value(&status).to_string();
+        let v: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["net"]["tx_throttled"], 6);
+        assert_eq!(v["disks"][1]["throttled"], 9);
+        assert_eq!(decode_answer::<StatusReply>(&line), Ok(status));
+        // A vmm without counters (or without these devices) leaves them out.
+        let old: StatusReply = decode_answer(r#"{"ok":true,"state":"running","vcpus":1}"#).unwrap();
+        assert_eq!((old.net, old.disks.len()), (None, 0));
+        // A counter a newer vmm adds, or an older one lacks, does not break decoding.
+        let partial: StatusReply = decode_answer(
+            r#"{"ok":true,"state":"running","vcpus":1,"net":{"rx_bytes":7,"new_one":1}}"#,
+        )
+        .unwrap();
+        assert_eq!(partial.net.unwrap().rx_bytes, 7);
     }
 
     #[test]

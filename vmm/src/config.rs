@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use serde::Deserialize;
+use vmm_api::command::{DiskSpec, NetSpec};
+use vmm_api::rate_limit::{IoLimit, NetLimits, SpecError};
 
 use crate::arch::x86_64::layout::MAX_DEVICES;
 use crate::arch::x86_64::mptable::MAX_CPUS;
@@ -87,29 +89,30 @@ impl DeviceConfig {
     }
 }
 
-/// A virtio-blk disk: `PATH[,ro]`.
+/// A virtio-blk disk: `PATH[,ro][,bw=RATE][,iops=RATE]` (the syntax is
+/// `vmm_api::command::DiskSpec`'s, so clients build exactly what is parsed here).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiskConfig {
     /// Raw disk image.
     pub path: PathBuf,
     /// Guest writes fail with an I/O error status.
     pub read_only: bool,
+    /// Bandwidth and IOPS limits.
+    pub limits: IoLimit,
 }
 
 impl FromStr for DiskConfig {
     type Err = ConfigError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (path, read_only) = match s.strip_suffix(",ro") {
-            Some(path) => (path, true),
-            None => (s.strip_suffix(",rw").unwrap_or(s), false),
-        };
-        if path.is_empty() || path.contains(',') {
-            return Err(ConfigError::Disk(s.to_string()));
-        }
+        let spec: DiskSpec = s.parse().map_err(|source| ConfigError::Disk {
+            input: s.to_string(),
+            source,
+        })?;
         Ok(DiskConfig {
-            path: path.into(),
-            read_only,
+            path: spec.path,
+            read_only: spec.read_only,
+            limits: spec.limits,
         })
     }
 }
@@ -141,45 +144,31 @@ impl FromStr for VsockConfig {
     }
 }
 
-/// The virtio-net device: `TAP[,mac=aa:bb:cc:dd:ee:ff]`.
+/// The virtio-net device:
+/// `TAP[,mac=aa:bb:cc:dd:ee:ff][,rx_bw=RATE][,tx_bw=RATE][,rx_ops=RATE][,tx_ops=RATE]`
+/// (the syntax is `vmm_api::command::NetSpec`'s).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NetConfig {
     /// Tap interface name (opened, or created if absent).
     pub tap: String,
     /// The guest's MAC address; none lets the guest pick one.
     pub mac: Option<[u8; 6]>,
+    /// Receive and transmit limits.
+    pub limits: NetLimits,
 }
 
 impl FromStr for NetConfig {
     type Err = ConfigError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let bad = || ConfigError::Net(s.to_string());
-        let mut parts = s.split(',');
-        let tap = parts.next().unwrap_or_default();
-        // IFNAMSIZ is 16 including the NUL.
-        if tap.is_empty() || tap.len() > 15 || tap.contains('/') {
-            return Err(bad());
-        }
-        let mut mac = None;
-        for part in parts {
-            let text = part.strip_prefix("mac=").ok_or_else(bad)?;
-            let bytes: Vec<u8> = text
-                .split(':')
-                .map(|b| {
-                    if b.len() == 2 {
-                        u8::from_str_radix(b, 16).ok()
-                    } else {
-                        None
-                    }
-                })
-                .collect::<Option<_>>()
-                .ok_or_else(bad)?;
-            mac = Some(<[u8; 6]>::try_from(bytes).map_err(|_| bad())?);
-        }
+        let spec: NetSpec = s.parse().map_err(|source| ConfigError::Net {
+            input: s.to_string(),
+            source,
+        })?;
         Ok(NetConfig {
-            tap: tap.to_string(),
-            mac,
+            tap: spec.tap,
+            mac: spec.mac,
+            limits: spec.limits,
         })
     }
 }
@@ -193,17 +182,30 @@ pub enum ConfigError {
     /// The serial setting is not one of the accepted forms.
     #[error("invalid serial output {0:?}: expected stdout, none or file:PATH")]
     Serial(String),
-    /// A disk is not `PATH[,ro]`.
-    #[error("invalid disk {0:?}: expected PATH or PATH,ro")]
-    Disk(String),
+    /// A disk is not `PATH[,ro][,bw=RATE][,iops=RATE]`.
+    #[error("invalid disk {input:?}: {source} (the form is PATH[,ro][,bw=RATE][,iops=RATE])")]
+    Disk {
+        /// The option as given.
+        input: String,
+        /// What is wrong with it.
+        #[source]
+        source: SpecError,
+    },
     /// The vsock setting is not `CID:UDS_PATH`.
     #[error("invalid vsock {0:?}: expected CID:UDS_PATH with a CID of 3 or more")]
     Vsock(String),
-    /// The net setting is not `TAP[,mac=..]`.
+    /// The net setting is not `TAP[,mac=..][,rx_bw=..]...`.
     #[error(
-        "invalid net {0:?}: expected TAP or TAP,mac=aa:bb:cc:dd:ee:ff (TAP at most 15 characters)"
+        "invalid net {input:?}: {source} (the form is \
+         TAP[,mac=MAC][,rx_bw=RATE][,tx_bw=RATE][,rx_ops=RATE][,tx_ops=RATE])"
     )]
-    Net(String),
+    Net {
+        /// The option as given.
+        input: String,
+        /// What is wrong with it.
+        #[source]
+        source: SpecError,
+    },
     /// vCPU count out of range.
     #[error("{0} vCPUs requested: the VM needs between 1 and {MAX_CPUS} vCPUs")]
     VcpuCount(u64),
@@ -253,11 +255,11 @@ pub struct ConfigFile {
     pub serial: Option<String>,
     /// Control socket path.
     pub control_socket: Option<PathBuf>,
-    /// virtio-blk disks, each `PATH[,ro]`.
+    /// virtio-blk disks, each `PATH[,ro][,bw=RATE][,iops=RATE]`.
     pub disk: Option<Vec<String>>,
     /// virtio-vsock, `CID:UDS_PATH`.
     pub vsock: Option<String>,
-    /// virtio-net, `TAP[,mac=..]`.
+    /// virtio-net, `TAP[,mac=..][,rx_bw=RATE]...`.
     pub net: Option<String>,
     /// virtio-rng.
     pub rng: Option<bool>,
@@ -379,7 +381,8 @@ mod tests {
             d,
             DiskConfig {
                 path: "/img".into(),
-                read_only: true
+                read_only: true,
+                limits: IoLimit::default(),
             }
         );
         assert!(!"/img".parse::<DiskConfig>().unwrap().read_only);
@@ -410,6 +413,39 @@ mod tests {
         assert!(cfg.devices.disks[1].read_only);
         assert!(cfg.devices.rng);
         assert_eq!(cfg.devices.vsock.unwrap().cid, 3);
+    }
+
+    #[test]
+    fn rate_limits_parse_in_device_options_and_errors_name_the_field() {
+        let d: DiskConfig = "/img,bw=8M/500+1M,iops=200".parse().unwrap();
+        let bw = d.limits.bandwidth.unwrap();
+        assert_eq!((bw.size, bw.refill_ms, bw.burst), (8 << 20, 500, 1 << 20));
+        assert_eq!(d.limits.ops.unwrap().size, 200);
+        assert!(!d.read_only);
+        let n: NetConfig = "tap0,rx_bw=1M,tx_ops=100/10".parse().unwrap();
+        assert_eq!(n.limits.rx.bandwidth.unwrap().size, 1 << 20);
+        assert_eq!(n.limits.tx.ops.unwrap().refill_ms, 10);
+        assert!(n.limits.rx.ops.is_none() && n.limits.tx.bandwidth.is_none());
+
+        let e = "/img,bw=lots".parse::<DiskConfig>().unwrap_err().to_string();
+        assert!(e.starts_with("invalid disk \"/img,bw=lots\": invalid bw \"lots\""), "{e}");
+        assert!(e.contains("BYTES[/MS][+BURST]"), "{e}");
+        let e = "tap0,rx_ops=0".parse::<NetConfig>().unwrap_err().to_string();
+        assert!(e.contains("invalid rx_ops \"0\": expected COUNT"), "{e}");
+        let e = "tap0,tx_rate=1".parse::<NetConfig>().unwrap_err().to_string();
+        assert!(e.contains("unknown field \"tx_rate=1\""), "{e}");
+
+        // The config file takes the same text.
+        let file: ConfigFile = serde_json::from_str(
+            r#"{"kernel":"/k","disk":["/a,iops=10"],"net":"tap0,tx_bw=64K"}"#,
+        )
+        .unwrap();
+        let cfg = VmConfig::try_from(file).unwrap();
+        assert_eq!(cfg.devices.disks[0].limits.ops.unwrap().size, 10);
+        assert_eq!(
+            cfg.devices.net.unwrap().limits.tx.bandwidth.unwrap().size,
+            64 << 10
+        );
     }
 
     #[test]

@@ -135,15 +135,17 @@ struct RestoreArgs {
     /// Leave the vCPUs paused after the restore (resume through the control socket).
     #[arg(long)]
     paused: bool,
-    /// virtio-blk back end for the snapshot's next disk, `PATH` or `PATH,ro`; give the
-    /// same devices as the snapshotted VM, in the same order.
-    #[arg(long = "disk", value_name = "PATH[,ro]")]
+    /// virtio-blk back end for the snapshot's next disk, `PATH[,ro][,bw=RATE][,iops=RATE]`;
+    /// give the same devices as the snapshotted VM, in the same order. Limits are not
+    /// part of the snapshot: these apply (RATE is `SIZE[/MS][+BURST]`).
+    #[arg(long = "disk", value_name = "PATH[,ro][,bw=RATE][,iops=RATE]")]
     disk: Vec<String>,
     /// virtio-vsock back end, `CID:UDS_PATH` (the CID must match the snapshot's).
     #[arg(long, value_name = "CID:UDS_PATH")]
     vsock: Option<String>,
-    /// virtio-net back end, `TAP[,mac=..]`.
-    #[arg(long, value_name = "TAP[,mac=MAC]")]
+    /// virtio-net back end, `TAP[,mac=..][,rx_bw=RATE][,tx_bw=RATE][,rx_ops=RATE][,tx_ops=RATE]`;
+    /// the limits given here apply (they are not part of the snapshot).
+    #[arg(long, value_name = "TAP[,mac=MAC][,rx_bw=RATE]...")]
     net: Option<String>,
     /// The snapshot has a virtio-rng device.
     #[arg(long)]
@@ -178,14 +180,19 @@ struct RunArgs {
     /// Unix socket for JSON-lines control requests.
     #[arg(long)]
     control_socket: Option<PathBuf>,
-    /// virtio-blk disk: a raw image, `PATH` or `PATH,ro`; repeat for more disks.
-    #[arg(long = "disk", value_name = "PATH[,ro]")]
+    /// virtio-blk disk: a raw image, `PATH[,ro][,bw=RATE][,iops=RATE]`; repeat for more
+    /// disks. `bw` limits data bytes, `iops` requests; RATE is `SIZE[/MS][+BURST]`: SIZE
+    /// tokens per MS milliseconds (default 1000) plus a one-time BURST, bytes with
+    /// K/M/G suffixes for `bw`.
+    #[arg(long = "disk", value_name = "PATH[,ro][,bw=RATE][,iops=RATE]")]
     disk: Vec<String>,
     /// virtio-vsock: guest CID and the host Unix socket (Firecracker's convention).
     #[arg(long, value_name = "CID:UDS_PATH")]
     vsock: Option<String>,
-    /// virtio-net on a tap interface (created if absent), with an optional MAC.
-    #[arg(long, value_name = "TAP[,mac=..]")]
+    /// virtio-net on a tap interface (created if absent), with an optional MAC and
+    /// rate limits per direction: `TAP[,mac=..][,rx_bw=RATE][,tx_bw=RATE][,rx_ops=RATE]
+    /// [,tx_ops=RATE]` (bytes and frames; RATE as for --disk).
+    #[arg(long, value_name = "TAP[,mac=..][,rx_bw=RATE]...")]
     net: Option<String>,
     /// virtio-rng fed by the host's getrandom.
     #[arg(long)]
@@ -421,27 +428,48 @@ mod tests {
     use super::*;
     use clap::Parser;
     use vmm_api::command::{
-        Bind, Devices, DiskSpec, JailSpec, RestoreSpec, RunSpec, Serial, VsockSpec,
+        Bind, Devices, DiskSpec, JailSpec, NetSpec, RestoreSpec, RunSpec, Serial, VsockSpec,
     };
+    use vmm_api::rate_limit::RateLimit;
 
     fn devices() -> Devices {
+        let mut limited = DiskSpec::ro("/d/ro.img");
+        limited.limits.bandwidth = Some(RateLimit {
+            size: 4 << 20,
+            burst: 1 << 20,
+            refill_ms: 250,
+        });
+        limited.limits.ops = Some(RateLimit::per_second(100));
+        let mut net = NetSpec::with_mac("tap0", "02:00:00:00:00:01").unwrap();
+        net.limits.rx.bandwidth = Some(RateLimit::per_second(1 << 20));
+        net.limits.tx.ops = Some(RateLimit {
+            size: 10,
+            burst: 0,
+            refill_ms: 10,
+        });
         Devices {
             serial: Serial::File("/run/serial.log".into()),
             control_socket: Some("/run/control.sock".into()),
-            disks: vec![
-                DiskSpec::rw("/d/root.ext4"),
-                DiskSpec {
-                    path: "/d/ro.img".into(),
-                    read_only: true,
-                },
-            ],
+            disks: vec![DiskSpec::rw("/d/root.ext4"), limited],
             vsock: Some(VsockSpec {
                 cid: 3,
                 uds: "/run/v.sock".into(),
             }),
-            net: Some("tap0,mac=02:00:00:00:00:01".into()),
+            net: Some(net),
             rng: true,
         }
+    }
+
+    /// The devices the vmm parses from the options are the ones built.
+    fn assert_devices_parse_as_built(disks: &[String], net: Option<&str>) {
+        let built = devices();
+        let parsed = DeviceConfig::parse(disks, None, net, false).unwrap();
+        assert_eq!(parsed.disks.len(), built.disks.len());
+        for (p, b) in parsed.disks.iter().zip(&built.disks) {
+            assert_eq!((&p.path, p.read_only, p.limits), (&b.path, b.read_only, b.limits));
+        }
+        let (p, b) = (parsed.net.unwrap(), built.net.unwrap());
+        assert_eq!((p.tap, p.mac, p.limits), (b.tap, b.mac, b.limits));
     }
 
     fn parse(args: Vec<String>) -> Cli {
@@ -476,7 +504,14 @@ mod tests {
         );
         assert_eq!(a.cmdline.as_deref(), Some("console=ttyS0 panic=1"));
         assert_eq!((a.mem_mib, a.vcpus), (Some(256), Some(2)));
-        assert_eq!(a.disk, ["/d/root.ext4", "/d/ro.img,ro"]);
+        assert_eq!(
+            a.disk,
+            [
+                "/d/root.ext4",
+                "/d/ro.img,ro,bw=4194304/250+1048576,iops=100"
+            ]
+        );
+        assert_devices_parse_as_built(&a.disk, a.net.as_deref());
         assert_eq!(a.vsock.as_deref(), Some("3:/run/v.sock"));
         assert_eq!(a.serial.as_deref(), Some("file:/run/serial.log"));
         assert_eq!(a.acpi.as_deref(), Some("off"));
@@ -520,6 +555,10 @@ mod tests {
         assert_eq!(r.memory_backend, "uffd");
         assert!(r.paused && r.rng);
         assert_eq!(r.disk.len(), 2);
-        assert_eq!(r.net.as_deref(), Some("tap0,mac=02:00:00:00:00:01"));
+        assert_eq!(
+            r.net.as_deref(),
+            Some("tap0,mac=02:00:00:00:00:01,rx_bw=1048576,tx_ops=10/10")
+        );
+        assert_devices_parse_as_built(&r.disk, r.net.as_deref());
     }
 }

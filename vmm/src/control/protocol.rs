@@ -5,7 +5,9 @@
 use std::path::Path;
 
 use serde_json::Value;
-use vmm_api::protocol::{error_value, ok_value, ChecksumReply, SnapshotReply, StatusReply};
+use vmm_api::protocol::{
+    error_value, ok_value, BlkCounters, ChecksumReply, NetCounters, SnapshotReply, StatusReply,
+};
 pub use vmm_api::protocol::{Request, MAX_REQUEST_LEN, OPS};
 
 use crate::exit::ExitReason;
@@ -23,6 +25,11 @@ pub trait ControlTarget: Send + Sync {
     fn memory_checksum(&self) -> Result<u64, String>;
     /// Delivers console output the guest produced so far (after a pause).
     fn flush_console(&self) {}
+    /// The virtio-net device's counters (if there is one) and each disk's,
+    /// in device order.
+    fn io_counters(&self) -> (Option<NetCounters>, Vec<BlkCounters>) {
+        (None, Vec::new())
+    }
 }
 
 /// Parses one request line; the error is the message to send back.
@@ -35,10 +42,13 @@ pub fn error(message: impl Into<String>) -> Value {
     error_value(message)
 }
 
-fn state(state: VmState, vcpus: usize) -> Value {
+fn state(target: &dyn ControlTarget, state: VmState, vcpus: usize) -> Value {
+    let (net, disks) = target.io_counters();
     ok_value(&StatusReply {
         state,
         vcpus: u32::try_from(vcpus).unwrap_or(u32::MAX),
+        net,
+        disks,
     })
 }
 
@@ -49,19 +59,19 @@ pub fn handle(request: &Request, target: &dyn ControlTarget) -> Value {
     let coordinator = target.coordinator();
     let vcpus = coordinator.vcpu_count();
     match request {
-        Request::Status => state(coordinator.state(), vcpus),
+        Request::Status => state(target, coordinator.state(), vcpus),
         Request::Pause => match coordinator.pause() {
             Ok(()) => {
                 target.flush_console();
-                state(VmState::Paused, vcpus)
+                state(target, VmState::Paused, vcpus)
             }
             Err(e) => error(format!("cannot pause: {e}")),
         },
         Request::Resume => match coordinator.resume() {
-            Ok(()) => state(VmState::Running, vcpus),
+            Ok(()) => state(target, VmState::Running, vcpus),
             Err(e) => error(format!("cannot resume: {e}")),
         },
-        Request::Stop => state(VmState::Stopping, vcpus),
+        Request::Stop => state(target, VmState::Stopping, vcpus),
         Request::Snapshot { dir, kind } => match target.snapshot(dir, *kind) {
             Ok(reply) => ok_value(&reply),
             Err(e) => error(format!("cannot snapshot: {e}")),
@@ -88,6 +98,47 @@ mod tests {
     use serde_json::json;
 
     struct Fake(Coordinator);
+
+    /// A target whose devices moved something.
+    struct WithDevices(Coordinator);
+
+    impl ControlTarget for WithDevices {
+        fn coordinator(&self) -> &Coordinator {
+            &self.0
+        }
+        fn snapshot(&self, _: &Path, _: SnapshotKind) -> Result<SnapshotReply, String> {
+            Err("no".into())
+        }
+        fn memory_checksum(&self) -> Result<u64, String> {
+            Err("no".into())
+        }
+        fn io_counters(&self) -> (Option<NetCounters>, Vec<BlkCounters>) {
+            let net = NetCounters {
+                tx_packets: 2,
+                tx_bytes: 120,
+                ..NetCounters::default()
+            };
+            let disk = BlkCounters {
+                reads: 1,
+                read_bytes: 512,
+                ..BlkCounters::default()
+            };
+            (Some(net), vec![disk])
+        }
+    }
+
+    #[test]
+    fn status_carries_the_device_counters() {
+        let c = WithDevices(Coordinator::new(1));
+        let v = handle(&Request::Status, &c);
+        assert_eq!(v["net"]["tx_packets"], 2);
+        assert_eq!(v["net"]["tx_bytes"], 120);
+        assert_eq!(v["net"]["rx_throttled"], 0);
+        assert_eq!(v["disks"][0]["read_bytes"], 512);
+        let reply: StatusReply = serde_json::from_value(v).unwrap();
+        assert_eq!(reply.disks.len(), 1);
+        assert_eq!(handle(&Request::Stop, &c)["net"]["tx_packets"], 2);
+    }
 
     impl ControlTarget for Fake {
         fn coordinator(&self) -> &Coordinator {

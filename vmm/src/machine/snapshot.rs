@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use vmm_api::protocol::SnapshotReply;
+use vmm_api::protocol::{BlkCounters, NetCounters, SnapshotReply};
 
 use super::MachineShared;
 use crate::control::protocol::ControlTarget;
@@ -145,6 +145,10 @@ impl ControlTarget for MachineShared {
 
     fn flush_console(&self) {
         lock(&self.serial).flush();
+    }
+
+    fn io_counters(&self) -> (Option<NetCounters>, Vec<BlkCounters>) {
+        self.virtio.io_counters()
     }
 
     fn memory_checksum(&self) -> Result<u64, String> {

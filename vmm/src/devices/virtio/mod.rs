@@ -6,9 +6,11 @@
 
 pub mod block;
 pub mod event_loop;
+pub mod io_counters;
 pub mod mmio;
 pub mod net;
 pub mod persist;
+pub mod rate_limiter;
 pub mod rng;
 pub mod setup;
 pub mod vsock;
@@ -258,6 +260,15 @@ impl DeviceCommon {
         if let (Some(idx), Some(at)) = (avail_idx, avail_event_at) {
             std::sync::atomic::fence(Ordering::SeqCst);
             let _ = mem.write_obj(idx, GuestAddress(at));
+        }
+    }
+
+    /// Puts back the chain last taken from queue `q` with [`Self::pop_chain`]:
+    /// the next pop returns it again (a rate-limited device leaves it in the
+    /// ring until it may serve it). Call at most once per pop.
+    pub fn undo_pop(&mut self, q: usize) {
+        if let Some(queue) = self.queues.get_mut(q) {
+            virtio_queue::QueueOwnedT::go_to_previous_position(queue);
         }
     }
 

@@ -7,10 +7,12 @@ use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::{IoEventAddress, VmFd};
 use serde::{Deserialize, Serialize};
+use vmm_api::protocol::{BlkCounters, NetCounters};
 
 use super::block::persist::{BlockConstructorArgs, BlockState};
 use super::block::{Block, BlockError};
 use super::event_loop::{EventLoop, EventLoopError, Subscriber};
+use super::io_counters::{BlkIoCounters, NetIoCounters};
 use super::mmio::persist::{MmioConstructorArgs, MmioState};
 use super::mmio::{MmioTransport, SharedVirtioDevice, MMIO_WINDOW, QUEUE_NOTIFY_OFFSET};
 use super::net::persist::{NetConstructorArgs, NetState};
@@ -224,11 +226,16 @@ pub fn create_devices(config: &DeviceConfig) -> Result<Vec<PlannedDevice>, Setup
     let mut devices = Vec::with_capacity(kinds.len());
     for (i, (name, kind)) in kinds.into_iter().enumerate() {
         let handle = match kind {
-            Kind::Block(disk) => DeviceHandle::Block(Arc::new(Mutex::new(Block::new(
-                &disk.path,
-                disk.read_only,
-            )?))),
-            Kind::Net(net) => DeviceHandle::Net(Arc::new(Mutex::new(Net::new(&net.tap, net.mac)?))),
+            Kind::Block(disk) => {
+                let mut block = Block::new(&disk.path, disk.read_only)?;
+                block.set_limits(&disk.limits)?;
+                DeviceHandle::Block(Arc::new(Mutex::new(block)))
+            }
+            Kind::Net(net) => {
+                let mut dev = Net::new(&net.tap, net.mac)?;
+                dev.set_limits(&net.limits)?;
+                DeviceHandle::Net(Arc::new(Mutex::new(dev)))
+            }
             Kind::Vsock(v) => {
                 DeviceHandle::Vsock(Arc::new(Mutex::new(Vsock::new(v.cid, &v.uds_path)?)))
             }
@@ -325,6 +332,7 @@ pub fn restore_devices(
                 let args = BlockConstructorArgs {
                     path: disk.path.clone(),
                     read_only: disk.read_only,
+                    limits: disk.limits,
                     mem,
                     interrupt: irq,
                 };
@@ -333,6 +341,7 @@ pub fn restore_devices(
             (Kind::Net(net), DeviceState::Net(st)) => {
                 let args = NetConstructorArgs {
                     tap: net.tap.clone(),
+                    limits: net.limits,
                     mem,
                     interrupt: irq,
                 };
@@ -393,10 +402,22 @@ struct Attached {
 /// The attached devices and their event thread; keep it alive for the VM's lifetime.
 pub struct VirtioRuntime {
     devices: Vec<Attached>,
+    /// The virtio-net device's counters, read without locking the device.
+    net_counters: Option<Arc<NetIoCounters>>,
+    /// Each disk's counters, in device order.
+    blk_counters: Vec<Arc<BlkIoCounters>>,
     _event_loop: Option<EventLoop>,
 }
 
 impl VirtioRuntime {
+    /// The virtio-net counters (if there is a net device) and each disk's.
+    pub fn io_counters(&self) -> (Option<NetCounters>, Vec<BlkCounters>) {
+        (
+            self.net_counters.as_ref().map(|c| c.read()),
+            self.blk_counters.iter().map(|c| c.read()).collect(),
+        )
+    }
+
     /// What a restored VM's devices do when it first runs. Every queue is
     /// kicked once, as if the guest had written QueueNotify: a request the
     /// guest queued and notified just before the snapshot reached the old
@@ -523,7 +544,14 @@ pub fn attach(
 ) -> Result<VirtioRuntime, SetupError> {
     let mut attached = Vec::with_capacity(devices.len());
     let mut subscribers = Vec::with_capacity(devices.len());
+    let mut net_counters = None;
+    let mut blk_counters = Vec::new();
     for d in devices {
+        match &d.handle {
+            DeviceHandle::Net(n) => net_counters = Some(locked(n).io_counters()),
+            DeviceHandle::Block(b) => blk_counters.push(locked(b).io_counters()),
+            DeviceHandle::Vsock(_) | DeviceHandle::Rng(_) => {}
+        }
         let what = format!("{} at {:#x}", d.name, d.addr);
         vm.register_irqfd(d.interrupt.irq().eventfd(), d.gsi)
             .map_err(|source| SetupError::Kvm {
@@ -576,6 +604,8 @@ pub fn attach(
     };
     Ok(VirtioRuntime {
         devices: attached,
+        net_counters,
+        blk_counters,
         _event_loop: event_loop,
     })
 }

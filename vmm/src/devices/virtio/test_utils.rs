@@ -118,3 +118,18 @@ pub fn used(q: &MockSplitQueue<GuestMemoryMmap>, i: usize) -> (u32, u32) {
     let e = q.used().ring().ref_at(i).unwrap().load();
     (e.id(), e.len())
 }
+
+/// Waits until `timer` expires (a rate limiter's wake-up): polls its fd, as
+/// the event loop would, with a generous bound so a broken timer fails the
+/// test instead of hanging it.
+pub fn wait_for_timer(timer: &vmm_sys_util::timerfd::TimerFd) {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: timer.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, and the count says one.
+    let n = unsafe { libc::poll(&mut p, 1, 30_000) };
+    assert_eq!(n, 1, "the rate limiter's timer never fired");
+}

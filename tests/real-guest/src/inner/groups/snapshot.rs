@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use vmm_api::command::{Devices, DiskSpec};
+use vmm_api::command::{Devices, DiskSpec, NetSpec};
 use vmm_api::{RestoreSpec, RunSpec, SnapshotKind, VsockSpec};
 
 use super::checks::bad_kernel_messages;
@@ -59,7 +59,7 @@ fn device_args(disk: &Path, uds: &Path) -> Devices {
     Devices {
         disks: vec![DiskSpec::rw(disk)],
         rng: true,
-        net: Some(TAP.into()),
+        net: Some(NetSpec::tap(TAP)),
         vsock: Some(VsockSpec {
             cid: 3,
             uds: uds.to_path_buf(),

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use vmm_api::command::DiskSpec;
+use vmm_api::command::{DiskSpec, NetSpec};
 use vmm_api::VsockSpec;
 
 use super::checks::bad_kernel_messages;
@@ -85,13 +85,10 @@ fn run_guest(ctx: &mut Ctx) -> Result<VirtioRun, String> {
     let mut args = probe_args(&kernel, &ctx.env.cloud.probe_initrd, 1, &cmdline);
     args.devices.disks = vec![
         DiskSpec::rw(&rw_disk),
-        DiskSpec {
-            path: ro_disk.clone(),
-            read_only: true,
-        },
+        DiskSpec::ro(ro_disk.clone()),
     ];
     args.devices.rng = true;
-    args.devices.net = Some(tap);
+    args.devices.net = Some(NetSpec::tap(tap));
     args.devices.vsock = Some(VsockSpec {
         cid: 3,
         uds: uds.clone(),

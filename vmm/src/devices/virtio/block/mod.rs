@@ -1,6 +1,12 @@
 //! virtio-blk: a raw disk image file, optionally read-only, with flush and
 //! get-id. Data moves between the file and guest memory through a bounded
 //! copy buffer; a request is checked against the disk's size before any I/O.
+//!
+//! Requests may be rate limited (data bytes and requests, see
+//! [`super::rate_limiter`]): a request the limiter refuses stays in the
+//! guest's ring (the pop is undone) until the limiter's timer fires. A
+//! request's bytes are its data (not the header or status byte); flush,
+//! get-id and malformed requests cost one request and no bytes.
 
 pub mod persist;
 
@@ -9,8 +15,9 @@ use std::io::{self, Read, Write};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
-use event_manager::{EventOps, Events, MutEventSubscriber};
+use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
     VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
@@ -20,7 +27,10 @@ use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 use virtio_queue::{DescriptorChain, QueueT, Reader, Writer};
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::ByteValued;
+use vmm_api::rate_limit::IoLimit;
 
+use super::io_counters::{add, BlkIoCounters};
+use super::rate_limiter::RateLimiter;
 use super::{read_config_bytes, ActivateError, DeviceCommon, Interrupt, VirtioDevice};
 use crate::memory::GuestMemoryMmap;
 
@@ -44,6 +54,9 @@ pub enum BlockError {
     /// An eventfd could not be created.
     #[error("cannot create the virtio-blk queue eventfd: {0}")]
     Eventfd(#[source] io::Error),
+    /// The rate limiter's timerfd could not be created.
+    #[error("cannot create the virtio-blk rate limiter timer (timerfd): {0}")]
+    Timer(#[source] io::Error),
 }
 
 /// The request header a driver puts first in each chain.
@@ -203,6 +216,8 @@ impl Disk {
 pub struct Block {
     common: DeviceCommon,
     disk: Disk,
+    limiter: RateLimiter,
+    counters: Arc<BlkIoCounters>,
 }
 
 impl Block {
@@ -214,7 +229,23 @@ impl Block {
             features |= 1 << VIRTIO_BLK_F_RO;
         }
         let common = DeviceCommon::new(features, &[QUEUE_SIZE]).map_err(BlockError::Eventfd)?;
-        Ok(Block { common, disk })
+        Ok(Block {
+            common,
+            disk,
+            limiter: RateLimiter::unlimited(),
+            counters: Arc::default(),
+        })
+    }
+
+    /// Sets the bandwidth and IOPS limits (full buckets from now).
+    pub fn set_limits(&mut self, limits: &IoLimit) -> Result<(), BlockError> {
+        self.limiter = RateLimiter::new(limits, Instant::now()).map_err(BlockError::Timer)?;
+        Ok(())
+    }
+
+    /// The request counters, shared with whoever reports them.
+    pub fn io_counters(&self) -> Arc<BlkIoCounters> {
+        self.counters.clone()
     }
 
     /// Capacity in 512-byte sectors.
@@ -233,9 +264,21 @@ impl Block {
             return 0;
         };
         let mut done = 0;
-        while let Some(chain) = self.common.pop_chain(0, &mem) {
+        while !self.limiter.is_blocked() {
+            let Some(chain) = self.common.pop_chain(0, &mem) else {
+                break;
+            };
+            if !self.limiter.is_unlimited()
+                && !self
+                    .limiter
+                    .consume(1, request_bytes(&mem, &chain), Instant::now())
+            {
+                self.common.undo_pop(0);
+                add(&self.counters.throttled, 1);
+                break;
+            }
             let head = chain.head_index();
-            let used = handle_request(&self.disk, &mem, chain);
+            let used = handle_request(&self.disk, &mem, chain, &self.counters);
             if let Err(e) = self.common.queues[0].add_used(&mem, head, used) {
                 tracing::warn!(error = %e, "virtio-blk cannot return a request to the guest");
                 break;
@@ -249,12 +292,34 @@ impl Block {
     }
 }
 
-/// Parses and runs one request chain; returns the used length (0 when the
-/// chain is too broken to even carry a status byte: the request is dropped).
+/// The data bytes a request moves, for the rate limiter: what a read may
+/// fill (the writable bytes but the status byte), what a write carries (the
+/// readable bytes after the header); 0 for anything else or a chain that
+/// cannot be read (it costs one request, and is answered or dropped as usual).
+fn request_bytes(mem: &GuestMemoryMmap, chain: &DescriptorChain<&GuestMemoryMmap>) -> u64 {
+    let Ok(mut reader) = Reader::new(mem, chain.clone()) else {
+        return 0;
+    };
+    let Ok(header) = reader.read_obj::<RequestHeader>() else {
+        return 0;
+    };
+    match header.request_type {
+        VIRTIO_BLK_T_IN => Writer::new(mem, chain.clone())
+            .map(|w| w.available_bytes().saturating_sub(1) as u64)
+            .unwrap_or(0),
+        VIRTIO_BLK_T_OUT => reader.available_bytes() as u64,
+        _ => 0,
+    }
+}
+
+/// Parses and runs one request chain, counting it in `counters` when it
+/// succeeds; returns the used length (0 when the chain is too broken to
+/// even carry a status byte: the request is dropped).
 fn handle_request(
     disk: &Disk,
     mem: &GuestMemoryMmap,
     chain: DescriptorChain<&GuestMemoryMmap>,
+    counters: &BlkIoCounters,
 ) -> u32 {
     let mut writer = match Writer::new(mem, chain.clone()) {
         Ok(w) => w,
@@ -274,7 +339,14 @@ fn handle_request(
     };
     let (status, written) = match Reader::new(mem, chain) {
         Ok(mut reader) => match reader.read_obj::<RequestHeader>() {
-            Ok(header) => disk.execute(header, &mut reader, &mut writer),
+            Ok(header) => {
+                let to_write = reader.available_bytes() as u64;
+                let (status, written) = disk.execute(header, &mut reader, &mut writer);
+                if u32::from(status) == VIRTIO_BLK_S_OK {
+                    count(counters, header.request_type, u64::from(written), to_write);
+                }
+                (status, written)
+            }
             Err(_) => (VIRTIO_BLK_S_IOERR as u8, 0),
         },
         Err(e) => {
@@ -285,6 +357,23 @@ fn handle_request(
     match status_writer.write_obj(status) {
         Ok(()) => written.saturating_add(1),
         Err(_) => written,
+    }
+}
+
+/// Counts a successful request of `request_type` that filled `read` bytes
+/// of guest buffers or wrote `written` bytes to the disk.
+fn count(counters: &BlkIoCounters, request_type: u32, read: u64, written: u64) {
+    match request_type {
+        VIRTIO_BLK_T_IN => {
+            add(&counters.reads, 1);
+            add(&counters.read_bytes, read);
+        }
+        VIRTIO_BLK_T_OUT => {
+            add(&counters.writes, 1);
+            add(&counters.write_bytes, written);
+        }
+        VIRTIO_BLK_T_FLUSH => add(&counters.flushes, 1),
+        _ => {}
     }
 }
 
@@ -312,6 +401,10 @@ impl VirtioDevice for Block {
         self.process_queue();
         Ok(())
     }
+    fn reset(&mut self) {
+        self.common.reset();
+        self.limiter.unblock();
+    }
 }
 
 impl MutEventSubscriber for Block {
@@ -320,12 +413,22 @@ impl MutEventSubscriber for Block {
             if events.fd() == std::os::fd::AsRawFd::as_raw_fd(evt) {
                 let _ = evt.read();
                 self.process_queue();
+                return;
             }
+        }
+        if self.limiter.owns_fd(events.fd()) {
+            self.limiter.timer_fired();
+            self.process_queue();
         }
     }
 
     fn init(&mut self, ops: &mut EventOps) {
         self.common.watch_queues(ops, "virtio-blk");
+        if let Some(timer) = self.limiter.timer_fd() {
+            if let Err(e) = ops.add(Events::new(timer, EventSet::IN)) {
+                tracing::error!(error = ?e, "cannot watch the virtio-blk rate limiter timer");
+            }
+        }
     }
 }
 

@@ -1,9 +1,12 @@
-//! Snapshot state of a virtio-blk device.
+//! Snapshot state of a virtio-blk device. Rate limits and counters are not
+//! device state: limits come from the restore's own `--disk` option,
+//! counters start again from zero.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
+use vmm_api::rate_limit::IoLimit;
 
 use super::Block;
 use crate::devices::virtio::persist::{CommonState, VirtioPersistError};
@@ -28,6 +31,8 @@ pub struct BlockConstructorArgs {
     pub path: PathBuf,
     /// Read-only flag from the configuration (must match the snapshot).
     pub read_only: bool,
+    /// Rate limits (the restore's, not the snapshotted VM's).
+    pub limits: IoLimit,
     /// Guest memory.
     pub mem: GuestMemoryMmap,
     /// The device's interrupt.
@@ -49,6 +54,9 @@ impl Persist for Block {
 
     fn restore(args: BlockConstructorArgs, state: &BlockState) -> Result<Self, VirtioPersistError> {
         let mut block = Block::new(&args.path, args.read_only)
+            .map_err(|e| VirtioPersistError::Mismatch(e.to_string()))?;
+        block
+            .set_limits(&args.limits)
             .map_err(|e| VirtioPersistError::Mismatch(e.to_string()))?;
         if block.disk.sectors != state.sectors {
             return Err(VirtioPersistError::Mismatch(format!(

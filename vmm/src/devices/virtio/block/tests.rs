@@ -314,6 +314,7 @@ fn state_survives_a_save_and_restore_and_bad_state_is_refused() {
     let args = || BlockConstructorArgs {
         path: disk.0.clone(),
         read_only: false,
+        limits: Default::default(),
         mem: mem.clone(),
         interrupt: interrupt(),
     };
@@ -463,4 +464,113 @@ fn without_event_idx_every_batch_interrupts() {
         assert_ne!(irq.status() & VIRTIO_MMIO_INT_VRING, 0, "batch {i}");
         irq.ack(VIRTIO_MMIO_INT_VRING);
     }
+}
+
+#[test]
+fn a_throttled_request_stays_in_the_ring_until_the_timer_fires() {
+    use crate::devices::virtio::test_utils::wait_for_timer;
+    use vmm_api::rate_limit::RateLimit;
+    let (_disk, mut block, mem) = setup(false);
+    // One request per 20 ms, and bytes enough for one 1 KiB read.
+    block
+        .set_limits(&IoLimit {
+            bandwidth: Some(RateLimit {
+                size: 1024,
+                burst: 0,
+                refill_ms: 20,
+            }),
+            ops: Some(RateLimit {
+                size: 1,
+                burst: 0,
+                refill_ms: 20,
+            }),
+        })
+        .unwrap();
+    let q = mock_queue(&mem, GuestAddress(0));
+    activate(&mut block, &mem, &[&q]);
+    header(&mem, VIRTIO_BLK_T_IN, 0);
+    add_chain(
+        &q,
+        0,
+        &[(HDR, 16, false), (DATA, 1024, true), (STATUS, 1, true)],
+    );
+    add_chain(
+        &q,
+        3,
+        &[(HDR, 16, false), (DATA, 1024, true), (STATUS, 1, true)],
+    );
+    assert_eq!(block.process_queue(), 1);
+    assert_eq!(used_idx(&q), 1, "the second request waits in the ring");
+    assert!(block.limiter.is_blocked());
+    assert!(block.limiter.timer_fd().unwrap().is_armed().unwrap());
+    assert_eq!(block.io_counters().read().throttled, 1);
+    // A guest notification meanwhile does not serve it (nor count again).
+    assert_eq!(block.process_queue(), 0);
+    assert_eq!(block.io_counters().read().throttled, 1);
+
+    wait_for_timer(block.limiter.timer_fd().unwrap());
+    block.limiter.timer_fired();
+    assert_eq!(block.process_queue(), 1);
+    assert_eq!(used_idx(&q), 2);
+    assert_eq!(used(&q, 1), (3, 1025), "the same chain, served whole");
+    let c = block.io_counters().read();
+    assert_eq!((c.reads, c.read_bytes, c.throttled), (2, 2048, 1));
+
+    // A reset forgets the wait.
+    header(&mem, VIRTIO_BLK_T_FLUSH, 0);
+    add_chain(&q, 6, &[(HDR, 16, false), (STATUS, 1, true)]);
+    assert_eq!(block.process_queue(), 0);
+    assert!(block.limiter.is_blocked());
+    block.reset();
+    assert!(!block.limiter.is_blocked());
+}
+
+#[test]
+fn successful_requests_are_counted_by_kind_and_failures_are_not() {
+    let (_disk, mut block, mem) = setup(false);
+    let q = mock_queue(&mem, GuestAddress(0));
+    activate(&mut block, &mem, &[&q]);
+    let counters = block.io_counters();
+    header(&mem, VIRTIO_BLK_T_OUT, 1);
+    add_chain(
+        &q,
+        0,
+        &[(HDR, 16, false), (DATA, 1536, false), (STATUS, 1, true)],
+    );
+    header_then_process(&mut block);
+    header(&mem, VIRTIO_BLK_T_FLUSH, 0);
+    add_chain(&q, 3, &[(HDR, 16, false), (STATUS, 1, true)]);
+    header_then_process(&mut block);
+    // Past the end of the 16-sector disk: an error, not counted.
+    header(&mem, VIRTIO_BLK_T_IN, 15);
+    add_chain(
+        &q,
+        5,
+        &[(HDR, 16, false), (DATA, 1024, true), (STATUS, 1, true)],
+    );
+    header_then_process(&mut block);
+    assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR as u8);
+    header(&mem, VIRTIO_BLK_T_IN, 14);
+    add_chain(
+        &q,
+        8,
+        &[(HDR, 16, false), (DATA, 1024, true), (STATUS, 1, true)],
+    );
+    header_then_process(&mut block);
+    let c = counters.read();
+    assert_eq!(
+        c,
+        vmm_api::protocol::BlkCounters {
+            read_bytes: 1024,
+            write_bytes: 1536,
+            reads: 1,
+            writes: 1,
+            flushes: 1,
+            throttled: 0,
+        }
+    );
+}
+
+fn header_then_process(block: &mut Block) {
+    assert_eq!(block.process_queue(), 1);
 }

@@ -2,18 +2,29 @@
 //! the tap, frames read from the tap fill the guest's receive buffers. One
 //! frame at most waits on the host side while the guest has no receive
 //! buffer; the rest stay in the tap's own (bounded) kernel queue.
+//!
+//! Each direction may be rate limited (bytes and frames, see
+//! [`super::rate_limiter`]); bytes are counted without the virtio-net header.
+//! A transmit frame the limiter refuses stays in the guest's ring (the pop
+//! is undone) until the limiter's timer fires; a received frame it refuses
+//! stays the one pending frame, and the tap is not read until then.
 
 pub mod persist;
 pub mod tap;
 
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::Instant;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
 use virtio_bindings::virtio_net::VIRTIO_NET_F_MAC;
-use virtio_queue::{QueueT, Reader, Writer};
+use virtio_queue::{DescriptorChain, QueueT, Reader, Writer};
+use vmm_api::rate_limit::NetLimits;
 
+use super::io_counters::{add, NetIoCounters};
+use super::rate_limiter::RateLimiter;
 use super::{read_config_bytes, ActivateError, DeviceCommon, Interrupt, VirtioDevice};
 use crate::memory::GuestMemoryMmap;
 use tap::{Tap, TapError, VNET_HDR_LEN};
@@ -37,6 +48,9 @@ pub enum NetError {
     /// An eventfd could not be created.
     #[error("cannot create the virtio-net queue eventfds: {0}")]
     Eventfd(#[source] io::Error),
+    /// A rate limiter's timerfd could not be created.
+    #[error("cannot create the virtio-net rate limiter timer (timerfd): {0}")]
+    Timer(#[source] io::Error),
 }
 
 /// The virtio-net device.
@@ -50,6 +64,12 @@ pub struct Net {
     rx_pending: Option<usize>,
     /// Counters, for tests and logs.
     stats: NetStats,
+    /// Limits frames to the guest.
+    rx_limiter: RateLimiter,
+    /// Limits frames from the guest.
+    tx_limiter: RateLimiter,
+    /// Bytes and frames moved, for the control socket.
+    counters: Arc<NetIoCounters>,
 }
 
 /// Frame counters.
@@ -87,12 +107,51 @@ impl Net {
             rx_buf: vec![0; MAX_FRAME],
             rx_pending: None,
             stats: NetStats::default(),
+            rx_limiter: RateLimiter::unlimited(),
+            tx_limiter: RateLimiter::unlimited(),
+            counters: Arc::default(),
         })
+    }
+
+    /// Sets the receive and transmit limits (full buckets from now).
+    pub fn set_limits(&mut self, limits: &NetLimits) -> Result<(), NetError> {
+        let now = Instant::now();
+        self.rx_limiter = RateLimiter::new(&limits.rx, now).map_err(NetError::Timer)?;
+        self.tx_limiter = RateLimiter::new(&limits.tx, now).map_err(NetError::Timer)?;
+        Ok(())
     }
 
     /// Frame counters.
     pub fn stats(&self) -> NetStats {
         self.stats
+    }
+
+    /// The byte and frame counters, shared with whoever reports them.
+    pub fn io_counters(&self) -> Arc<NetIoCounters> {
+        self.counters.clone()
+    }
+
+    /// Asks the transmit limiter for a guest frame; `false` (the frame must
+    /// wait) undoes the pop. A chain too broken to read is not charged: it
+    /// is dropped without reaching the tap.
+    fn admit_tx(&mut self, mem: &GuestMemoryMmap, chain: &DescriptorChain<&GuestMemoryMmap>) -> bool {
+        if self.tx_limiter.is_unlimited() {
+            return true;
+        }
+        let len = match Reader::new(mem, chain.clone()) {
+            Ok(r) => r.available_bytes(),
+            Err(_) => return true,
+        };
+        if !(VNET_HDR_LEN..=MAX_FRAME).contains(&len) {
+            return true;
+        }
+        let bytes = (len - VNET_HDR_LEN) as u64;
+        if self.tx_limiter.consume(1, bytes, Instant::now()) {
+            return true;
+        }
+        self.common.undo_pop(TX_QUEUE);
+        add(&self.counters.tx_throttled, 1);
+        false
     }
 
     /// Sends every frame the guest queued for transmission.
@@ -101,7 +160,13 @@ impl Net {
             return 0;
         };
         let mut done = 0;
-        while let Some(chain) = self.common.pop_chain(TX_QUEUE, &mem) {
+        while !self.tx_limiter.is_blocked() {
+            let Some(chain) = self.common.pop_chain(TX_QUEUE, &mem) else {
+                break;
+            };
+            if !self.admit_tx(&mem, &chain) {
+                break;
+            }
             let head = chain.head_index();
             self.send_frame(&mem, chain);
             if let Err(e) = self.common.queues[TX_QUEUE].add_used(&mem, head, 0) {
@@ -140,7 +205,11 @@ impl Net {
             return;
         }
         match self.tap.write_frame(&self.tx_buf[..len]) {
-            Ok(_) => self.stats.tx_frames += 1,
+            Ok(_) => {
+                self.stats.tx_frames += 1;
+                add(&self.counters.tx_packets, 1);
+                add(&self.counters.tx_bytes, (len - VNET_HDR_LEN) as u64);
+            }
             Err(e) => {
                 tracing::debug!(error = %e, tap = self.tap.name(), "tap write failed: frame dropped");
                 self.stats.tx_dropped += 1;
@@ -154,7 +223,8 @@ impl Net {
             return 0;
         };
         let mut done = 0;
-        loop {
+        // A frame the limiter refused waits, and the tap is not read, until its timer fires.
+        while !self.rx_limiter.is_blocked() {
             let len = match self.rx_pending {
                 Some(len) => len,
                 None => match self.tap.read_frame(&mut self.rx_buf) {
@@ -172,6 +242,15 @@ impl Net {
                 // No guest buffer: keep this one frame, the tap keeps the rest.
                 break;
             };
+            if !self.rx_limiter.is_unlimited()
+                && !self
+                    .rx_limiter
+                    .consume(1, (len - VNET_HDR_LEN) as u64, Instant::now())
+            {
+                self.common.undo_pop(RX_QUEUE);
+                add(&self.counters.rx_throttled, 1);
+                break;
+            }
             let head = chain.head_index();
             self.rx_pending = None;
             // virtio_net_hdr_v1.num_buffers: one buffer per frame (no MRG_RXBUF).
@@ -180,6 +259,8 @@ impl Net {
                 Ok(mut w) if w.available_bytes() >= len => match w.write_all(&self.rx_buf[..len]) {
                     Ok(()) => {
                         self.stats.rx_frames += 1;
+                        add(&self.counters.rx_packets, 1);
+                        add(&self.counters.rx_bytes, (len - VNET_HDR_LEN) as u64);
                         len as u32
                     }
                     Err(_) => 0,
@@ -233,6 +314,8 @@ impl VirtioDevice for Net {
     fn reset(&mut self) {
         self.common.reset();
         self.rx_pending = None;
+        self.rx_limiter.unblock();
+        self.tx_limiter.unblock();
     }
 }
 
@@ -247,6 +330,12 @@ impl MutEventSubscriber for Net {
         } else if fd == self.common.queue_evts[TX_QUEUE].as_raw_fd() {
             let _ = self.common.queue_evts[TX_QUEUE].read();
             self.process_tx();
+        } else if self.rx_limiter.owns_fd(fd) {
+            self.rx_limiter.timer_fired();
+            self.process_rx();
+        } else if self.tx_limiter.owns_fd(fd) {
+            self.tx_limiter.timer_fired();
+            self.process_tx();
         }
     }
 
@@ -257,6 +346,14 @@ impl MutEventSubscriber for Net {
             EventSet::IN | EventSet::EDGE_TRIGGERED,
         )) {
             tracing::error!(error = ?e, "cannot watch the tap");
+        }
+        for timer in [self.rx_limiter.timer_fd(), self.tx_limiter.timer_fd()]
+            .into_iter()
+            .flatten()
+        {
+            if let Err(e) = ops.add(Events::new(timer, EventSet::IN)) {
+                tracing::error!(error = ?e, "cannot watch a virtio-net rate limiter timer");
+            }
         }
     }
 }

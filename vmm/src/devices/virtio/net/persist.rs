@@ -1,9 +1,12 @@
 //! Snapshot state of a virtio-net device. A frame waiting in the host-side
 //! buffer is not saved: networks drop frames, and the guest's stack retries.
+//! Rate limits and counters are not device state either: limits come from
+//! the restore's own `--net` option, counters start again from zero.
 
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
+use vmm_api::rate_limit::NetLimits;
 
 use super::Net;
 use crate::devices::virtio::persist::{CommonState, VirtioPersistError};
@@ -24,6 +27,8 @@ pub struct NetState {
 pub struct NetConstructorArgs {
     /// The tap to attach to.
     pub tap: String,
+    /// Rate limits (the restore's, not the snapshotted VM's).
+    pub limits: NetLimits,
     /// Guest memory.
     pub mem: GuestMemoryMmap,
     /// The device's interrupt.
@@ -45,6 +50,8 @@ impl Persist for Net {
     fn restore(args: NetConstructorArgs, state: &NetState) -> Result<Self, VirtioPersistError> {
         // The MAC is part of the guest's view of the device, so it comes from the snapshot.
         let mut net = Net::new(&args.tap, state.mac)
+            .map_err(|e| VirtioPersistError::Mismatch(e.to_string()))?;
+        net.set_limits(&args.limits)
             .map_err(|e| VirtioPersistError::Mismatch(e.to_string()))?;
         net.common.restore_state(&state.common, &args.mem)?;
         if state.common.activated {

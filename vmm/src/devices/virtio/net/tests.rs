@@ -135,6 +135,7 @@ fn state_round_trips_with_the_mac() {
     let restored = Net::restore(
         NetConstructorArgs {
             tap,
+            limits: Default::default(),
             mem,
             interrupt: interrupt(),
         },
@@ -145,4 +146,81 @@ fn state_round_trips_with_the_mac() {
     let mut mac = [0u8; 6];
     restored.read_config(0, &mut mac);
     assert_eq!(mac, [2, 0, 0, 0, 0, 9]);
+}
+
+#[test]
+fn throttled_tx_frames_stay_in_the_ring_and_rx_frames_stay_pending() {
+    use crate::devices::virtio::test_utils::wait_for_timer;
+    use vmm_api::rate_limit::{IoLimit, NetLimits, RateLimit};
+    let (mut n, host) = net_on_socketpair();
+    host.set_nonblocking(true).unwrap();
+    // Transmit: one frame per 20 ms. Receive: 100 bytes per 20 ms.
+    let every_20ms = |size| RateLimit {
+        size,
+        burst: 0,
+        refill_ms: 20,
+    };
+    n.set_limits(&NetLimits {
+        rx: IoLimit {
+            bandwidth: Some(every_20ms(100)),
+            ops: None,
+        },
+        tx: IoLimit {
+            bandwidth: None,
+            ops: Some(every_20ms(1)),
+        },
+    })
+    .unwrap();
+    let mem = memory(4);
+    let rx = mock_queue(&mem, GuestAddress(0));
+    let tx = mock_queue(&mem, GuestAddress(0x1_0000));
+    activate(&mut n, &mem, &[&rx, &tx]);
+    let counters = n.io_counters();
+
+    mem.write_slice(&[0u8; VNET_HDR_LEN + 60], GuestAddress(0x10_0000))
+        .unwrap();
+    let frame = (0x10_0000, (VNET_HDR_LEN + 60) as u32, false);
+    add_chain(&tx, 0, &[frame]);
+    add_chain(&tx, 1, &[frame]);
+    assert_eq!(n.process_tx(), 1);
+    assert_eq!(used_idx(&tx), 1);
+    let mut got = [0u8; 2048];
+    assert_eq!(host.recv(&mut got).unwrap(), VNET_HDR_LEN + 60);
+    assert!(host.recv(&mut got).is_err(), "the second frame waits");
+    assert_eq!(n.process_tx(), 0, "not even on a notification");
+    assert_eq!(counters.read().tx_throttled, 1);
+    wait_for_timer(n.tx_limiter.timer_fd().unwrap());
+    n.tx_limiter.timer_fired();
+    assert_eq!(n.process_tx(), 1);
+    assert_eq!(used(&tx, 1), (1, 0));
+    assert_eq!(host.recv(&mut got).unwrap(), VNET_HDR_LEN + 60);
+
+    // Two 80-byte frames through a 100-byte bucket: the second stays pending.
+    let mut incoming = vec![0u8; VNET_HDR_LEN];
+    incoming.extend_from_slice(&[5u8; 80]);
+    host.send(&incoming).unwrap();
+    host.send(&incoming).unwrap();
+    add_chain(&rx, 0, &[(0x20_0000, 2048, true)]);
+    add_chain(&rx, 1, &[(0x30_0000, 2048, true)]);
+    assert_eq!(n.process_rx(), 1);
+    assert_eq!(used_idx(&rx), 1);
+    assert_eq!(n.rx_pending, Some(VNET_HDR_LEN + 80));
+    assert_eq!(counters.read().rx_throttled, 1);
+    wait_for_timer(n.rx_limiter.timer_fd().unwrap());
+    n.rx_limiter.timer_fired();
+    assert_eq!(n.process_rx(), 1);
+    assert_eq!(used(&rx, 1), (1, (VNET_HDR_LEN + 80) as u32));
+    assert_eq!(n.rx_pending, None);
+
+    assert_eq!(
+        counters.read(),
+        vmm_api::protocol::NetCounters {
+            rx_bytes: 160,
+            rx_packets: 2,
+            tx_bytes: 120,
+            tx_packets: 2,
+            rx_throttled: 1,
+            tx_throttled: 1,
+        }
+    );
 }

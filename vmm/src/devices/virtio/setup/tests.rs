@@ -12,6 +12,7 @@ fn config(disk: PathBuf, rng: bool) -> DeviceConfig {
         disks: vec![DiskConfig {
             path: disk,
             read_only: false,
+            limits: Default::default(),
         }],
         vsock: None,
         net: None,
