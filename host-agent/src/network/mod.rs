@@ -7,6 +7,7 @@
 //! joining of the namespace and the per-session DNS resolver come next.
 
 pub mod addressing;
+pub mod dns;
 pub mod namespace;
 pub mod node;
 pub mod rules;

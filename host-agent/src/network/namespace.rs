@@ -12,7 +12,10 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 
 use super::addressing::{Slot, GATEWAY_IP, GUEST_PREFIX, TAP_NAME};
-use super::rules::{vm_ruleset, EgressPolicy, DENIED_COUNTER, TABLE};
+use super::rules::{
+    flush_learned_script, forget_script, learned_script, vm_ruleset, EgressPolicy, Learned,
+    DENIED_COUNTER, TABLE,
+};
 use crate::error::{Error, Result};
 
 /// Prefix of the namespaces host-agent makes (a node's settings may name
@@ -122,7 +125,52 @@ pub fn apply_rules(ns: Option<&str>, script: &str) -> Result<()> {
     .map(|_| ())
 }
 
+/// Adds what the session's DNS resolver learned to the learned sets of
+/// namespace `netns`, in one `nft` run (nothing to do: no run).
+pub fn add_learned(netns: &str, entries: &[Learned]) -> Result<()> {
+    if entries.is_empty() {
+        return Ok(());
+    }
+    run(
+        "adding resolved addresses to the VM's allowlist",
+        &mut in_netns(Some(netns), "nft", &["-f", "-"]),
+        Some(&learned_script(entries)),
+    )
+    .map(|_| ())
+}
+
+/// Removes `entries` from the learned sets of namespace `netns` (those
+/// already expired are fine).
+pub fn forget_learned(netns: &str, entries: &[Learned]) -> Result<()> {
+    if entries.is_empty() {
+        return Ok(());
+    }
+    run(
+        "removing resolved addresses from the VM's allowlist",
+        &mut in_netns(Some(netns), "nft", &["-f", "-"]),
+        Some(&forget_script(entries)),
+    )
+    .map(|_| ())
+}
+
+/// Empties the learned sets of namespace `netns`.
+pub fn flush_learned(netns: &str) -> Result<()> {
+    run(
+        "emptying the VM's resolved addresses",
+        &mut in_netns(Some(netns), "nft", &["-f", "-"]),
+        Some(&flush_learned_script()),
+    )
+    .map(|_| ())
+}
+
 impl VmNetwork {
+    /// Adds addresses allowed names resolved to, each for its TTL (see
+    /// [`add_learned`]). [`VmNetwork::update_policy`] empties these sets:
+    /// the resolver's `restore_learned` puts them back.
+    pub fn add_learned(&self, entries: &[Learned]) -> Result<()> {
+        add_learned(&self.netns, entries)
+    }
+
     /// Names for the VM whose jail id (or session id) is `id` at `slot`,
     /// its namespace named `<prefix><id>`; interface names stay within the
     /// kernel's 15 bytes.

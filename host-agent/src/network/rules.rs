@@ -11,22 +11,34 @@
 //!    is dropped whatever the allowlist says;
 //! 4. private ranges are dropped unless the node's policy names them;
 //! 5. the allowlist: whole destinations, or protocol, destination and port;
+//!    then what the session's DNS resolver learned (the addresses allowed
+//!    names resolved to, [`LEARNED_ANY`] and [`LEARNED_PORT`], each element
+//!    expiring with its record's TTL);
 //! 6. everything else is dropped.
+//!
+//! The input chain lets the guest reach nothing of the namespace but the
+//! resolver: UDP and TCP port 53 at [`GATEWAY_IP`].
 //!
 //! Drops are counted in the table's `denied` counter, never logged per packet.
 //! IPv6 is not forwarded at all (the guest link is IPv4-only).
 
 use std::fmt::Write as _;
 
-use super::addressing::{Cidr4, Slot, GUEST_IP, TAP_NAME};
+use std::net::Ipv4Addr;
+
+use super::addressing::{Cidr4, Slot, GATEWAY_IP, GUEST_IP, TAP_NAME};
 
 /// Name of the table in every VM namespace.
 pub const TABLE: &str = "agentvm";
 /// Name of the counter of dropped guest packets in that table.
 pub const DENIED_COUNTER: &str = "denied";
+/// Set of whole addresses the DNS resolver learned (`ipv4_addr`, timeouts).
+pub const LEARNED_ANY: &str = "learned_any";
+/// Set of `address . protocol . port` the DNS resolver learned (timeouts).
+pub const LEARNED_PORT: &str = "learned_port";
 
 /// A transport protocol of an allow rule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Proto {
     /// TCP.
     Tcp,
@@ -200,6 +212,10 @@ pub fn vm_ruleset(policy: &EgressPolicy, slot: &Slot, veth: &str) -> String {
         let _ = writeln!(out, "    elements = {{ {} }}", elements.join(", "));
     }
     let _ = writeln!(out, "  }}");
+    let _ = writeln!(
+        out,
+        "  set {LEARNED_ANY} {{\n    type ipv4_addr; flags timeout\n  }}\n  set {LEARNED_PORT} {{\n    type ipv4_addr . inet_proto . inet_service; flags timeout\n  }}"
+    );
     let _ = writeln!(out, "  counter {DENIED_COUNTER} {{}}");
     let tap = TAP_NAME;
     let _ = write!(
@@ -212,12 +228,15 @@ pub fn vm_ruleset(policy: &EgressPolicy, slot: &Slot, veth: &str) -> String {
     iifname "{tap}" ip daddr @private ip daddr != @private_allowed counter name {DENIED_COUNTER} drop
     iifname "{tap}" ip daddr @allow_any accept
     iifname "{tap}" meta l4proto . ip daddr . th dport @allow_port accept
+    iifname "{tap}" ip daddr @{LEARNED_ANY} accept
+    iifname "{tap}" ip daddr . meta l4proto . th dport @{LEARNED_PORT} accept
     iifname "{tap}" counter name {DENIED_COUNTER} drop
   }}
   chain input {{
     type filter hook input priority filter; policy drop;
     ct state established,related accept
     iifname "lo" accept
+    iifname "{tap}" ip saddr {GUEST_IP} ip daddr {GATEWAY_IP} meta l4proto {{ tcp, udp }} th dport 53 accept
     iifname "{tap}" counter name {DENIED_COUNTER} drop
   }}
   chain postrouting {{
@@ -240,6 +259,74 @@ table ip6 {TABLE} {{
         vm_ip = slot.vm_ip
     );
     out
+}
+
+/// What one learned element allows of its address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum LearnedTarget {
+    /// Every protocol and port (an element of [`LEARNED_ANY`]).
+    Any,
+    /// One protocol and port (an element of [`LEARNED_PORT`]).
+    Port(Proto, u16),
+}
+
+/// An address an allowed name resolved to, for as long as its record lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Learned {
+    /// The address.
+    pub addr: Ipv4Addr,
+    /// What of it is allowed.
+    pub target: LearnedTarget,
+    /// Seconds until the element expires (at least 1).
+    pub ttl_secs: u32,
+}
+
+impl Learned {
+    fn set_and_key(&self) -> (&'static str, String) {
+        match self.target {
+            LearnedTarget::Any => (LEARNED_ANY, self.addr.to_string()),
+            LearnedTarget::Port(p, port) => (
+                LEARNED_PORT,
+                format!("{} . {} . {port}", self.addr, p.name()),
+            ),
+        }
+    }
+}
+
+/// The script that adds `entries` to the learned sets, replacing the timeout
+/// of any already there: each element is added, deleted and added again
+/// with its timeout, in one transaction (a plain add keeps the old timeout,
+/// a plain delete fails on an element already expired).
+pub fn learned_script(entries: &[Learned]) -> String {
+    let mut out = String::new();
+    for e in entries {
+        let (set, key) = e.set_and_key();
+        let ttl = e.ttl_secs.max(1);
+        let _ = writeln!(
+            out,
+            "add element ip {TABLE} {set} {{ {key} }}\ndelete element ip {TABLE} {set} {{ {key} }}\nadd element ip {TABLE} {set} {{ {key} timeout {ttl}s }}"
+        );
+    }
+    out
+}
+
+/// The script that removes `entries` from the learned sets, whether or not
+/// they are still there.
+pub fn forget_script(entries: &[Learned]) -> String {
+    let mut out = String::new();
+    for e in entries {
+        let (set, key) = e.set_and_key();
+        let _ = writeln!(
+            out,
+            "add element ip {TABLE} {set} {{ {key} timeout 1s }}\ndelete element ip {TABLE} {set} {{ {key} }}"
+        );
+    }
+    out
+}
+
+/// The script that empties both learned sets.
+pub fn flush_learned_script() -> String {
+    format!("flush set ip {TABLE} {LEARNED_ANY}\nflush set ip {TABLE} {LEARNED_PORT}\n")
 }
 
 /// The node's own rules: VMs never reach one another through the node, and
@@ -319,6 +406,40 @@ mod tests {
         );
         assert!(rules.contains("192.0.2.1/32, 10.200.0.0/16"), "{rules}");
         assert!(rules.contains("ip saddr != 172.16.0.2"), "anti-spoofing");
+        // The learned sets are accepted after the deny checks, and the
+        // guest reaches the gateway's port 53 and nothing else of it.
+        let at = |what: &str| {
+            rules
+                .find(what)
+                .unwrap_or_else(|| panic!("{what}: {rules}"))
+        };
+        assert!(at("@private ip daddr") < at("@learned_any accept"));
+        assert!(at("@always_deny") < at("@learned_port accept"));
+        assert!(rules.contains("ip daddr 172.16.0.1 meta l4proto { tcp, udp } th dport 53 accept"));
+    }
+
+    #[test]
+    fn learned_elements_replace_their_timeout() {
+        let entries = [
+            Learned {
+                addr: Ipv4Addr::new(203, 0, 113, 5),
+                target: LearnedTarget::Port(Proto::Tcp, 443),
+                ttl_secs: 60,
+            },
+            Learned {
+                addr: Ipv4Addr::new(203, 0, 113, 6),
+                target: LearnedTarget::Any,
+                ttl_secs: 0,
+            },
+        ];
+        let s = learned_script(&entries);
+        assert!(s.contains("add element ip agentvm learned_port { 203.0.113.5 . tcp . 443 }\ndelete element ip agentvm learned_port { 203.0.113.5 . tcp . 443 }\nadd element ip agentvm learned_port { 203.0.113.5 . tcp . 443 timeout 60s }"), "{s}");
+        assert!(s.contains("learned_any { 203.0.113.6 timeout 1s }"), "{s}");
+        let f = forget_script(&entries[..1]);
+        assert!(
+            f.ends_with("delete element ip agentvm learned_port { 203.0.113.5 . tcp . 443 }\n"),
+            "{f}"
+        );
     }
 
     #[test]

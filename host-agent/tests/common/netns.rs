@@ -72,3 +72,84 @@ impl Drop for PrefixCleanup {
         }
     }
 }
+
+/// Runs `f` on a thread inside namespace `ns`.
+pub fn in_ns<T: Send + 'static>(
+    ns: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> std::thread::JoinHandle<T> {
+    use std::os::fd::AsRawFd;
+    let path = format!("/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let fd = std::fs::File::open(&path).expect("open the namespace");
+        // SAFETY: setns on an open namespace file; it changes only this
+        // thread's network namespace.
+        let rc = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        f()
+    })
+}
+
+/// Connects from namespace `ns`; `Ok(())` when the connection is made and
+/// echoes a byte, the error kind otherwise.
+pub fn echo_from(ns: &str, to: std::net::SocketAddr) -> Result<(), std::io::ErrorKind> {
+    use std::io::{Read, Write};
+    use std::time::Duration;
+    in_ns(ns, move || {
+        let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))
+            .map_err(|e| e.kind())?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| e.kind())?;
+        s.write_all(b"x").map_err(|e| e.kind())?;
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b).map_err(|e| e.kind())?;
+        Ok(())
+    })
+    .join()
+    .expect("client thread")
+}
+
+/// A "guest" namespace `name` joined to VM namespace `vm_netns` where the
+/// tap would be, by a veth named `tap0` (the guest's end is `eth0`), with
+/// the guest's address and its default route via the gateway.
+pub fn attach_guest(vm_netns: &str, name: &str) -> Ns {
+    use host_agent::network::addressing::{GATEWAY_IP, GUEST_IP, TAP_NAME};
+    let g = Ns::new(name.to_string());
+    ip(&["-n", vm_netns, "link", "del", TAP_NAME]);
+    ip(&[
+        "link", "add", TAP_NAME, "netns", vm_netns, "type", "veth", "peer", "name", "eth0",
+        "netns", &g.0,
+    ]);
+    let gateway = format!("{GATEWAY_IP}/30");
+    ip(&["-n", vm_netns, "addr", "add", &gateway, "dev", TAP_NAME]);
+    ip(&["-n", vm_netns, "link", "set", TAP_NAME, "up"]);
+    let guest = format!("{GUEST_IP}/30");
+    ip(&["-n", &g.0, "addr", "add", &guest, "dev", "eth0"]);
+    ip(&["-n", &g.0, "link", "set", "eth0", "up"]);
+    let via = GATEWAY_IP.to_string();
+    ip(&["-n", &g.0, "route", "add", "default", "via", &via]);
+    g
+}
+
+/// TCP echo servers (one byte back) at `addrs`, bound inside namespace
+/// `ns`; returns once they listen.
+pub fn echo_servers(ns: &str, addrs: &[&str]) {
+    use std::io::{Read, Write};
+    let addrs: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    in_ns(ns, move || {
+        for addr in addrs {
+            let l = std::net::TcpListener::bind(&addr).expect("bind the echo server");
+            std::thread::spawn(move || {
+                for mut s in l.incoming().flatten() {
+                    let mut b = [0u8; 1];
+                    if s.read_exact(&mut b).is_ok() {
+                        let _ = s.write_all(&b);
+                    }
+                }
+            });
+        }
+        tx.send(()).expect("ready");
+    });
+    rx.recv().expect("echo servers up");
+}

@@ -1,6 +1,10 @@
 /* Drives the first virtio-blk device: prints its capacity and features,
  * reads sector 0, writes a pattern to sector 1, reads it back, flushes and
- * asks for the disk ID; then resets. Polls the used ring throughout. */
+ * asks for the disk ID; then resets. Polls the used ring throughout.
+ * With `bulk=N` on the command line it then reads 1 KiB from sector 0 N
+ * times, waiting as long as it takes for each (a rate-limited disk), and
+ * prints blk.bulk_done=N; with `hold=1` it then spins instead of
+ * resetting, so the host can read the vmm's counters. */
 #include "virtio.h"
 
 #define T_IN 0
@@ -69,6 +73,28 @@ void guest_main(const u8 *zp) {
     puts((const char *)data);
     putc('\n');
     kv_dec("blk.interrupt_status", mmio_r32(base + VIRTIO_INTERRUPT_STATUS));
+
+    u64 bulk = 0, hold = 0;
+    cmdline_u64(guest_cmdline(zp), "bulk", &bulk);
+    cmdline_u64(guest_cmdline(zp), "hold", &hold);
+    for (u64 n = 0; n < bulk; n++) {
+        hdr.type = T_IN;
+        hdr.reserved = 0;
+        hdr.sector = 0;
+        status = 0xff;
+        vq_desc_set(&vq, 0, (u64)&hdr, sizeof(hdr), VQ_F_NEXT, 1);
+        vq_desc_set(&vq, 1, (u64)data, 1024, VQ_F_NEXT | VQ_F_WRITE, 2);
+        vq_desc_set(&vq, 2, (u64)&status, 1, VQ_F_WRITE, 0);
+        vq_offer(&vq, 0);
+        vq_notify(base, 0);
+        if (vq_wait(&vq, ~0ULL) == 0xffffffffu || status != 0) {
+            kv_dec("blk.bulk_failed_at", n);
+            break;
+        }
+    }
+    if (bulk) kv_dec("blk.bulk_done", bulk);
     puts("blk: end\n");
+    if (hold)
+        for (;;) __asm__ volatile("pause");
     reset();
 }

@@ -1,6 +1,10 @@
 /* Sends one Ethernet frame (ethertype 0x88b5, payload "hello from the
  * guest") through the first virtio-net device and waits for the tx buffer
- * to come back; then waits a while for one received frame. */
+ * to come back; then waits a while for one received frame. With
+ * `tx_count=N` it then sends the frame N more times, waiting as long as it
+ * takes for each (a rate-limited device), and prints net.tx_done=N; with
+ * `hold=1` it then spins instead of resetting, so the host can read the
+ * vmm's counters. */
 #include "virtio.h"
 
 static struct vring rxq, txq;
@@ -57,6 +61,18 @@ void guest_main(const u8 *zp) {
         vq_offer(&rxq, 0);
         vq_notify(base, 0);
     }
+    u64 tx_count = 0, hold = 0;
+    cmdline_u64(guest_cmdline(zp), "tx_count", &tx_count);
+    cmdline_u64(guest_cmdline(zp), "hold", &hold);
+    for (u64 n = 0; n < tx_count; n++) {
+        vq_desc_set(&txq, 0, (u64)tx, sizeof(tx), 0, 0);
+        vq_offer(&txq, 0);
+        vq_notify(base, 1);
+        if (vq_wait(&txq, ~0ULL) == 0xffffffffu) break;
+    }
+    if (tx_count) kv_dec("net.tx_done", tx_count);
     puts("net: end\n");
+    if (hold)
+        for (;;) __asm__ volatile("pause");
     reset();
 }

@@ -9,9 +9,11 @@
 //! * `triplefault`: loads an empty IDT and faults.
 //! * `flood`: writes to the serial port as fast as it can, forever.
 //! * `sequence`: writes lines of a..z to the serial port, one OUT per byte, forever.
-//! * `virtio_blk`: reads, writes, flushes and gets the ID of the first virtio-blk disk.
+//! * `virtio_blk`: reads, writes, flushes and gets the ID of the first virtio-blk disk;
+//!   `bulk=N` then reads 1 KiB N more times, `hold=1` spins at the end instead of resetting.
 //! * `virtio_rng`: reads 64 random bytes twice from virtio-rng.
-//! * `virtio_net`: sends one frame through virtio-net, optionally waits for one.
+//! * `virtio_net`: sends one frame through virtio-net, optionally waits for one;
+//!   `tx_count=N` then sends it N more times, `hold=1` spins at the end instead of resetting.
 //! * `virtio_vsock`: connects to a host port and accepts a host-initiated connection over virtio-vsock.
 //! * `virtio_hostile`: a misbehaving virtio-blk driver (bad sizes, buffers, chains).
 //! * `i8042_probe`: runs Linux's i8042 probe sequence by polling and reports what it read.
