@@ -179,6 +179,70 @@ impl Repo {
         })
     }
 
+    /// The commit `base_ref` names, read as [`Repo::write_base_bundle`] reads
+    /// it: a branch first, then a tag, then any commit name.
+    pub async fn resolve_commit(&self, base_ref: &str) -> Result<String> {
+        if base_ref.is_empty() || base_ref.starts_with('-') {
+            return Err(Error::invalid(format!(
+                "base_ref {base_ref:?} is not a branch, tag or commit name"
+            )));
+        }
+        let named = [
+            format!("refs/heads/{base_ref}"),
+            format!("refs/tags/{base_ref}"),
+        ];
+        let mut name = base_ref.to_string();
+        for n in named {
+            if self.has_ref(&n).await {
+                name = n;
+                break;
+            }
+        }
+        let spec = format!("{name}^{{commit}}");
+        let commit = self
+            .run(&[
+                "rev-parse",
+                "--verify",
+                "--quiet",
+                "--end-of-options",
+                &spec,
+            ])
+            .await
+            .map_err(|_| {
+                Error::FailedPrecondition(format!(
+                    "base_ref {base_ref:?} is not a branch, tag or commit of repository {}",
+                    self.path.display()
+                ))
+            })?;
+        Ok(String::from_utf8_lossy(&commit).trim().to_string())
+    }
+
+    /// The contents of `path` in `commit`, or `None` when the commit has no
+    /// such file; a file over `limit` bytes (or not a file) is an error.
+    pub async fn file_at(&self, commit: &str, path: &str, limit: u64) -> Result<Option<Vec<u8>>> {
+        let object = format!("{commit}:{path}");
+        let Ok(kind) = self.run(&["cat-file", "-t", &object]).await else {
+            return Ok(None);
+        };
+        if String::from_utf8_lossy(&kind).trim() != "blob" {
+            return Err(Error::FailedPrecondition(format!(
+                "{path} at {commit} in {} is not a file",
+                self.path.display()
+            )));
+        }
+        let size = self.run(&["cat-file", "-s", &object]).await?;
+        let size: u64 = String::from_utf8_lossy(&size)
+            .trim()
+            .parse()
+            .map_err(|_| Error::FailedPrecondition(format!("git gave no size for {object}")))?;
+        if size > limit {
+            return Err(Error::FailedPrecondition(format!(
+                "{path} at {commit} is {size} bytes; at most {limit} are read"
+            )));
+        }
+        Ok(Some(self.run(&["cat-file", "blob", &object]).await?))
+    }
+
     /// Runs git with `args` (and `input` on stdin), its stdout streamed into `out`.
     async fn pipe_into(
         &self,
@@ -281,4 +345,67 @@ pub async fn create_new(path: &Path) -> Result<tokio::fs::File> {
         .open(path)
         .await
         .map_err(|e| Error::io(format!("creating {}", path.display()), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn git(dir: &Path, args: &[&str]) -> String {
+        let out = std::process::Command::new("git")
+            .args(["-c", "user.name=t", "-c", "user.email=t@t", "-C"])
+            .arg(dir)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "git {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    #[tokio::test]
+    async fn a_file_is_read_at_the_commit_the_base_ref_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        git(d, &["init", "-q", "-b", "main"]);
+        std::fs::write(d.join("m.yaml"), "one").unwrap();
+        git(d, &["add", "m.yaml"]);
+        git(d, &["commit", "-qm", "one"]);
+        let first = git(d, &["rev-parse", "HEAD"]);
+        git(d, &["tag", "v1"]);
+        std::fs::write(d.join("m.yaml"), "two").unwrap();
+        std::fs::create_dir(d.join("sub")).unwrap();
+        std::fs::write(d.join("sub/x"), "x").unwrap();
+        git(d, &["add", "."]);
+        git(d, &["commit", "-qm", "two"]);
+        let second = git(d, &["rev-parse", "HEAD"]);
+        // A branch named like the tag: the branch wins, as in the bundle.
+        git(d, &["branch", "v1"]);
+
+        let repo = Repo::open(d.to_str().unwrap()).unwrap();
+        assert_eq!(repo.resolve_commit("main").await.unwrap(), second);
+        assert_eq!(repo.resolve_commit("v1").await.unwrap(), second);
+        assert_eq!(repo.resolve_commit(&first).await.unwrap(), first);
+        assert_eq!(repo.resolve_commit("HEAD~1").await.unwrap(), first);
+        for bad in ["nope", "-x", ""] {
+            assert!(repo.resolve_commit(bad).await.is_err(), "{bad}");
+        }
+
+        let read = |c: String, p: &'static str, limit: u64| {
+            let repo = repo.clone();
+            async move { repo.file_at(&c, p, limit).await }
+        };
+        assert_eq!(
+            read(first.clone(), "m.yaml", 100).await.unwrap().unwrap(),
+            b"one"
+        );
+        assert_eq!(
+            read(second.clone(), "m.yaml", 100).await.unwrap().unwrap(),
+            b"two"
+        );
+        assert_eq!(read(first.clone(), "sub/x", 100).await.unwrap(), None);
+        let err = read(second.clone(), "sub", 100).await.unwrap_err();
+        assert!(err.to_string().contains("not a file"), "{err}");
+        let err = read(second, "m.yaml", 2).await.unwrap_err();
+        assert!(err.to_string().contains("at most 2"), "{err}");
+    }
 }

@@ -321,10 +321,9 @@ fn the_node_hands_out_addresses_takes_vms_back_and_removes_orphans() {
     let settings = NodeSettings {
         pool: "10.202.0.0/29".into(),
         allow: vec!["203.0.113.3 tcp 8080".into()],
-        private_allowed: vec![],
         node_netns: Some(node.0.clone()),
-        manage_node: true,
         netns_prefix: prefix.clone(),
+        ..Default::default()
     };
     let net = NodeNetwork::start(&settings).unwrap();
     // The node's own address is denied to every VM; its rules are loaded.
@@ -356,11 +355,16 @@ fn the_node_hands_out_addresses_takes_vms_back_and_removes_orphans() {
             .map(|v| format!("{prefix}{v}"))
             .collect(),
     );
-    let a = net.make("a", Some((65534, 65534))).unwrap();
-    let b = net.make("b", None).unwrap();
+    let a = net
+        .make("a", Some((65534, 65534)), &net.policy().allow)
+        .unwrap();
+    let b = net.make("b", None, &net.policy().allow).unwrap();
     assert_ne!(a.slot.vm_ip, b.slot.vm_ip);
     // The pool (a /29: two VMs) is used up, with an error that says so.
-    let e = net.make("c", None).unwrap_err().to_string();
+    let e = net
+        .make("c", None, &net.policy().allow)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("used up"), "{e}");
     assert!(
         !Path::new(&format!("/run/netns/{prefix}c")).exists(),
@@ -375,7 +379,9 @@ fn the_node_hands_out_addresses_takes_vms_back_and_removes_orphans() {
     assert_eq!(restarted.remove_orphans(&live), 1);
     assert!(!Path::new(&format!("/run/netns/{}", b.netns)).exists());
     // b's addresses are free again; a's are not.
-    let c = restarted.make("c", None).unwrap();
+    let c = restarted
+        .make("c", None, &restarted.policy().allow)
+        .unwrap();
     assert_eq!(c.slot, b.slot);
     restarted.release(&a2);
     restarted.release(&c);

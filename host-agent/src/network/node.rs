@@ -4,7 +4,8 @@
 //! crash or a SIGKILLed host-agent).
 
 use std::collections::HashSet;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::Path;
 use std::process::Command;
 use std::sync::Mutex;
 
@@ -30,6 +31,37 @@ pub struct NodeSettings {
     /// Prefix of the VM namespaces (`agentvm-` by default): everything under
     /// it not owned by a live VM is removed by [`NodeNetwork::remove_orphans`].
     pub netns_prefix: String,
+    /// The address exposed guest ports listen on.
+    pub expose_address: String,
+    /// Upstream resolvers of the sessions' DNS resolvers, `ADDRESS[:PORT]`;
+    /// empty: the `nameserver`s of /etc/resolv.conf.
+    pub dns_upstreams: Vec<String>,
+}
+
+impl Default for NodeSettings {
+    fn default() -> Self {
+        Self {
+            pool: "10.200.0.0/16".into(),
+            allow: vec![],
+            private_allowed: vec![],
+            node_netns: None,
+            manage_node: true,
+            netns_prefix: super::namespace::NETNS_PREFIX.into(),
+            expose_address: "127.0.0.1".into(),
+            dns_upstreams: vec![],
+        }
+    }
+}
+
+/// Parses an upstream resolver: `ADDRESS` (port 53) or `ADDRESS:PORT`.
+pub fn parse_upstream(text: &str) -> Result<SocketAddr> {
+    text.parse::<SocketAddr>()
+        .or_else(|_| text.parse::<IpAddr>().map(|ip| SocketAddr::new(ip, 53)))
+        .map_err(|_| {
+            Error::invalid(format!(
+                "DNS upstream {text:?} is not an address or address:port"
+            ))
+        })
 }
 
 /// Parses an allowlist entry: `CIDR`, `CIDR tcp|udp`, `CIDR tcp|udp PORT`.
@@ -93,6 +125,8 @@ pub struct NodeNetwork {
     policy: EgressPolicy,
     node_netns: Option<String>,
     prefix: String,
+    expose_address: IpAddr,
+    upstreams: Vec<SocketAddr>,
 }
 
 impl NodeNetwork {
@@ -123,6 +157,26 @@ impl NodeNetwork {
             .iter()
             .map(|c| Cidr4::parse(c))
             .collect::<Result<Vec<_>>>()?;
+        let expose_address: IpAddr = settings.expose_address.parse().map_err(|_| {
+            Error::invalid(format!(
+                "expose_address {:?} is not an IP address",
+                settings.expose_address
+            ))
+        })?;
+        let upstreams = if settings.dns_upstreams.is_empty() {
+            // A node without resolvers still runs sessions: their resolvers
+            // answer allowed names with SERVFAIL until it has some.
+            super::dns::read_upstreams(Path::new("/etc/resolv.conf")).unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "sessions' DNS resolvers have no upstream");
+                vec![]
+            })
+        } else {
+            settings
+                .dns_upstreams
+                .iter()
+                .map(|u| parse_upstream(u))
+                .collect::<Result<Vec<_>>>()?
+        };
         let ns = settings.node_netns.as_deref();
         let addresses = node_addresses(ns)?;
         if settings.manage_node {
@@ -134,7 +188,19 @@ impl NodeNetwork {
             policy: EgressPolicy::new(allow, &addresses, block, private_allowed),
             node_netns: settings.node_netns.clone(),
             prefix: settings.netns_prefix.clone(),
+            expose_address,
+            upstreams,
         })
+    }
+
+    /// The address exposed guest ports listen on.
+    pub fn expose_address(&self) -> IpAddr {
+        self.expose_address
+    }
+
+    /// The resolvers the sessions' DNS resolvers ask.
+    pub fn upstreams(&self) -> &[SocketAddr] {
+        &self.upstreams
     }
 
     fn pool(&self) -> std::sync::MutexGuard<'_, AddressPool> {
@@ -146,11 +212,15 @@ impl NodeNetwork {
         &self.policy
     }
 
-    /// Makes the network of the VM named `id`, its tap owned by `tap_owner`.
-    pub fn make(&self, id: &str, tap_owner: TapOwner) -> Result<VmNetwork> {
+    /// Makes the network of the VM named `id`, its tap owned by `tap_owner`,
+    /// its guest allowed `allow` (within the node's allowlist: see
+    /// [`super::grants`]) on top of the node's fixed denials.
+    pub fn make(&self, id: &str, tap_owner: TapOwner, allow: &[Allow]) -> Result<VmNetwork> {
         let slot = self.pool().allocate()?;
         let vm = VmNetwork::plan(&self.prefix, id, slot, self.node_netns.clone());
-        if let Err(e) = vm.create(&self.policy, tap_owner) {
+        let mut policy = self.policy.clone();
+        policy.allow = allow.to_vec();
+        if let Err(e) = vm.create(&policy, tap_owner) {
             self.pool().release(&slot);
             return Err(e);
         }

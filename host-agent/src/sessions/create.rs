@@ -333,6 +333,10 @@ impl Manager {
             ))
         })?;
         let id = vmm_api::command::jail_id(dir);
+        // Read and kept before the network exists, so a restarted host-agent
+        // finds the policy of every network it finds.
+        let egress = self.initial_egress(&sess.row()).await?;
+        self.start_policy(sess, dir, &egress)?;
         // A retried restore (its vmm is gone) gets a fresh network: the
         // tap's owner is the new vmm's uid.
         let earlier = sess.lock().network.take();
@@ -340,16 +344,12 @@ impl Manager {
             if let Some(old) = earlier {
                 node.release(&old);
             }
-            node.make(&id, uid.map(|u| (u, u)))
+            node.make(&id, uid.map(|u| (u, u)), &egress.allow)
         })
         .await
         .map_err(|e| Error::Network(format!("the network task failed: {e}")))??;
         let netns = vm.netns.clone();
-        let (allow, deny) = self.initial_policy();
-        let mut i = sess.lock();
-        i.network = Some(vm);
-        i.net_allow = allow;
-        i.net_deny = deny;
+        sess.lock().network = Some(vm);
         Ok(Some(netns))
     }
 }

@@ -106,8 +106,10 @@ impl Manager {
             };
             let image_id = id.to_string();
             tokio::task::spawn_blocking(move || {
+                // The build VM reaches nothing: a golden snapshot must not
+                // carry connections, nor anything fetched by one image's boot.
                 let build_net = match &node {
-                    Some(n) => Some(n.make(&build_id, None)?),
+                    Some(n) => Some(n.make(&build_id, None, &[])?),
                     None => None,
                 };
                 let job = Capture {

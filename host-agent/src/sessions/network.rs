@@ -1,27 +1,66 @@
 //! A session's egress policy: the allowlist and the extra denied blocks in
-//! force in its VM's namespace. It starts as the node's, changes on a live
-//! session through UpdateSessionNetwork (narrowing only, unless the caller
-//! is an admin), and is kept in the session's directory so a restarted
-//! host-agent knows it.
+//! force in its VM's namespace. A session with a repository starts with
+//! what the repository's `agent-manifest.yaml` (at the base commit) grants
+//! its agent, within the node's allowlist ([`crate::network::grants`]); one
+//! without (an image that does not run guest-init) starts with the node's.
+//! It changes on a live session through UpdateSessionNetwork (narrowing
+//! only, unless the caller is an admin), and is kept in the session's
+//! directory so a restarted host-agent knows it.
 
 use serde::{Deserialize, Serialize};
 
 use super::*;
 use crate::network::addressing::Cidr4;
+use crate::network::grants::{session_egress, HostGrant, SessionEgress};
 use crate::network::node::parse_allow;
 use crate::network::rules::Allow;
+use crate::repo::Repo;
 
 /// The file in a session's directory that holds its policy.
 const POLICY_FILE: &str = "network-policy.json";
 /// Most allow and deny entries one request may carry (the sets are the
 /// kernel's: bounded so one client cannot make them huge).
 pub const MAX_POLICY_ENTRIES: usize = 1024;
+/// Largest manifest read from a repository (the guest reads no larger one).
+const MANIFEST_LIMIT: u64 = 1 << 20;
 
 /// A session's policy as kept on disk (the entries as written).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct Kept {
     allow: Vec<String>,
     deny: Vec<String>,
+    /// Host names granted by the manifest, for the session's resolver.
+    #[serde(default)]
+    hosts: Vec<KeptHost>,
+}
+
+/// A [`HostGrant`] as kept on disk.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct KeptHost {
+    host: String,
+    ports: Vec<u16>,
+}
+
+/// Writes the policy of the session in `dir` (made if it is not there yet).
+fn keep(dir: &Path, allow: &[Allow], deny: &[Cidr4], hosts: &[HostGrant]) -> Result<()> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    let kept = Kept {
+        allow: allow.iter().map(Allow::to_string).collect(),
+        deny: deny.iter().map(Cidr4::to_string).collect(),
+        hosts: hosts
+            .iter()
+            .map(|h| KeptHost {
+                host: h.host.clone(),
+                ports: h.ports.clone(),
+            })
+            .collect(),
+    };
+    let path = dir.join(POLICY_FILE);
+    let text = serde_json::to_string(&kept)
+        .map_err(|e| Error::Network(format!("encoding the session's policy: {e}")))?;
+    std::fs::write(&path, text)
+        .map_err(|e| Error::io(format!("keeping the policy in {}", path.display()), e))
 }
 
 /// A session's network as UpdateSessionNetwork reports it.
@@ -33,21 +72,78 @@ pub struct NetworkState {
     pub deny: Vec<String>,
     /// The node-side address the guest is NATed to.
     pub vm_address: String,
+    /// Host names its resolver answers.
+    pub hosts: Vec<String>,
+    /// Its exposed ports.
+    pub exposed: Vec<super::Exposed>,
 }
 
 impl Manager {
-    /// The policy a session of this node starts with (the node's allowlist).
-    pub(super) fn initial_policy(&self) -> (Vec<Allow>, Vec<Cidr4>) {
-        let allow = self
+    /// The egress session `row` starts with: its manifest's grant for its
+    /// agent within the node's allowlist, or, without a repository, the
+    /// node's allowlist. A manifest that does not parse fails the session,
+    /// as it would in the guest.
+    pub(super) async fn initial_egress(&self, row: &SessionRow) -> Result<SessionEgress> {
+        let node: Vec<Allow> = self
             .network
             .as_ref()
             .map(|n| n.policy().allow.clone())
             .unwrap_or_default();
-        (allow, vec![])
+        if row.repository.is_empty() {
+            return Ok(SessionEgress {
+                allow: node,
+                ..Default::default()
+            });
+        }
+        let repo = Repo::open(&row.repository)?;
+        let commit = repo.resolve_commit(&row.base_ref).await?;
+        let path = agent_manifest::MANIFEST_PATH;
+        let Some(text) = repo.file_at(&commit, path, MANIFEST_LIMIT).await? else {
+            // No manifest: no egress, as in the guest.
+            return Ok(SessionEgress::default());
+        };
+        let text = String::from_utf8(text).map_err(|_| {
+            Error::FailedPrecondition(format!("{path} at {commit} is not UTF-8 text"))
+        })?;
+        let manifest = agent_manifest::Manifest::parse(&text)
+            .map_err(|e| Error::FailedPrecondition(format!("at {commit}: {e}")))?;
+        session_egress(&manifest.grant(&row.agent).egress, &node)
+    }
+
+    /// Records `egress` as session `sess`'s policy (in memory, and kept in
+    /// `dir`) and says in its events what it was granted.
+    pub(super) fn start_policy(
+        &self,
+        sess: &Session,
+        dir: &Path,
+        egress: &SessionEgress,
+    ) -> Result<()> {
+        keep(dir, &egress.allow, &[], &egress.hosts)?;
+        {
+            let mut i = sess.lock();
+            i.net_allow = egress.allow.clone();
+            i.net_deny = vec![];
+            i.net_hosts = egress.hosts.clone();
+        }
+        let hosts: Vec<String> = egress.hosts.iter().map(|h| h.host.clone()).collect();
+        let mut detail = format!(
+            "allow: [{}]; hosts: [{}]",
+            egress
+                .allow
+                .iter()
+                .map(Allow::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            hosts.join(", ")
+        );
+        if !egress.skipped.is_empty() {
+            detail.push_str(&format!("; skipped: [{}]", egress.skipped.join("; ")));
+        }
+        self.note(sess, "network_granted", &detail)
     }
 
     /// The policy kept in `dir` by an earlier run, if any.
-    pub(super) fn kept_policy(dir: &Path) -> Option<(Vec<Allow>, Vec<Cidr4>)> {
+    pub(super) fn kept_policy(dir: &Path) -> Option<(Vec<Allow>, Vec<Cidr4>, Vec<HostGrant>)> {
         let text = std::fs::read_to_string(dir.join(POLICY_FILE)).ok()?;
         let kept: Kept = serde_json::from_str(&text).ok()?;
         let allow = kept
@@ -60,7 +156,15 @@ impl Manager {
             .iter()
             .map(|c| Cidr4::parse(c))
             .collect::<Result<_>>();
-        Some((allow.ok()?, deny.ok()?))
+        let hosts = kept
+            .hosts
+            .into_iter()
+            .map(|h| HostGrant {
+                host: h.host,
+                ports: h.ports,
+            })
+            .collect();
+        Some((allow.ok()?, deny.ok()?, hosts))
     }
 
     /// Replaces the allowlist of live session `id` and adds `deny` blocks.
@@ -91,7 +195,7 @@ impl Manager {
             .iter()
             .map(|c| Cidr4::parse(c))
             .collect::<Result<_>>()?;
-        let (vm, current_allow, mut all_deny, dir) = {
+        let (vm, current_allow, mut all_deny, hosts, dir) = {
             let i = sess.lock();
             if is_terminal(i.row.state) {
                 return Err(Error::FailedPrecondition(format!(
@@ -108,6 +212,7 @@ impl Manager {
                 vm,
                 i.net_allow.clone(),
                 i.net_deny.clone(),
+                i.net_hosts.clone(),
                 i.row.dir.clone(),
             )
         };
@@ -134,25 +239,15 @@ impl Manager {
         tokio::task::spawn_blocking(move || applied.update_policy(&policy))
             .await
             .map_err(|e| Error::Network(format!("the network task failed: {e}")))??;
-        let state = NetworkState {
-            allow: new_allow.iter().map(Allow::to_string).collect(),
-            deny: all_deny.iter().map(Cidr4::to_string).collect(),
-            vm_address: vm.slot.vm_ip.to_string(),
-        };
+        keep(Path::new(&dir), &new_allow, &all_deny, &hosts)?;
         {
             let mut i = sess.lock();
             i.net_allow = new_allow;
             i.net_deny = all_deny;
         }
-        let kept = Kept {
-            allow: state.allow.clone(),
-            deny: state.deny.clone(),
-        };
-        let path = Path::new(&dir).join(POLICY_FILE);
-        let text = serde_json::to_string(&kept)
-            .map_err(|e| Error::Network(format!("encoding the session's policy: {e}")))?;
-        std::fs::write(&path, text)
-            .map_err(|e| Error::io(format!("keeping the policy in {}", path.display()), e))?;
+        let state = self
+            .network_state(id)?
+            .ok_or_else(|| Error::FailedPrecondition(format!("session {id} lost its network")))?;
         let detail = format!(
             "allow: [{}]; deny: [{}]",
             state.allow.join(", "),

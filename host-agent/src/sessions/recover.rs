@@ -30,12 +30,16 @@ impl Manager {
             }
             if let (Some(node), true) = (&self.network, has_network(&image)) {
                 let id = vmm_api::command::jail_id(Path::new(&row.dir));
-                let (allow, deny) =
-                    Self::kept_policy(Path::new(&row.dir)).unwrap_or_else(|| self.initial_policy());
+                // A network without its kept policy (a crash before it was
+                // written cannot leave one: it is written first) is given
+                // nothing, rather than guessed at.
+                let (allow, deny, hosts) =
+                    Self::kept_policy(Path::new(&row.dir)).unwrap_or_default();
                 let mut i = sess.lock();
                 i.network = node.adopt_existing(&id);
                 i.net_allow = allow;
                 i.net_deny = deny;
+                i.net_hosts = hosts;
             }
             if let Err(e) = self.recover_one(&sess, row, &image).await {
                 tracing::error!(session = %sess.id, error = %e, "re-attaching session");
