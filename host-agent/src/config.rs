@@ -73,6 +73,11 @@ pub struct NetworkConfig {
     pub netns_prefix: String,
     /// The namespace that stands for the node (tests); unset: host-agent's own.
     pub node_netns: Option<String>,
+    /// The node address exposed guest ports listen on (ExposePort).
+    pub expose_address: String,
+    /// Resolvers the sessions' DNS resolvers ask (`ADDRESS` or
+    /// `ADDRESS:PORT`); empty: the `nameserver`s of /etc/resolv.conf.
+    pub dns_upstreams: Vec<String>,
 }
 
 impl Default for NetworkConfig {
@@ -84,6 +89,8 @@ impl Default for NetworkConfig {
             manage_node: true,
             netns_prefix: crate::network::namespace::NETNS_PREFIX.into(),
             node_netns: None,
+            expose_address: "127.0.0.1".into(),
+            dns_upstreams: vec![],
         }
     }
 }
@@ -98,6 +105,8 @@ impl NetworkConfig {
             node_netns: self.node_netns.clone(),
             manage_node: self.manage_node,
             netns_prefix: self.netns_prefix.clone(),
+            expose_address: self.expose_address.clone(),
+            dns_upstreams: self.dns_upstreams.clone(),
         }
     }
 }

@@ -446,3 +446,207 @@ async fn without_the_admin_scope_a_sessions_allowlist_only_narrows() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// A session of `agent` in repository `repo` at `main`.
+fn with_repo(repo: &Path, agent: &str) -> pb::CreateSessionRequest {
+    pb::CreateSessionRequest {
+        image_id: "net".into(),
+        repository_path: repo.display().to_string(),
+        agent: agent.into(),
+        base_ref: "main".into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_allowlist_is_what_its_manifest_grants_within_the_nodes() {
+    if !can_run() {
+        return;
+    }
+    let tag = std::process::id();
+    let prefix = format!("avm{tag}-");
+    let _cleanup = PrefixCleanup(prefix.clone());
+    let (_node, _cfg, mut agent) = networked_agent(
+        &format!("sm{tag}"),
+        &prefix,
+        "10.206.0.0/27",
+        &["203.0.113.0/24 tcp 443", "198.51.100.0/24"],
+        &[],
+    );
+    let mut images = agent.images().await;
+    images.register_image(net_image()).await.expect("register");
+    images
+        .build_golden_snapshot(net_golden())
+        .await
+        .expect("golden snapshot");
+    let repos = agent.state_dir().join("repositories");
+    std::fs::create_dir_all(&repos).unwrap();
+    let manifest = "version: 1\nagents:\n  coder:\n    egress:\n      \
+                    - cidr: 203.0.113.7/32\n        ports: [443, 80]\n      \
+                    - cidr: 198.51.100.0/25\n      \
+                    - cidr: 192.0.2.0/24\n      \
+                    - host: crates.io\n        ports: [443]\n";
+    let repo = test_harness::git::repo_with_files(&repos, &[("agent-manifest.yaml", manifest)]);
+    let mut sessions = agent.sessions().await;
+
+    // `coder`: 203.0.113.7 TCP 443 (not 80, not UDP: the node allows
+    // neither), 198.51.100.0/25 whole, and not 192.0.2.0/24 (the node does
+    // not allow it at all), said in the session's events.
+    let coder = sessions
+        .create_session(with_repo(&repo, "coder"))
+        .await
+        .expect("create")
+        .into_inner();
+    let coder = agent.wait_state(&coder.session_id, S::Running).await;
+    let ns = namespaces(&prefix);
+    assert_eq!(ns.len(), 1, "{ns:?}");
+    let (ports, any) = (nft_set(&ns[0], "allow_port"), nft_set(&ns[0], "allow_any"));
+    assert!(ports.contains("203.0.113.7 . 443"), "{ports}");
+    assert!(!ports.contains(". 80") && !ports.contains("udp"), "{ports}");
+    assert!(!ports.contains("203.0.113.0/24"), "{ports}");
+    assert!(any.contains("198.51.100.0/25"), "{any}");
+    assert!(!any.contains("192.0.2"), "{any}");
+    let granted: Vec<_> = agent
+        .session_events(&coder.session_id)
+        .await
+        .into_iter()
+        .filter(|e| e.reason == "network_granted")
+        .collect();
+    assert_eq!(granted.len(), 1, "{granted:?}");
+    let d = &granted[0].detail;
+    assert!(d.contains("hosts: [crates.io]"), "{d}");
+    assert!(
+        d.contains("192.0.2.0/24: outside the node's allowlist"),
+        "{d}"
+    );
+    // The kept policy is the granted one, for a restarted host-agent.
+    let kept = agent
+        .state_dir()
+        .join("sessions")
+        .join(&coder.session_id)
+        .join("network-policy.json");
+    let kept = std::fs::read_to_string(kept).expect("kept policy");
+    assert!(kept.contains("203.0.113.7/32 tcp 443") && kept.contains("crates.io"));
+    agent.stop(&coder.session_id).await;
+
+    // An agent the manifest does not name reaches nothing.
+    let other = sessions
+        .create_session(with_repo(&repo, "reviewer"))
+        .await
+        .expect("create")
+        .into_inner();
+    agent.wait_state(&other.session_id, S::Running).await;
+    let ns = namespaces(&prefix);
+    assert_eq!(ns.len(), 1, "{ns:?}");
+    assert!(!nft_set(&ns[0], "allow_port").contains("elements"));
+    assert!(!nft_set(&ns[0], "allow_any").contains("elements"));
+    agent.stop(&other.session_id).await;
+
+    // A manifest host-agent cannot read fails the session, naming it.
+    test_harness::git::git(&repo, &["rm", "-q", "agent-manifest.yaml"]);
+    std::fs::write(repo.join("agent-manifest.yaml"), "version: 1\nagents: [\n").unwrap();
+    test_harness::git::git(&repo, &["add", "-A"]);
+    test_harness::git::git(&repo, &["commit", "-q", "-m", "broken manifest"]);
+    let err = sessions
+        .create_session(with_repo(&repo, "coder"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().contains("agent-manifest.yaml"),
+        "{}",
+        err.message()
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !namespaces(&prefix).is_empty() {
+        assert!(Instant::now() < deadline, "left: {:?}", namespaces(&prefix));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    agent.terminate();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exposed_ports_are_listed_with_the_session_and_go_when_it_stops() {
+    if !can_run() {
+        return;
+    }
+    let tag = std::process::id();
+    let prefix = format!("avx{tag}-");
+    let _cleanup = PrefixCleanup(prefix.clone());
+    let (_node, _cfg, mut agent) =
+        networked_agent(&format!("sx{tag}"), &prefix, "10.208.0.0/29", &[], &[]);
+    let mut images = agent.images().await;
+    images.register_image(net_image()).await.expect("register");
+    images
+        .build_golden_snapshot(net_golden())
+        .await
+        .expect("golden snapshot");
+    let s = agent.create("net", "").await;
+    agent.wait_state(&s.session_id, S::Running).await;
+    let mut sessions = agent.sessions().await;
+    let req = |port: u32, protocol: &str| pb::ExposePortRequest {
+        session_id: s.session_id.clone(),
+        guest_port: port,
+        protocol: protocol.into(),
+    };
+    let first = sessions
+        .expose_port(req(8080, "tcp"))
+        .await
+        .expect("expose")
+        .into_inner();
+    let addr: std::net::SocketAddr = first.host_address.parse().unwrap();
+    assert!(addr.ip().is_loopback(), "{addr}");
+    // Exposing it again gives the same address; a second port another.
+    let again = sessions
+        .expose_port(req(8080, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again, first);
+    let second = sessions
+        .expose_port(req(22, "tcp"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_ne!(second.host_address, first.host_address);
+    for (bad, says) in [(req(0, "tcp"), "1 to 65535"), (req(53, "udp"), "only tcp")] {
+        let e = sessions.expose_port(bad).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(says), "{}", e.message());
+    }
+    // Listed with the session, and listening.
+    let net = agent.get(&s.session_id).await.network.expect("a network");
+    let ports: Vec<u32> = net.exposed_ports.iter().map(|p| p.guest_port).collect();
+    assert_eq!(ports, [22, 8080]);
+    assert!(std::net::TcpStream::connect(addr).is_ok());
+    // Unexposed: gone from the list, and closed.
+    let net = sessions
+        .unexpose_port(req(8080, "tcp"))
+        .await
+        .expect("unexpose")
+        .into_inner();
+    assert_eq!(net.exposed_ports, [second.clone()]);
+    assert!(std::net::TcpStream::connect(addr).is_err());
+    let e = sessions.unexpose_port(req(8080, "tcp")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    // The session stops: its ports close with it (on the runtime's next
+    // turn after the transition).
+    agent.stop(&s.session_id).await;
+    let addr: std::net::SocketAddr = second.host_address.parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(addr).is_ok() {
+        assert!(Instant::now() < deadline, "{addr} still listens");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let e = sessions.expose_port(req(8080, "tcp")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    let events: Vec<String> = agent
+        .session_events(&s.session_id)
+        .await
+        .into_iter()
+        .map(|e| e.reason)
+        .filter(|r| r.starts_with("port_"))
+        .collect();
+    assert_eq!(events, ["port_exposed", "port_exposed", "port_unexposed"]);
+    agent.terminate();
+}

@@ -146,6 +146,7 @@ pub fn session_pb(s: &SessionRow) -> pb::Session {
         branch: s.branch.clone(),
         head_commit: s.head_commit.clone(),
         labels: s.labels.clone().into_iter().collect(),
+        network: None,
     }
 }
 

@@ -134,7 +134,9 @@ impl Sessions for SessionsApi {
         let caller = caller_of(&req)?;
         let id = req.into_inner().session_id;
         let sess = owned_session(&self.0, &caller, &id)?;
-        Ok(Response::new(session_pb(&sess.row())))
+        let mut out = session_pb(&sess.row());
+        out.network = network_pb(&self.0, &id);
+        Ok(Response::new(out))
     }
 
     async fn list_sessions(
@@ -154,7 +156,11 @@ impl Sessions for SessionsApi {
             .list(r.state, &r.image_id)
             .iter()
             .filter(|s| caller.owns(&s.owner))
-            .map(session_pb)
+            .map(|row| {
+                let mut out = session_pb(row);
+                out.network = network_pb(&self.0, &row.id);
+                out
+            })
             .collect();
         Ok(Response::new(pb::ListSessionsResponse { sessions }))
     }
@@ -233,12 +239,32 @@ impl Sessions for SessionsApi {
                 caller.may(crate::auth::Scope::Admin),
             )
             .await?;
-        Ok(Response::new(pb::SessionNetwork {
-            session_id: r.session_id,
-            allow: state.allow,
-            deny: state.deny,
-            vm_address: state.vm_address,
-        }))
+        Ok(Response::new(state_pb(&r.session_id, state)))
+    }
+
+    async fn expose_port(
+        &self,
+        req: Request<pb::ExposePortRequest>,
+    ) -> Result<Response<pb::ExposedPort>, Status> {
+        let caller = caller_of(&req)?;
+        let r = req.into_inner();
+        owned_session(&self.0, &caller, &r.session_id)?;
+        let e = self
+            .0
+            .expose_port(&r.session_id, r.guest_port, &r.protocol)
+            .await?;
+        Ok(Response::new(exposed_pb(&e)))
+    }
+
+    async fn unexpose_port(
+        &self,
+        req: Request<pb::ExposePortRequest>,
+    ) -> Result<Response<pb::SessionNetwork>, Status> {
+        let caller = caller_of(&req)?;
+        let r = req.into_inner();
+        owned_session(&self.0, &caller, &r.session_id)?;
+        let state = self.0.unexpose_port(&r.session_id, r.guest_port).await?;
+        Ok(Response::new(state_pb(&r.session_id, state)))
     }
 
     async fn stop_session(
@@ -261,4 +287,32 @@ impl Sessions for SessionsApi {
         })
         .await
     }
+}
+
+/// A session's network as the API reports it.
+fn state_pb(id: &str, s: crate::sessions::NetworkState) -> pb::SessionNetwork {
+    pb::SessionNetwork {
+        session_id: id.to_string(),
+        allow: s.allow,
+        deny: s.deny,
+        vm_address: s.vm_address,
+        hosts: s.hosts,
+        exposed_ports: s.exposed.iter().map(exposed_pb).collect(),
+    }
+}
+
+fn exposed_pb(e: &crate::sessions::Exposed) -> pb::ExposedPort {
+    pb::ExposedPort {
+        guest_port: e.guest_port.into(),
+        protocol: "tcp".into(),
+        host_address: e.host.clone(),
+    }
+}
+
+/// Session `id`'s network, when it has one.
+fn network_pb(mgr: &crate::sessions::Manager, id: &str) -> Option<pb::SessionNetwork> {
+    mgr.network_state(id)
+        .ok()
+        .flatten()
+        .map(|s| state_pb(id, s))
 }

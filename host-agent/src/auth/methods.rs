@@ -38,7 +38,9 @@ pub fn required(path: &str) -> Access {
             | "RestoreSession"
             | "StopSession"
             | "DeleteSession"
-            | "UpdateSessionNetwork" => Needs(Sessions),
+            | "UpdateSessionNetwork"
+            | "ExposePort"
+            | "UnexposePort" => Needs(Sessions),
             _ => Unknown,
         },
         "hostagent.v1.Exec" => match method {

@@ -157,6 +157,7 @@ impl Record for pb::Session {
             "branch": self.branch,
             "head_commit": self.head_commit,
             "labels": self.labels,
+            "network": self.network.as_ref().map(Record::json),
         })
     }
 }
@@ -191,14 +192,17 @@ impl Record for pb::Event {
 
 impl Record for pb::SessionNetwork {
     fn headers() -> &'static [&'static str] {
-        &["SESSION", "VM ADDRESS", "ALLOW", "DENY"]
+        &["SESSION", "VM ADDRESS", "ALLOW", "DENY", "HOSTS", "EXPOSED"]
     }
     fn cells(&self) -> Vec<String> {
+        let exposed: Vec<String> = self.exposed_ports.iter().map(exposed_cell).collect();
         vec![
             self.session_id.clone(),
             or_dash(&self.vm_address),
             or_dash(&self.allow.join(", ")),
             or_dash(&self.deny.join(", ")),
+            or_dash(&self.hosts.join(", ")),
+            or_dash(&exposed.join(", ")),
         ]
     }
     fn json(&self) -> Value {
@@ -207,6 +211,33 @@ impl Record for pb::SessionNetwork {
             "vm_address": self.vm_address,
             "allow": self.allow,
             "deny": self.deny,
+            "hosts": self.hosts,
+            "exposed_ports": self.exposed_ports.iter().map(Record::json).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// `tcp 8080 -> 127.0.0.1:41234`.
+fn exposed_cell(e: &pb::ExposedPort) -> String {
+    format!("{} {} -> {}", e.protocol, e.guest_port, e.host_address)
+}
+
+impl Record for pb::ExposedPort {
+    fn headers() -> &'static [&'static str] {
+        &["GUEST PORT", "PROTOCOL", "HOST ADDRESS"]
+    }
+    fn cells(&self) -> Vec<String> {
+        vec![
+            self.guest_port.to_string(),
+            self.protocol.clone(),
+            self.host_address.clone(),
+        ]
+    }
+    fn json(&self) -> Value {
+        json!({
+            "guest_port": self.guest_port,
+            "protocol": self.protocol,
+            "host_address": self.host_address,
         })
     }
 }
@@ -310,6 +341,12 @@ mod tests {
             allow: vec!["203.0.113.0/24 tcp 443".into(), "198.51.100.0/24".into()],
             deny: vec![],
             vm_address: "10.200.0.2".into(),
+            hosts: vec!["crates.io".into()],
+            exposed_ports: vec![pb::ExposedPort {
+                guest_port: 8080,
+                protocol: "tcp".into(),
+                host_address: "127.0.0.1:41234".into(),
+            }],
         };
         assert_eq!(
             n.cells(),
@@ -317,10 +354,16 @@ mod tests {
                 "s1",
                 "10.200.0.2",
                 "203.0.113.0/24 tcp 443, 198.51.100.0/24",
-                "-"
+                "-",
+                "crates.io",
+                "tcp 8080 -> 127.0.0.1:41234"
             ]
         );
         assert_eq!(n.json()["allow"][1], "198.51.100.0/24");
+        assert_eq!(
+            n.json()["exposed_ports"][0]["host_address"],
+            "127.0.0.1:41234"
+        );
     }
 
     #[test]

@@ -19,12 +19,14 @@ mod lifecycle;
 mod limits;
 mod network;
 mod ops;
+mod ports;
 mod recover;
 mod warm;
 
 use lifecycle::billable;
 pub use lifecycle::{is_terminal, now_ms, reason, state_name};
 pub use network::NetworkState;
+pub use ports::{Exposed, MAX_EXPOSED_PORTS};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -110,6 +112,10 @@ struct Inner {
     net_allow: Vec<crate::network::rules::Allow>,
     /// Blocks denied to the session on top of the node's.
     net_deny: Vec<crate::network::addressing::Cidr4>,
+    /// Host names its manifest grants (answered by its DNS resolver).
+    net_hosts: Vec<crate::network::grants::HostGrant>,
+    /// Its exposed guest ports, by guest port.
+    exposed: BTreeMap<u16, crate::network::expose::ExposedPort>,
 }
 
 /// One session in memory.
@@ -368,6 +374,8 @@ impl Manager {
                 fetch_error: None,
                 network: None,
                 net_allow: vec![],
+                net_hosts: vec![],
+                exposed: BTreeMap::new(),
                 net_deny: vec![],
             }),
             state,

@@ -1,5 +1,5 @@
 //! `host-agent sessions`: create, list, get, pause, resume, stop, delete,
-//! snapshot, restore.
+//! snapshot, restore, network, expose, unexpose.
 
 use clap::Subcommand;
 use proto::hostagent as pb;
@@ -59,6 +59,11 @@ pub enum SessionsCmd {
         #[arg(long = "deny")]
         deny: Vec<String>,
     },
+    /// Make a live session's guest TCP port reachable at a node address;
+    /// prints the address.
+    Expose { id: String, guest_port: u32 },
+    /// Close a session's exposed port; prints the network.
+    Unexpose { id: String, guest_port: u32 },
 }
 
 /// Runs `sessions <cmd>`.
@@ -140,6 +145,32 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
                     session_id: id,
                     allow,
                     deny,
+                })
+                .await
+                .map_err(st)?
+                .into_inner();
+            print_all(&[n], out);
+            return Ok(());
+        }
+        SessionsCmd::Expose { id, guest_port } => {
+            let e = cl
+                .expose_port(pb::ExposePortRequest {
+                    session_id: id,
+                    guest_port,
+                    protocol: "tcp".into(),
+                })
+                .await
+                .map_err(st)?
+                .into_inner();
+            print_all(&[e], out);
+            return Ok(());
+        }
+        SessionsCmd::Unexpose { id, guest_port } => {
+            let n = cl
+                .unexpose_port(pb::ExposePortRequest {
+                    session_id: id,
+                    guest_port,
+                    protocol: "tcp".into(),
                 })
                 .await
                 .map_err(st)?
