@@ -160,14 +160,14 @@ pub fn build(opts: &GoldenOptions) -> Result<Outcome> {
             uds: uds.clone(),
         });
         boot.devices.rng = true;
-        boot.devices.net = opts
-            .net
-            .as_deref()
-            .map(str::parse)
-            .transpose()
-            .map_err(|e: vmm_api::SpecError| Error::Golden {
-                message: format!("invalid --net: {e}"),
-            })?;
+        boot.devices.net =
+            opts.net
+                .as_deref()
+                .map(str::parse)
+                .transpose()
+                .map_err(|e: vmm_api::SpecError| Error::Golden {
+                    message: format!("invalid --net: {e}"),
+                })?;
         progress::note(
             step,
             &format!("booting: {} {}", vmm.display(), boot.args().join(" ")),

@@ -427,19 +427,30 @@ mod tests {
         assert_eq!(n.limits.tx.ops.unwrap().refill_ms, 10);
         assert!(n.limits.rx.ops.is_none() && n.limits.tx.bandwidth.is_none());
 
-        let e = "/img,bw=lots".parse::<DiskConfig>().unwrap_err().to_string();
-        assert!(e.starts_with("invalid disk \"/img,bw=lots\": invalid bw \"lots\""), "{e}");
+        let e = "/img,bw=lots"
+            .parse::<DiskConfig>()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("invalid disk \"/img,bw=lots\": invalid bw \"lots\""),
+            "{e}"
+        );
         assert!(e.contains("BYTES[/MS][+BURST]"), "{e}");
-        let e = "tap0,rx_ops=0".parse::<NetConfig>().unwrap_err().to_string();
+        let e = "tap0,rx_ops=0"
+            .parse::<NetConfig>()
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("invalid rx_ops \"0\": expected COUNT"), "{e}");
-        let e = "tap0,tx_rate=1".parse::<NetConfig>().unwrap_err().to_string();
+        let e = "tap0,tx_rate=1"
+            .parse::<NetConfig>()
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("unknown field \"tx_rate=1\""), "{e}");
 
         // The config file takes the same text.
-        let file: ConfigFile = serde_json::from_str(
-            r#"{"kernel":"/k","disk":["/a,iops=10"],"net":"tap0,tx_bw=64K"}"#,
-        )
-        .unwrap();
+        let file: ConfigFile =
+            serde_json::from_str(r#"{"kernel":"/k","disk":["/a,iops=10"],"net":"tap0,tx_bw=64K"}"#)
+                .unwrap();
         let cfg = VmConfig::try_from(file).unwrap();
         assert_eq!(cfg.devices.disks[0].limits.ops.unwrap().size, 10);
         assert_eq!(

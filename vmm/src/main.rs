@@ -466,7 +466,10 @@ mod tests {
         let parsed = DeviceConfig::parse(disks, None, net, false).unwrap();
         assert_eq!(parsed.disks.len(), built.disks.len());
         for (p, b) in parsed.disks.iter().zip(&built.disks) {
-            assert_eq!((&p.path, p.read_only, p.limits), (&b.path, b.read_only, b.limits));
+            assert_eq!(
+                (&p.path, p.read_only, p.limits),
+                (&b.path, b.read_only, b.limits)
+            );
         }
         let (p, b) = (parsed.net.unwrap(), built.net.unwrap());
         assert_eq!((p.tap, p.mac, p.limits), (b.tap, b.mac, b.limits));

@@ -382,7 +382,11 @@ mod tests {
         assert!(b.consume(110, t0));
         let mut b2 = TokenBucket::new(100, 10, ms(1000), t0).unwrap();
         assert!(b2.consume(100, t0));
-        assert_eq!(b2.time_until(20, t0), ms(100), "10 from the burst, 10 refilled");
+        assert_eq!(
+            b2.time_until(20, t0),
+            ms(100),
+            "10 from the burst, 10 refilled"
+        );
         assert_eq!(b.time_until(20, t0), ms(200));
     }
 

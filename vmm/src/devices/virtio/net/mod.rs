@@ -134,7 +134,11 @@ impl Net {
     /// Asks the transmit limiter for a guest frame; `false` (the frame must
     /// wait) undoes the pop. A chain too broken to read is not charged: it
     /// is dropped without reaching the tap.
-    fn admit_tx(&mut self, mem: &GuestMemoryMmap, chain: &DescriptorChain<&GuestMemoryMmap>) -> bool {
+    fn admit_tx(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        chain: &DescriptorChain<&GuestMemoryMmap>,
+    ) -> bool {
         if self.tx_limiter.is_unlimited() {
             return true;
         }
