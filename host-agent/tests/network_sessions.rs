@@ -625,7 +625,7 @@ async fn exposed_ports_are_listed_with_the_session_and_go_when_it_stops() {
         .await
         .expect("unexpose")
         .into_inner();
-    assert_eq!(net.exposed_ports, [second.clone()]);
+    assert_eq!(net.exposed_ports, std::slice::from_ref(&second));
     assert!(std::net::TcpStream::connect(addr).is_err());
     let e = sessions.unexpose_port(req(8080, "tcp")).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");

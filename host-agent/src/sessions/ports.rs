@@ -66,7 +66,7 @@ impl Manager {
                 .and_then(|p| i.exposed.remove(&p))
         };
         let Some(removed) = removed else {
-            return Err(Error::not_found("exposed port", &guest_port.to_string()));
+            return Err(Error::not_found("exposed port", guest_port.to_string()));
         };
         let detail = format!("tcp {} at {}", removed.guest_port, removed.host);
         removed.close().await;
