@@ -24,7 +24,7 @@ const SIZE: usize = 100 * MIB;
 /// or reorders a chunk changes the hash).
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
-        .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[(i % 4)] ^ seed)
+        .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[i % 4] ^ seed)
         .collect()
 }
 
