@@ -23,7 +23,8 @@ use hickory_proto::rr::{Name, RData, Record, RecordType};
 mod common;
 
 use common::netns::{
-    attach_guest, echo_from, echo_servers, in_ns, ip, missing_tools as missing, Cleanup, Ns,
+    ask_udp, attach_guest, echo_from, echo_servers, in_ns, ip, missing_tools as missing,
+    query_bytes, Cleanup, Ns,
 };
 use host_agent::network::addressing::{AddressPool, Cidr4, GATEWAY_IP};
 use host_agent::network::dns::{DnsConfig, DnsResolver, NameRule};
@@ -85,31 +86,6 @@ fn upstream_server() -> (SocketAddr, Seen) {
         }
     });
     (addr, seen)
-}
-
-fn query_bytes(id: u16, name: &str, qtype: RecordType) -> Vec<u8> {
-    let mut m = Message::new();
-    m.set_id(id)
-        .set_recursion_desired(true)
-        .add_query(Query::query(Name::from_ascii(name).unwrap(), qtype));
-    m.to_vec().unwrap()
-}
-
-/// Asks the resolver from the guest over UDP; `None`: no answer in 5 s.
-fn ask_udp(guest: &str, name: &str, qtype: RecordType) -> Option<Message> {
-    let q = query_bytes(0x1234, name, qtype);
-    in_ns(guest, move || {
-        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        s.send_to(&q, (GATEWAY_IP, 53)).unwrap();
-        let mut buf = [0u8; 4096];
-        let n = s.recv(&mut buf).ok()?;
-        let m = Message::from_vec(&buf[..n]).expect("a DNS answer");
-        assert_eq!(m.id(), 0x1234, "the guest's id comes back");
-        Some(m)
-    })
-    .join()
-    .unwrap()
 }
 
 /// Asks the resolver from the guest over TCP.

@@ -12,7 +12,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::netns::{ip, missing_tools, Ns, PrefixCleanup};
+use common::netns::{ask_udp, ip, missing_tools, Ns, PrefixCleanup};
+use hickory_proto::op::ResponseCode;
+use hickory_proto::rr::RecordType;
 use common::*;
 use proto::hostagent as pb;
 
@@ -68,6 +70,9 @@ fn networked_agent(
                 "node_netns": node.0,
                 "netns_prefix": prefix,
                 "allow": allow,
+                // Never asked here: the tests' names are denied ones. Set,
+                // so the tests do not depend on this machine's resolv.conf.
+                "dns_upstreams": ["127.0.0.1:9"],
             }
         })
         .to_string(),
@@ -506,9 +511,16 @@ async fn a_sessions_allowlist_is_what_its_manifest_grants_within_the_nodes() {
     assert!(!ports.contains("203.0.113.0/24"), "{ports}");
     assert!(any.contains("198.51.100.0/25"), "{any}");
     assert!(!any.contains("192.0.2"), "{any}");
-    let granted: Vec<_> = agent
-        .session_events(&coder.session_id)
-        .await
+    // Its resolver answers at the gateway in its namespace: a name the
+    // manifest does not grant is NXDOMAIN (upstream never asked), and an
+    // event says so.
+    let m = ask_udp(&ns[0], "evil.example", RecordType::A).expect("an answer");
+    assert_eq!(m.response_code(), ResponseCode::NXDomain);
+    let events = agent.session_events(&coder.session_id).await;
+    let denied: Vec<_> = events.iter().filter(|e| e.reason == "dns_denied").collect();
+    assert_eq!(denied.len(), 1, "{events:?}");
+    assert_eq!(denied[0].detail, "evil.example A");
+    let granted: Vec<_> = events
         .into_iter()
         .filter(|e| e.reason == "network_granted")
         .collect();

@@ -316,7 +316,7 @@ impl Manager {
     /// `uid`); returns the namespace. Kept with the session, released when
     /// it ends.
     async fn session_network(
-        &self,
+        self: &Arc<Self>,
         sess: &Arc<Session>,
         image: &ImageRow,
         dir: &Path,
@@ -350,6 +350,7 @@ impl Manager {
         .map_err(|e| Error::Network(format!("the network task failed: {e}")))??;
         let netns = vm.netns.clone();
         sess.lock().network = Some(vm);
+        self.start_resolver(sess).await?;
         Ok(Some(netns))
     }
 }

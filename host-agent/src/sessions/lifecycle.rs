@@ -107,8 +107,9 @@ impl Manager {
             // network goes (a vmm still in the namespace keeps it alive
             // until it exits; the node's end of the veth goes at once).
             self.jail_uids.release(inner.row.jail_uid);
-            // Exposed ports close with their connections.
+            // Exposed ports close with their connections; the resolver stops.
             inner.exposed.clear();
+            drop(inner.dns.take());
             if let (Some(vm), Some(node)) = (inner.network.take(), self.network.clone()) {
                 let release = move || node.release(&vm);
                 match tokio::runtime::Handle::try_current() {

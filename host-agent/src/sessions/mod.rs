@@ -21,6 +21,7 @@ mod network;
 mod ops;
 mod ports;
 mod recover;
+mod resolver;
 mod warm;
 
 use lifecycle::billable;
@@ -116,6 +117,8 @@ struct Inner {
     net_hosts: Vec<crate::network::grants::HostGrant>,
     /// Its exposed guest ports, by guest port.
     exposed: BTreeMap<u16, crate::network::expose::ExposedPort>,
+    /// Its network's DNS resolver.
+    dns: Option<Arc<crate::network::dns::DnsHandle>>,
 }
 
 /// One session in memory.
@@ -376,6 +379,7 @@ impl Manager {
                 net_allow: vec![],
                 net_hosts: vec![],
                 exposed: BTreeMap::new(),
+                dns: None,
                 net_deny: vec![],
             }),
             state,

@@ -35,11 +35,17 @@ impl Manager {
                 // nothing, rather than guessed at.
                 let (allow, deny, hosts) =
                     Self::kept_policy(Path::new(&row.dir)).unwrap_or_default();
-                let mut i = sess.lock();
-                i.network = node.adopt_existing(&id);
-                i.net_allow = allow;
-                i.net_deny = deny;
-                i.net_hosts = hosts;
+                {
+                    let mut i = sess.lock();
+                    i.network = node.adopt_existing(&id);
+                    i.net_allow = allow;
+                    i.net_deny = deny;
+                    i.net_hosts = hosts;
+                }
+                // The resolver died with the old process; its port is free.
+                if let Err(e) = self.start_resolver(&sess).await {
+                    tracing::warn!(session = %sess.id, error = %e, "restarting the session's DNS resolver");
+                }
             }
             if let Err(e) = self.recover_one(&sess, row, &image).await {
                 tracing::error!(session = %sess.id, error = %e, "re-attaching session");

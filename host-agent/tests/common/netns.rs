@@ -153,3 +153,39 @@ pub fn echo_servers(ns: &str, addrs: &[&str]) {
     });
     rx.recv().expect("echo servers up");
 }
+
+/// A DNS query for `name` of type `qtype` with transaction `id`.
+pub fn query_bytes(id: u16, name: &str, qtype: hickory_proto::rr::RecordType) -> Vec<u8> {
+    let mut m = hickory_proto::op::Message::new();
+    m.set_id(id)
+        .set_recursion_desired(true)
+        .add_query(hickory_proto::op::Query::query(
+            hickory_proto::rr::Name::from_ascii(name).unwrap(),
+            qtype,
+        ));
+    m.to_vec().unwrap()
+}
+
+/// Asks the resolver at the gateway's port 53 over UDP from namespace
+/// `guest`; `None`: no answer in 5 s.
+pub fn ask_udp(
+    guest: &str,
+    name: &str,
+    qtype: hickory_proto::rr::RecordType,
+) -> Option<hickory_proto::op::Message> {
+    let q = query_bytes(0x1234, name, qtype);
+    in_ns(guest, move || {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        s.send_to(&q, (host_agent::network::addressing::GATEWAY_IP, 53))
+            .unwrap();
+        let mut buf = [0u8; 4096];
+        let n = s.recv(&mut buf).ok()?;
+        let m = hickory_proto::op::Message::from_vec(&buf[..n]).expect("a DNS answer");
+        assert_eq!(m.id(), 0x1234, "the guest's id comes back");
+        Some(m)
+    })
+    .join()
+    .unwrap()
+}
