@@ -8,6 +8,7 @@
 
 pub mod fake_guest;
 pub mod netns;
+pub mod networked;
 
 use proto::hostagent as pb;
 

@@ -1,0 +1,125 @@
+//! Sessions with a network, for the tests that run them: a host-agent
+//! whose `network` uses a namespace standing for the node, the virtio-net
+//! test guest's image and golden snapshot, and looks into the namespaces.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use proto::hostagent as pb;
+
+use super::netns::{missing_tools, Ns};
+use super::*;
+
+/// The jailed vmm under jailer `pid`.
+pub fn jailed_vmm(pid: u32) -> u32 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let children =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        if let Some(c) = children.split_whitespace().next() {
+            return c.parse().unwrap();
+        }
+        assert!(Instant::now() < deadline, "no jailed vmm under {pid}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The session's namespaces under `prefix`.
+pub fn namespaces(prefix: &str) -> Vec<String> {
+    host_agent::network::namespace::list_namespaces(prefix)
+}
+
+pub fn wait_gone(path: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} is still there",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A namespace standing for the node, and a host-agent whose `network`
+/// uses it with `pool`, `allow` and the namespace prefix `prefix`;
+/// `extra` are more host-agent flags.
+pub fn networked_agent(
+    name: &str,
+    prefix: &str,
+    pool: &str,
+    allow: &[&str],
+    extra: &[&str],
+) -> (Ns, tempfile::TempDir, Agent) {
+    let node = Ns::new(name.to_string());
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.json");
+    std::fs::write(
+        &cfg,
+        serde_json::json!({
+            "network": {
+                "pool": pool,
+                "node_netns": node.0,
+                "netns_prefix": prefix,
+                "allow": allow,
+                // Never asked here: the tests' names are denied ones. Set,
+                // so the tests do not depend on this machine's resolv.conf.
+                "dns_upstreams": ["127.0.0.1:9"],
+            }
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let mut args = vec!["--config", cfg.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let agent = Agent::start(&args);
+    (node, dir, agent)
+}
+
+/// The elements of set `name` in the VM namespace `netns`, as nft lists them.
+pub fn nft_set(netns: &str, name: &str) -> String {
+    let out = Command::new("ip")
+        .args([
+            "netns", "exec", netns, "nft", "list", "set", "ip", "agentvm", name,
+        ])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The image of the virtio-net test guest (it sends a frame, then waits).
+pub fn net_image() -> pb::RegisterImageRequest {
+    pb::RegisterImageRequest {
+        image_id: "net".into(),
+        kernel_path: test_harness::guests::path("virtio_net")
+            .display()
+            .to_string(),
+        // Waits for a frame (none comes) far longer than any test runs.
+        cmdline: "console=ttyS0 rx_spins=1000000000000000".into(),
+        mem_mib: 32,
+        vcpus: 1,
+        ..Default::default()
+    }
+}
+
+/// Its golden snapshot.
+pub fn net_golden() -> pb::BuildGoldenSnapshotRequest {
+    pb::BuildGoldenSnapshotRequest {
+        image_id: "net".into(),
+        settle_ms: 300,
+        ..Default::default()
+    }
+}
+
+/// Whether the network session tests can run here (printing why not).
+pub fn can_run() -> bool {
+    if !jail_supported() {
+        return false;
+    }
+    if let Some(why) = missing_tools() {
+        println!("skipped: {why}");
+        return false;
+    }
+    true
+}
