@@ -6,6 +6,11 @@ use super::*;
 
 impl Session {
     pub(super) async fn apply_egress(&self, plan: &EgressPlan) -> Result<(), String> {
+        let mut plan = plan.clone();
+        if self.cfg.apply_egress {
+            plan.allow_nameservers(&nameservers());
+        }
+        let plan = &plan;
         for (ip, host) in &plan.refused {
             self.audit(Entry {
                 actor: "guest-init",
@@ -79,6 +84,16 @@ impl Session {
             .await;
         }
     }
+}
+
+/// The DNS servers the kernel's `ip=` parameter names (the host's
+/// per-session resolver), which the egress table lets port 53 through to.
+/// Read from /proc/cmdline, which nothing in the guest can change.
+fn nameservers() -> Vec<std::net::IpAddr> {
+    crate::pid1::cmdline::Cmdline::read()
+        .ip
+        .map(|ip| ip.dns.into_iter().map(std::net::IpAddr::V4).collect())
+        .unwrap_or_default()
 }
 
 pub(super) fn resolve(host: &str) -> Vec<std::net::IpAddr> {

@@ -1,8 +1,9 @@
 //! Settings from the kernel command line (/proc/cmdline):
 //!
-//! * `ip=CLIENT:SERVER:GATEWAY:NETMASK:HOSTNAME:DEVICE:AUTOCONF` — the
-//!   kernel's own syntax; guest-init applies CLIENT/NETMASK to DEVICE
-//!   (default eth0), adds a default route via GATEWAY, and takes HOSTNAME.
+//! * `ip=CLIENT:SERVER:GATEWAY:NETMASK:HOSTNAME:DEVICE:AUTOCONF:DNS0:DNS1` —
+//!   the kernel's own syntax; guest-init applies CLIENT/NETMASK to DEVICE
+//!   (default eth0), adds a default route via GATEWAY, takes HOSTNAME, and
+//!   writes DNS0 and DNS1 (when given) to `/etc/resolv.conf`.
 //! * `guest_init.hostname=NAME` — overrides the hostname.
 //! * `guest_init.port=PORT` — the vsock port (default 700; it must be below 1024).
 
@@ -19,6 +20,8 @@ pub struct IpConfig {
     pub gateway: Option<Ipv4Addr>,
     /// Interface name.
     pub device: String,
+    /// DNS servers (`dns0`, `dns1`), in order; empty when none is given.
+    pub dns: Vec<Ipv4Addr>,
 }
 
 /// Parsed command line.
@@ -59,6 +62,10 @@ impl Cmdline {
                         netmask: mask,
                         gateway: get(2).and_then(|s| s.parse().ok()),
                         device: get(5).unwrap_or("eth0").to_string(),
+                        dns: [7, 8]
+                            .into_iter()
+                            .filter_map(|i| get(i).and_then(|s| s.parse().ok()))
+                            .collect(),
                     });
                 }
                 if let Some(h) = get(4) {
@@ -92,9 +99,32 @@ mod tests {
         assert_eq!(ip.addr, Ipv4Addr::new(172, 16, 0, 2));
         assert_eq!(ip.gateway, Some(Ipv4Addr::new(172, 16, 0, 1)));
         assert_eq!(ip.device, "eth0");
+        assert!(ip.dns.is_empty(), "no dns0 without the field");
         let c = Cmdline::parse("ip=dhcp guest_init.hostname=x");
         assert_eq!(c.ip, None);
         assert_eq!(c.hostname.as_deref(), Some("x"));
         assert_eq!(c.vsock_port, proto::guest::DEFAULT_VSOCK_PORT);
+    }
+
+    #[test]
+    fn parses_dns_servers_after_autoconf() {
+        // host-agent's parameter: dns0 is the gateway (the session's resolver).
+        let c = Cmdline::parse("ip=172.16.0.2::172.16.0.1:255.255.255.252::eth0:off:172.16.0.1");
+        let ip = c.ip.unwrap();
+        assert_eq!(ip.dns, vec![Ipv4Addr::new(172, 16, 0, 1)]);
+        assert_eq!(ip.device, "eth0");
+        assert_eq!(c.hostname, None);
+        let c = Cmdline::parse("ip=10.0.0.2::10.0.0.1:255.255.255.0::eth1:off:10.0.0.53:10.0.0.54");
+        let ip = c.ip.unwrap();
+        assert_eq!(
+            ip.dns,
+            vec![Ipv4Addr::new(10, 0, 0, 53), Ipv4Addr::new(10, 0, 0, 54)]
+        );
+        assert_eq!(ip.device, "eth1");
+        // An empty or unparsable dns0 is no server; dns1 alone still counts.
+        let c = Cmdline::parse("ip=10.0.0.2::10.0.0.1:255.255.255.0::eth0:off::10.0.0.54");
+        assert_eq!(c.ip.unwrap().dns, vec![Ipv4Addr::new(10, 0, 0, 54)]);
+        let c = Cmdline::parse("ip=10.0.0.2::10.0.0.1:255.255.255.0::eth0:off:resolver");
+        assert!(c.ip.unwrap().dns.is_empty());
     }
 }

@@ -91,7 +91,7 @@ pub fn run(opts: Options) -> std::io::Result<()> {
         }
     }
     if opts.network {
-        net::configure(&cmd);
+        net::configure(&cmd, &opts.root);
     }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -2,6 +2,7 @@
 
 use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::Path;
 
 use super::cmdline::Cmdline;
 
@@ -154,9 +155,28 @@ pub fn set_hostname(name: &str) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Brings up lo, and the `ip=` device with its address and route. Failures
-/// are logged; the guest still serves the session channel (over vsock).
-pub fn configure(cmd: &Cmdline) {
+/// The text of `/etc/resolv.conf` naming `servers`, in order.
+pub fn resolv_conf(servers: &[Ipv4Addr]) -> String {
+    let mut s = String::from("# written by guest-init from the kernel's ip= parameter\n");
+    for ip in servers {
+        s.push_str(&format!("nameserver {ip}\n"));
+    }
+    s
+}
+
+/// Writes `resolv.conf` under `etc` naming `servers`. It replaces the file
+/// by a rename, so a symbolic link there (to a resolver daemon's file that
+/// does not exist in the guest) is replaced too, never followed.
+pub fn write_resolv_conf(etc: &Path, servers: &[Ipv4Addr]) -> std::io::Result<()> {
+    let tmp = etc.join(".resolv.conf.guest-init");
+    std::fs::write(&tmp, resolv_conf(servers))?;
+    std::fs::rename(&tmp, etc.join("resolv.conf"))
+}
+
+/// Brings up lo, and the `ip=` device with its address and route, and writes
+/// the `ip=` DNS servers (if any) to `<root>/etc/resolv.conf`. Failures are
+/// logged; the guest still serves the session channel (over vsock).
+pub fn configure(cmd: &Cmdline, root: &Path) {
     if let Err(e) = link_up("lo") {
         tracing::warn!(error = %e, "cannot bring up lo");
     }
@@ -171,6 +191,12 @@ pub fn configure(cmd: &Cmdline) {
         Ok(()) => tracing::info!(device = %ip.device, addr = %ip.addr, "network configured"),
         Err(e) => tracing::warn!(error = %e, device = %ip.device, "network configuration failed"),
     }
+    if !ip.dns.is_empty() {
+        match write_resolv_conf(&root.join("etc"), &ip.dns) {
+            Ok(()) => tracing::info!(servers = ?ip.dns, "resolv.conf written"),
+            Err(e) => tracing::warn!(error = %e, "cannot write /etc/resolv.conf"),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -183,6 +209,31 @@ mod tests {
         assert_eq!(std::mem::size_of::<IfreqAddr>(), 40);
         #[cfg(target_pointer_width = "64")]
         assert_eq!(std::mem::size_of::<RtEntry>(), 120);
+    }
+
+    #[test]
+    fn resolv_conf_names_the_servers_and_replaces_a_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let etc = dir.path();
+        // A dangling link, as a systemd-resolved image leaves it.
+        std::os::unix::fs::symlink(
+            "/run/systemd/resolve/stub-resolv.conf",
+            etc.join("resolv.conf"),
+        )
+        .unwrap();
+        write_resolv_conf(etc, &[Ipv4Addr::new(172, 16, 0, 1)]).unwrap();
+        let meta = std::fs::symlink_metadata(etc.join("resolv.conf")).unwrap();
+        assert!(meta.file_type().is_file());
+        let text = std::fs::read_to_string(etc.join("resolv.conf")).unwrap();
+        assert!(text.lines().any(|l| l == "nameserver 172.16.0.1"), "{text}");
+        assert_eq!(
+            text.lines().filter(|l| l.starts_with("nameserver")).count(),
+            1
+        );
+        assert!(!etc.join(".resolv.conf.guest-init").exists());
+        let two = resolv_conf(&[Ipv4Addr::new(10, 0, 0, 53), Ipv4Addr::new(10, 0, 0, 54)]);
+        let servers: Vec<&str> = two.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(servers, ["nameserver 10.0.0.53", "nameserver 10.0.0.54"]);
     }
 
     #[test]

@@ -13,8 +13,12 @@
 //!
 //! Name resolution is limited to allowed hosts: guest-init resolves them at
 //! session start and writes `/etc/hosts`; DNS traffic (port 53) is itself
-//! egress and is dropped unless listed. Denials are counted in the named
-//! counter `denied` and reported as `egress.denied` audit events.
+//! egress and is dropped unless listed, or sent to a nameserver the kernel's
+//! `ip=` parameter names ([`EgressPlan::allow_nameservers`]): that is the
+//! host's per-session resolver, which answers only the names the session is
+//! granted, so the plan's own resolution goes through it. Denials are
+//! counted in the named counter `denied` and reported as `egress.denied`
+//! audit events.
 
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -177,6 +181,25 @@ pub struct EgressPlan {
     pub hosts: Vec<(IpAddr, String)>,
     /// Addresses a host resolved to that were dropped as special, with the host.
     pub refused: Vec<(IpAddr, String)>,
+}
+
+/// The DNS port a nameserver is allowed on.
+pub const DNS_PORT: u16 = 53;
+
+impl EgressPlan {
+    /// Lets DNS queries (UDP and TCP port 53) to each of `servers` through,
+    /// ahead of every other rule, so that a nameserver on a private address
+    /// (the host's resolver at the guest's gateway) is not caught by the
+    /// special-block deny. Only port 53 of exactly those addresses opens.
+    pub fn allow_nameservers(&mut self, servers: &[IpAddr]) {
+        let rules = servers.iter().map(|ip| Allowed {
+            cidr: Cidr::new(*ip, if ip.is_ipv4() { 32 } else { 128 }),
+            ports: vec![DNS_PORT],
+            origin: format!("nameserver {ip}"),
+        });
+        let rules: Vec<Allowed> = rules.collect();
+        self.allowed.splice(0..0, rules);
+    }
 }
 
 /// Resolves the entries with `resolve` (host name to addresses).
@@ -366,6 +389,39 @@ mod tests {
         assert!(allow < deny);
         assert!(rules.contains("169.254.0.0/16"));
         assert!(hosts_file(&plan).contains("198.51.100.7 crates.io"));
+    }
+
+    #[test]
+    fn the_nameserver_is_allowed_on_port_53_only() {
+        let entries = [entry(Some("crates.io"), None, &[443])];
+        let mut plan = plan(&entries, |_| vec!["198.51.100.7".parse().unwrap()]).unwrap();
+        let without = nft_ruleset(&plan);
+        assert!(!without.contains("dport { 53 }"), "{without}");
+        plan.allow_nameservers(&["172.16.0.1".parse().unwrap()]);
+        assert_eq!(plan.allowed.len(), 2);
+        assert_eq!(plan.allowed[0].ports, vec![53]);
+        assert_eq!(plan.allowed[0].cidr.to_string(), "172.16.0.1/32");
+        let rules = nft_ruleset(&plan);
+        let udp = rules
+            .find(
+                "ip daddr 172.16.0.1/32 udp dport { 53 } accept comment \"nameserver 172.16.0.1\"",
+            )
+            .expect("UDP 53 to the nameserver");
+        let tcp = rules
+            .find("ip daddr 172.16.0.1/32 tcp dport { 53 } accept")
+            .expect("TCP 53 to the nameserver");
+        // Before the deny of 172.16.0.0/12, which holds the gateway.
+        let deny = rules.find("guest-egress-deny-special").unwrap();
+        assert!(udp < deny && tcp < deny);
+        // Nothing else of the nameserver's address or of port 53 opens.
+        assert_eq!(rules.matches("172.16.0.1/32").count(), 2, "{rules}");
+        assert_eq!(rules.matches("dport { 53 }").count(), 2, "{rules}");
+        // No address becomes a resolvable host name.
+        assert!(!hosts_file(&plan).contains("172.16.0.1"));
+        // Without a nameserver nothing changes.
+        let mut same = super::plan(&entries, |_| vec!["198.51.100.7".parse().unwrap()]).unwrap();
+        same.allow_nameservers(&[]);
+        assert_eq!(nft_ruleset(&same), without);
     }
 
     #[test]

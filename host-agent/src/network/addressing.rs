@@ -23,9 +23,12 @@ pub const GUEST_MAC: &str = "06:00:ac:10:00:02";
 pub const TAP_NAME: &str = "tap0";
 
 /// The kernel's `ip=` parameter that configures the guest's NIC at boot, the
-/// same in every clone: `ip=<guest>::<gateway>:<netmask>::eth0:off`.
+/// same in every clone: `ip=<guest>::<gateway>:<netmask>::eth0:off:<dns0>`.
+/// The DNS server (`dns0`, after `autoconf` in the kernel's syntax) is the
+/// gateway, where the session's resolver listens
+/// ([`crate::network::dns`]); guest-init writes it to `/etc/resolv.conf`.
 pub fn guest_kernel_ip_param() -> String {
-    format!("ip={GUEST_IP}::{GATEWAY_IP}:255.255.255.252::eth0:off")
+    format!("ip={GUEST_IP}::{GATEWAY_IP}:255.255.255.252::eth0:off:{GATEWAY_IP}")
 }
 
 /// An IPv4 CIDR block.
@@ -220,7 +223,12 @@ mod tests {
     fn the_guest_is_configured_the_same_in_every_clone() {
         assert_eq!(
             guest_kernel_ip_param(),
-            "ip=172.16.0.2::172.16.0.1:255.255.255.252::eth0:off"
+            "ip=172.16.0.2::172.16.0.1:255.255.255.252::eth0:off:172.16.0.1"
         );
+        // The DNS server is the resolver's address: the gateway.
+        let param = guest_kernel_ip_param();
+        let fields: Vec<&str> = param.trim_start_matches("ip=").split(':').collect();
+        assert_eq!(fields.get(7), Some(&GATEWAY_IP.to_string().as_str()));
+        assert_eq!(fields.get(2), Some(&GATEWAY_IP.to_string().as_str()));
     }
 }
