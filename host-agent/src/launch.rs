@@ -8,6 +8,7 @@ use vmm_api::command::{jail_id, Bind, DiskSpec, JailSpec, NetSpec, RestoreSpec, 
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::io_limits::IoLimits;
 use crate::network::addressing::{GUEST_MAC, TAP_NAME};
 use crate::store::ImageRow;
 use crate::supervisor::run_dirs;
@@ -58,18 +59,28 @@ pub fn restore_launch(
         memory_max_mib: (overhead > 0).then(|| u64::from(image.mem_mib) + overhead),
         netns: netns.map(|n| PathBuf::from("/run/netns").join(n)),
     });
+    let limits = IoLimits::decode(&image.io_limits).unwrap_or_else(|e| {
+        // Written by this host-agent after the same check: only a damaged
+        // database gets here; the VM still starts, and the operator is told.
+        tracing::error!(image = %image.id, error = %e, "the image's rate limits do not read back; none applied");
+        IoLimits::default()
+    });
     let mut spec = RestoreSpec::new(snapshot);
     spec.globals.log_max_bytes = Some(cfg.logs.max_file_bytes);
     spec.paused = paused;
     spec.devices.serial = Serial::File(inside.join("serial.log"));
     if !image.rootfs.is_empty() {
-        spec.devices.disks.push(DiskSpec::rw(inside.join(VM_DISK)));
+        let mut disk = DiskSpec::rw(inside.join(VM_DISK));
+        disk.limits = limits.disk;
+        spec.devices.disks.push(disk);
     }
     // As the golden boot had it (see images::build_golden).
     spec.devices.rng = image.guest_init;
     spec.devices.vsock = cfg.vsock_device(image.guest_init, &inside);
     if netns.is_some() {
-        spec.devices.net = Some(guest_nic());
+        let mut nic = guest_nic();
+        nic.limits = limits.net;
+        spec.devices.net = Some(nic);
     }
     (spec, jail)
 }

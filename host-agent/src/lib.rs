@@ -22,6 +22,7 @@ pub mod error;
 pub mod events;
 pub mod guest;
 pub mod images;
+pub mod io_limits;
 pub mod jail_uids;
 pub mod launch;
 pub mod metrics;

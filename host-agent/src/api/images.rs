@@ -34,7 +34,8 @@ impl Images for ImagesApi {
                 &r.cmdline,
                 r.mem_mib,
                 r.vcpus,
-                r.guest_init
+                r.guest_init,
+                &r.io_limits
             )
         );
         let mgr = &self.0;
@@ -57,6 +58,7 @@ impl Images for ImagesApi {
                     golden_dir: String::new(),
                     created_at: now_ms(),
                     golden_built_at: 0,
+                    io_limits: crate::io_limits::IoLimits::from_pb(r.io_limits.as_ref())?.encode(),
                 };
                 validate(&mut row, &mgr.image_roots)?;
                 mgr.store.insert_image(&row)?;

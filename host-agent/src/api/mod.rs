@@ -123,6 +123,21 @@ pub fn image_pb(i: &ImageRow) -> pb::Image {
         created_at: i.created_at,
         golden_built_at: i.golden_built_at,
         initrd_path: i.initrd.clone(),
+        io_limits: limits_pb(&i.io_limits),
+    }
+}
+
+/// Stored limits as the API reports them (`None`: none set).
+fn limits_pb(stored: &str) -> Option<pb::IoLimits> {
+    if stored.is_empty() {
+        return None;
+    }
+    match crate::io_limits::IoLimits::decode(stored) {
+        Ok(l) => Some(l.to_pb()),
+        Err(e) => {
+            tracing::error!(error = %e, "stored rate limits do not read back");
+            None
+        }
     }
 }
 
@@ -147,6 +162,7 @@ pub fn session_pb(s: &SessionRow) -> pb::Session {
         head_commit: s.head_commit.clone(),
         labels: s.labels.clone().into_iter().collect(),
         network: None,
+        io_limits: limits_pb(&s.io_limits),
     }
 }
 

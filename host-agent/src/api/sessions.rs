@@ -112,6 +112,8 @@ fn create_params(
         agent: r.agent,
         base_ref: r.base_ref,
         owner: caller.name.clone(),
+        io_limits: crate::io_limits::IoLimits::from_pb(r.io_limits.as_ref())?,
+        may_loosen_limits: caller.may(crate::auth::Scope::Admin),
     })
 }
 

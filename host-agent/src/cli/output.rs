@@ -113,6 +113,7 @@ impl Record for pb::Image {
             "golden_snapshot_dir": self.golden_snapshot_dir,
             "created_at": self.created_at,
             "golden_built_at": self.golden_built_at,
+            "io_limits": self.io_limits.as_ref().map(limits_json),
         })
     }
 }
@@ -158,8 +159,27 @@ impl Record for pb::Session {
             "head_commit": self.head_commit,
             "labels": self.labels,
             "network": self.network.as_ref().map(Record::json),
+            "io_limits": self.io_limits.as_ref().map(limits_json),
         })
     }
+}
+
+/// Rate limits as JSON: the fields that are set.
+fn limits_json(l: &pb::IoLimits) -> Value {
+    let mut m = serde_json::Map::new();
+    for (k, v) in [
+        ("net_rx_bandwidth", &l.net_rx_bandwidth),
+        ("net_tx_bandwidth", &l.net_tx_bandwidth),
+        ("net_rx_packets", &l.net_rx_packets),
+        ("net_tx_packets", &l.net_tx_packets),
+        ("disk_bandwidth", &l.disk_bandwidth),
+        ("disk_iops", &l.disk_iops),
+    ] {
+        if !v.is_empty() {
+            m.insert(k.into(), Value::String(v.clone()));
+        }
+    }
+    Value::Object(m)
 }
 
 impl Record for pb::Event {

@@ -78,6 +78,10 @@ pub struct CreateParams {
     pub base_ref: String,
     /// The client creating the session (its owner).
     pub owner: String,
+    /// Overrides of the image's device rate limits.
+    pub io_limits: crate::io_limits::IoLimits,
+    /// Whether the client may loosen the image's limits (the admin scope).
+    pub may_loosen_limits: bool,
 }
 
 impl CreateParams {
@@ -91,7 +95,8 @@ impl CreateParams {
                 &self.labels,
                 &self.repository,
                 &self.agent,
-                &self.base_ref
+                &self.base_ref,
+                self.io_limits.encode()
             )
         )
     }

@@ -52,12 +52,13 @@ fn image_from_row(r: &Row<'_>) -> rusqlite::Result<ImageRow> {
         created_at: r.get(8)?,
         golden_built_at: r.get(9)?,
         initrd: r.get(10)?,
+        io_limits: r.get(11)?,
     })
 }
 
 const SESSION_COLS: &str = "id, image_id, state, execution_id, reason, detail, created_at, \
     ready_at, ended_at, vmm_pid, vmm_start_ticks, dir, ttl_s, idle_s, labels, branch, \
-    head_commit, last_activity, repository, agent, base_ref, owner, jail_uid";
+    head_commit, last_activity, repository, agent, base_ref, owner, jail_uid, io_limits";
 
 fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
     let labels: String = r.get(14)?;
@@ -86,6 +87,7 @@ fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
         base_ref: r.get(20)?,
         owner: r.get(21)?,
         jail_uid: r.get::<_, i64>(22)? as u32,
+        io_limits: r.get(23)?,
     })
 }
 
@@ -147,7 +149,7 @@ impl Store {
     pub fn insert_image(&self, img: &ImageRow) -> Result<()> {
         let n = self.with(|c| {
             c.execute(
-                "INSERT OR IGNORE INTO images VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)",
+                "INSERT OR IGNORE INTO images VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12)",
                 params![
                     img.id,
                     img.kernel,
@@ -159,7 +161,8 @@ impl Store {
                     img.golden_dir,
                     img.created_at,
                     img.golden_built_at,
-                    img.initrd
+                    img.initrd,
+                    img.io_limits
                 ],
             )
         })?;
@@ -471,7 +474,7 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
     c.execute(
         &format!(
             "INSERT OR REPLACE INTO sessions({SESSION_COLS}) VALUES \
-             (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21,?22,?23)"
+             (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21,?22,?23,?24)"
         ),
         params![
             s.id,
@@ -496,7 +499,8 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
             s.agent,
             s.base_ref,
             s.owner,
-            i64::from(s.jail_uid)
+            i64::from(s.jail_uid),
+            s.io_limits
         ],
     )?;
     Ok(())

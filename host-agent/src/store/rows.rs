@@ -27,6 +27,9 @@ pub struct ImageRow {
     pub created_at: i64,
     /// Golden snapshot time (Unix ms), 0 until built.
     pub golden_built_at: i64,
+    /// Its VMs' device rate limits, encoded by [`crate::io_limits::IoLimits`]
+    /// (empty: none).
+    pub io_limits: String,
 }
 
 /// A session as persisted.
@@ -81,6 +84,9 @@ pub struct SessionRow {
     /// uid (= gid) of the session's jailed vmm, 0 when not jailed. Kept so a
     /// restarted host-agent never hands a live session's uid to another VM.
     pub jail_uid: u32,
+    /// The session's device rate limits in force (the image's with the
+    /// session's overrides), encoded by [`crate::io_limits::IoLimits`].
+    pub io_limits: String,
 }
 
 /// One lifecycle event.

@@ -10,7 +10,7 @@ CREATE TABLE IF NOT EXISTS images(
   id TEXT PRIMARY KEY, kernel TEXT NOT NULL, rootfs TEXT NOT NULL, cmdline TEXT NOT NULL,
   mem_mib INTEGER NOT NULL, vcpus INTEGER NOT NULL, guest_init INTEGER NOT NULL,
   golden_dir TEXT NOT NULL, created_at INTEGER NOT NULL, golden_built_at INTEGER NOT NULL,
-  initrd TEXT NOT NULL DEFAULT '');
+  initrd TEXT NOT NULL DEFAULT '', io_limits TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS sessions(
   id TEXT PRIMARY KEY, image_id TEXT NOT NULL, state INTEGER NOT NULL, execution_id TEXT NOT NULL,
   reason TEXT NOT NULL, detail TEXT NOT NULL, created_at INTEGER NOT NULL, ready_at INTEGER NOT NULL,
@@ -18,7 +18,8 @@ CREATE TABLE IF NOT EXISTS sessions(
   dir TEXT NOT NULL, ttl_s INTEGER NOT NULL, idle_s INTEGER NOT NULL, labels TEXT NOT NULL,
   branch TEXT NOT NULL, head_commit TEXT NOT NULL, last_activity INTEGER NOT NULL,
   repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL,
-  owner TEXT NOT NULL DEFAULT 'legacy', jail_uid INTEGER NOT NULL DEFAULT 0);
+  owner TEXT NOT NULL DEFAULT 'legacy', jail_uid INTEGER NOT NULL DEFAULT 0,
+  io_limits TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS events(
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
   at INTEGER NOT NULL, from_state INTEGER NOT NULL, to_state INTEGER NOT NULL,
@@ -66,6 +67,14 @@ pub(super) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     }
     if !has_column(conn, "sessions", "jail_uid")? {
         conn.execute_batch("ALTER TABLE sessions ADD COLUMN jail_uid INTEGER NOT NULL DEFAULT 0;")?;
+    }
+    for table in ["images", "sessions"] {
+        if !has_column(conn, table, "io_limits")? {
+            // The table name is one of the constants above.
+            conn.execute_batch(&format!(
+                "ALTER TABLE {table} ADD COLUMN io_limits TEXT NOT NULL DEFAULT '';"
+            ))?;
+        }
     }
     Ok(())
 }

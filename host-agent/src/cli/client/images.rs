@@ -30,6 +30,10 @@ pub enum ImagesCmd {
         vcpus: u32,
         #[arg(long)]
         guest_init: bool,
+        /// A device rate limit of its VMs, `FIELD=RATE` (repeatable), e.g.
+        /// `net_tx_bandwidth=10M`, `disk_iops=500`.
+        #[arg(long = "io-limit")]
+        io_limit: Vec<String>,
     },
     /// Build an image's golden snapshot.
     Build { id: String },
@@ -52,6 +56,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: ImagesCmd) -> Resu
             mem_mib,
             vcpus,
             guest_init,
+            io_limit,
         } => {
             let i = cl
                 .register_image(pb::RegisterImageRequest {
@@ -63,6 +68,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: ImagesCmd) -> Resu
                     mem_mib,
                     vcpus,
                     guest_init,
+                    io_limits: super::io_limits::parse(&io_limit)?,
                     ..Default::default()
                 })
                 .await

@@ -11,6 +11,7 @@ use crate::Cmd;
 mod events;
 mod exec;
 mod images;
+mod io_limits;
 mod node;
 mod sessions;
 mod usage;

@@ -30,6 +30,10 @@ pub enum SessionsCmd {
         ttl: u64,
         #[arg(long, default_value_t = 0)]
         idle_timeout: u64,
+        /// Override one of the image's device rate limits, `FIELD=RATE`
+        /// (repeatable; tighter only, unless the client is an admin).
+        #[arg(long = "io-limit")]
+        io_limit: Vec<String>,
     },
     /// List sessions.
     List,
@@ -82,6 +86,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
             idempotency_key,
             ttl,
             idle_timeout,
+            io_limit,
         } => cl
             .create_session(pb::CreateSessionRequest {
                 image_id: image,
@@ -93,6 +98,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
                     ttl_seconds: ttl,
                     idle_timeout_seconds: idle_timeout,
                 }),
+                io_limits: super::io_limits::parse(&io_limit)?,
                 ..Default::default()
             })
             .await
