@@ -27,6 +27,50 @@ pub struct Sample {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// The network counters of a session, raw or cumulative: what its
+/// virtio-net device moved (from the vmm's status), what the host-side
+/// rules dropped (the namespace's `denied` counter) and the DNS queries its
+/// resolver refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NetIo {
+    /// Bytes of frames delivered to the guest.
+    pub rx_bytes: u64,
+    /// Frames delivered to the guest.
+    pub rx_packets: u64,
+    /// Bytes of frames the guest sent.
+    pub tx_bytes: u64,
+    /// Frames the guest sent.
+    pub tx_packets: u64,
+    /// Guest packets the host-side egress rules dropped.
+    pub denied_packets: u64,
+    /// DNS queries the session's resolver refused.
+    pub dns_denied: u64,
+}
+
+impl NetIo {
+    fn fields(&self) -> [u64; 6] {
+        [
+            self.rx_bytes,
+            self.rx_packets,
+            self.tx_bytes,
+            self.tx_packets,
+            self.denied_packets,
+            self.dns_denied,
+        ]
+    }
+
+    fn from_fields(f: [u64; 6]) -> Self {
+        Self {
+            rx_bytes: f[0],
+            rx_packets: f[1],
+            tx_bytes: f[2],
+            tx_packets: f[3],
+            denied_packets: f[4],
+            dns_denied: f[5],
+        }
+    }
+}
+
 /// Cumulative counters of one session.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Meter {
@@ -46,6 +90,10 @@ pub struct Meter {
     last_rss_gib: f64,
     raw_cpu_ns: Option<u64>,
     raw_disk: Option<u64>,
+    /// Cumulative network counters.
+    net: NetIo,
+    /// The last raw network reading (`None`: the next one is a baseline).
+    raw_net: Option<NetIo>,
     finished: bool,
 }
 
@@ -67,6 +115,10 @@ impl Meter {
             last_rss_gib: 0.0,
             raw_cpu_ns: None,
             raw_disk: None,
+            net: NetIo::default(),
+            // A new session's network counters (its vmm process, resolver
+            // and ruleset are new) start from zero.
+            raw_net: Some(NetIo::default()),
             finished: false,
         }
     }
@@ -89,6 +141,11 @@ impl Meter {
             last_rss_gib: 0.0,
             raw_cpu_ns: Some(last.raw_cpu_ns),
             raw_disk: Some(last.raw_disk),
+            net: last.net,
+            // The raw network counters are not kept: the first reading after
+            // a restart is a baseline (what moved since the last record is
+            // not counted).
+            raw_net: None,
             finished: last.is_final,
         }
     }
@@ -126,6 +183,32 @@ impl Meter {
     pub fn set_billable(&mut self, now: i64, billable: bool) {
         self.accrue(now);
         self.billable = billable;
+    }
+
+    /// Absorbs a raw network reading: each counter grows by what it grew
+    /// since the last one (a counter that went down was reset, by a new
+    /// vmm process, resolver or ruleset, and counts from zero).
+    pub fn absorb_net(&mut self, reading: NetIo) {
+        if let Some(prev) = self.raw_net {
+            let mut total = self.net.fields();
+            for (i, (now, before)) in reading.fields().into_iter().zip(prev.fields()).enumerate() {
+                let delta = if now >= before { now - before } else { now };
+                total[i] = total[i].saturating_add(delta);
+            }
+            self.net = NetIo::from_fields(total);
+        }
+        self.raw_net = Some(reading);
+    }
+
+    /// The cumulative network counters.
+    pub fn net(&self) -> NetIo {
+        self.net
+    }
+
+    /// The network counters' next reading is a baseline (the VM's network
+    /// counters moved to a new process).
+    pub fn new_net_baseline(&mut self) {
+        self.raw_net = None;
     }
 
     fn absorb(&mut self, s: Option<Sample>) {
@@ -202,6 +285,7 @@ impl Meter {
             is_final,
             raw_cpu_ns: self.raw_cpu_ns.unwrap_or(0),
             raw_disk: self.raw_disk.unwrap_or(0),
+            net: self.net,
         };
         self.record_start = self.accrued_to;
         row
@@ -374,6 +458,40 @@ mod tests {
         assert_eq!(r2.interval_start, T0 + 3000);
         assert_eq!(r2.billed_ms, 5000);
         assert_eq!(r2.vcpu_ns, 700_000_000);
+    }
+
+    #[test]
+    fn network_counters_grow_by_their_deltas_across_resets_and_restarts() {
+        let io = |rx: u64, denied: u64, dns: u64| NetIo {
+            rx_bytes: rx,
+            rx_packets: rx / 100,
+            denied_packets: denied,
+            dns_denied: dns,
+            ..Default::default()
+        };
+        let mut m = Meter::start("s", "e", 1024, T0);
+        // From zero: the first reading counts whole.
+        m.absorb_net(io(1000, 2, 1));
+        let r1 = m.record(T0 + 1000, None);
+        assert_eq!(r1.net, io(1000, 2, 1));
+        // Deltas; no reading: no growth.
+        m.absorb_net(io(1500, 2, 4));
+        let r2 = m.record(T0 + 2000, None);
+        assert_eq!(r2.net, io(1500, 2, 4));
+        assert_eq!(m.record(T0 + 3000, None).net, io(1500, 2, 4));
+        // A new vmm process and a rewritten ruleset: their counters went
+        // down, and count from zero again.
+        m.absorb_net(io(300, 1, 5));
+        let r3 = m.record(T0 + 4000, None);
+        assert_eq!(r3.net, io(1800, 3, 5));
+        // After a host-agent restart the first reading is a baseline.
+        let mut m2 = Meter::resume_from(&r3, 1024, true);
+        m2.absorb_net(io(900, 7, 0));
+        assert_eq!(m2.record(T0 + 5000, None).net, io(1800, 3, 5));
+        m2.absorb_net(io(1000, 7, 2));
+        let r5 = m2.finish(T0 + 6000, None);
+        assert_eq!(r5.net, io(1900, 3, 7));
+        assert_eq!(r5.net.rx_packets, 19);
     }
 
     #[test]

@@ -93,6 +93,17 @@ pub async fn serve(
     });
     let m = mgr.clone();
     tokio::spawn(async move {
+        // The network counters, as often as usage records are written; the
+        // namespaces' `denied` counters (a process per read) every tenth time.
+        let mut tick = tokio::time::interval(Duration::from_millis(m.cfg.usage_interval_ms));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        for n in 0u64.. {
+            tick.tick().await;
+            m.sample_network(n % 10 == 0).await;
+        }
+    });
+    let m = mgr.clone();
+    tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_millis(m.cfg.limits_interval_ms));
         loop {
             tick.tick().await;

@@ -75,6 +75,9 @@ pub struct Gauges {
     pub usage_totals: (f64, f64),
     /// Guest channels whose exec clients do not keep up.
     pub guest_backpressured: usize,
+    /// Guest packets the host-side egress rules dropped and DNS queries the
+    /// sessions' resolvers refused, over the sessions in memory.
+    pub denied_totals: (u64, u64),
 }
 
 /// Where the endpoint reads the [`Gauges`] from (the session manager), so
@@ -126,6 +129,11 @@ pub fn render(g: &Gauges) -> String {
     let _ = writeln!(out, "hostagent_usage_billed_seconds_total {}", u.0);
     let _ = writeln!(out, "# TYPE hostagent_usage_vcpu_seconds_total counter");
     let _ = writeln!(out, "hostagent_usage_vcpu_seconds_total {}", u.1);
+    let (packets, queries) = g.denied_totals;
+    let _ = writeln!(out, "# TYPE hostagent_egress_denied_packets_total counter");
+    let _ = writeln!(out, "hostagent_egress_denied_packets_total {packets}");
+    let _ = writeln!(out, "# TYPE hostagent_dns_denied_queries_total counter");
+    let _ = writeln!(out, "hostagent_dns_denied_queries_total {queries}");
     let _ = writeln!(out, "# TYPE hostagent_api_errors_total counter");
     for (code, n) in API_ERRORS.lock().unwrap_or_else(|p| p.into_inner()).iter() {
         let name = format!("{:?}", tonic::Code::from_i32(*code));

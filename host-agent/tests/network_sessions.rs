@@ -406,6 +406,16 @@ async fn a_sessions_allowlist_is_what_its_manifest_grants_within_the_nodes() {
     // event says so.
     let m = ask_udp(&ns[0], "evil.example", RecordType::A).expect("an answer");
     assert_eq!(m.response_code(), ResponseCode::NXDomain);
+    // Counted in the session's usage records (read every usage interval).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let usage = agent.usage_of(&coder.session_id).await;
+        if usage.last().is_some_and(|u| u.dns_denied_queries == 1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{usage:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let events = agent.session_events(&coder.session_id).await;
     let denied: Vec<_> = events.iter().filter(|e| e.reason == "dns_denied").collect();
     assert_eq!(denied.len(), 1, "{events:?}");

@@ -194,5 +194,11 @@ pub fn usage_pb(u: &UsageRow) -> pb::UsageRecord {
         memory_resident_gib_seconds: u.mem_resident_gib_ms / 1000.0,
         disk_bytes_written: u.disk_bytes,
         r#final: u.is_final,
+        net_rx_bytes: u.net.rx_bytes,
+        net_rx_packets: u.net.rx_packets,
+        net_tx_bytes: u.net.tx_bytes,
+        net_tx_packets: u.net.tx_packets,
+        egress_denied_packets: u.net.denied_packets,
+        dns_denied_queries: u.net.dns_denied,
     }
 }

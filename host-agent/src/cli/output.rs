@@ -300,6 +300,12 @@ impl Record for pb::UsageRecord {
             "memory_resident_gib_seconds": self.memory_resident_gib_seconds,
             "disk_bytes_written": self.disk_bytes_written,
             "final": self.r#final,
+            "net_rx_bytes": self.net_rx_bytes,
+            "net_rx_packets": self.net_rx_packets,
+            "net_tx_bytes": self.net_tx_bytes,
+            "net_tx_packets": self.net_tx_packets,
+            "egress_denied_packets": self.egress_denied_packets,
+            "dns_denied_queries": self.dns_denied_queries,
         })
     }
 }

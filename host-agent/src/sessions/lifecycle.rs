@@ -143,7 +143,11 @@ impl Manager {
             }
         }
         let mut final_usage = None;
+        let reading = inner.net_reading.take();
         if let Some(m) = inner.meter.as_mut() {
+            if let Some(r) = reading {
+                m.absorb_net(r);
+            }
             if to == S::Stopping as i32 {
                 if let Some(s) = pid.and_then(read_sample) {
                     m.observe(s);

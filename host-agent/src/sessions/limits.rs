@@ -10,9 +10,13 @@ impl Manager {
         for sess in self.all() {
             let mut i = sess.lock();
             let pid = i.vmm.as_ref().and_then(|v| v.sample_pid());
+            let reading = net_usage::take_reading(&mut i);
             let Some(m) = i.meter.as_mut() else { continue };
             if m.is_finished() {
                 continue;
+            }
+            if let Some(r) = reading {
+                m.absorb_net(r);
             }
             let row = m.record(now, pid.and_then(read_sample));
             if let Err(e) = self.store.insert_usage(&row) {

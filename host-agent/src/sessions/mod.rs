@@ -17,6 +17,7 @@ mod exits;
 mod golden;
 mod lifecycle;
 mod limits;
+mod net_usage;
 mod network;
 mod ops;
 mod ports;
@@ -124,6 +125,8 @@ struct Inner {
     exposed: BTreeMap<u16, crate::network::expose::ExposedPort>,
     /// Its network's DNS resolver.
     dns: Option<Arc<crate::network::dns::DnsHandle>>,
+    /// The latest raw network counters, not yet in a usage record.
+    net_reading: Option<crate::accounting::NetIo>,
 }
 
 /// One session in memory.
@@ -385,6 +388,7 @@ impl Manager {
                 net_hosts: vec![],
                 exposed: BTreeMap::new(),
                 dns: None,
+                net_reading: None,
                 net_deny: vec![],
             }),
             state,
@@ -400,6 +404,7 @@ impl metrics::GaugeSource for Manager {
             sessions_by_state: self.count_by_state(),
             usage_totals: self.usage_totals(),
             guest_backpressured: self.guest_backpressured(),
+            denied_totals: self.denied_totals(),
         }
     }
 }

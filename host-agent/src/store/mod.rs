@@ -92,7 +92,8 @@ fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
 }
 
 const USAGE_COLS: &str = "seq, session_id, execution_id, interval_start, interval_end, \
-    billed_ms, vcpu_ns, mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk";
+    billed_ms, vcpu_ns, mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk, \
+    net_rx_bytes, net_rx_packets, net_tx_bytes, net_tx_packets, net_denied, dns_denied";
 
 fn usage_from_row(r: &Row<'_>) -> rusqlite::Result<UsageRow> {
     Ok(UsageRow {
@@ -109,6 +110,14 @@ fn usage_from_row(r: &Row<'_>) -> rusqlite::Result<UsageRow> {
         is_final: r.get(10)?,
         raw_cpu_ns: r.get::<_, i64>(11)? as u64,
         raw_disk: r.get::<_, i64>(12)? as u64,
+        net: crate::accounting::NetIo {
+            rx_bytes: r.get::<_, i64>(13)? as u64,
+            rx_packets: r.get::<_, i64>(14)? as u64,
+            tx_bytes: r.get::<_, i64>(15)? as u64,
+            tx_packets: r.get::<_, i64>(16)? as u64,
+            denied_packets: r.get::<_, i64>(17)? as u64,
+            dns_denied: r.get::<_, i64>(18)? as u64,
+        },
     })
 }
 
@@ -295,8 +304,10 @@ impl Store {
         self.with(|c| {
             c.execute(
                 "INSERT INTO usage(session_id, execution_id, interval_start, interval_end, billed_ms, \
-                 vcpu_ns, mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk, owner) \
-                 VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12, \
+                 vcpu_ns, mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk, \
+                 net_rx_bytes, net_rx_packets, net_tx_bytes, net_tx_packets, net_denied, \
+                 dns_denied, owner) \
+                 VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18, \
                  COALESCE((SELECT owner FROM sessions WHERE id = ?1), 'legacy'))",
                 params![
                     u.session_id,
@@ -310,7 +321,13 @@ impl Store {
                     u.disk_bytes as i64,
                     u.is_final,
                     u.raw_cpu_ns as i64,
-                    u.raw_disk as i64
+                    u.raw_disk as i64,
+                    u.net.rx_bytes as i64,
+                    u.net.rx_packets as i64,
+                    u.net.tx_bytes as i64,
+                    u.net.tx_packets as i64,
+                    u.net.denied_packets as i64,
+                    u.net.dns_denied as i64
                 ],
             )?;
             Ok(c.last_insert_rowid() as u64)

@@ -139,6 +139,8 @@ pub struct UsageRow {
     pub raw_cpu_ns: u64,
     /// Raw write_bytes of the process at `interval_end`.
     pub raw_disk: u64,
+    /// Cumulative network counters.
+    pub net: crate::accounting::NetIo,
 }
 
 /// One audit record from a guest, chained on the host.

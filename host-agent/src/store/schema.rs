@@ -29,7 +29,10 @@ CREATE TABLE IF NOT EXISTS usage(
   interval_start INTEGER NOT NULL, interval_end INTEGER NOT NULL, billed_ms INTEGER NOT NULL,
   vcpu_ns INTEGER NOT NULL, mem_alloc REAL NOT NULL, mem_res REAL NOT NULL, disk INTEGER NOT NULL,
   final INTEGER NOT NULL, raw_cpu_ns INTEGER NOT NULL, raw_disk INTEGER NOT NULL,
-  owner TEXT NOT NULL DEFAULT 'legacy');
+  owner TEXT NOT NULL DEFAULT 'legacy',
+  net_rx_bytes INTEGER NOT NULL DEFAULT 0, net_rx_packets INTEGER NOT NULL DEFAULT 0,
+  net_tx_bytes INTEGER NOT NULL DEFAULT 0, net_tx_packets INTEGER NOT NULL DEFAULT 0,
+  net_denied INTEGER NOT NULL DEFAULT 0, dns_denied INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS usage_session ON usage(session_id, seq);
 CREATE TABLE IF NOT EXISTS audit(
   session_id TEXT NOT NULL, guest_seq INTEGER NOT NULL, json TEXT NOT NULL,
@@ -38,6 +41,16 @@ CREATE TABLE IF NOT EXISTS idempotency(
   key TEXT PRIMARY KEY, method TEXT NOT NULL, fingerprint TEXT NOT NULL,
   response BLOB NOT NULL, at INTEGER NOT NULL);
 "#;
+
+/// The usage table's network counters, in [`crate::accounting::NetIo`]'s order.
+pub(super) const NET_USAGE_COLUMNS: [&str; 6] = [
+    "net_rx_bytes",
+    "net_rx_packets",
+    "net_tx_bytes",
+    "net_tx_packets",
+    "net_denied",
+    "dns_denied",
+];
 
 /// Whether `table` has `column`.
 fn has_column(conn: &Connection, table: &str, column: &str) -> rusqlite::Result<bool> {
@@ -67,6 +80,14 @@ pub(super) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     }
     if !has_column(conn, "sessions", "jail_uid")? {
         conn.execute_batch("ALTER TABLE sessions ADD COLUMN jail_uid INTEGER NOT NULL DEFAULT 0;")?;
+    }
+    for column in NET_USAGE_COLUMNS {
+        if !has_column(conn, "usage", column)? {
+            // The column name is one of the constants below.
+            conn.execute_batch(&format!(
+                "ALTER TABLE usage ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0;"
+            ))?;
+        }
     }
     for table in ["images", "sessions"] {
         if !has_column(conn, table, "io_limits")? {
