@@ -107,24 +107,9 @@ impl Repo {
     /// Writes to `dest` a bundle holding `base_ref` and what it needs, and no
     /// other ref: a branch or tag as itself, a commit as [`COMMIT_BASE_REF`].
     pub async fn write_base_bundle(&self, base_ref: &str, dest: &Path) -> Result<BaseBundle> {
-        if base_ref.is_empty() || base_ref.starts_with('-') {
-            return Err(Error::invalid(format!(
-                "base_ref {base_ref:?} is not a branch, tag or commit name"
-            )));
-        }
+        check_base_ref(base_ref)?;
         let mut file = create_new(dest).await?;
-        let (branch, tag) = (
-            format!("refs/heads/{base_ref}"),
-            format!("refs/tags/{base_ref}"),
-        );
-        let named = if self.has_ref(&branch).await {
-            Some(branch)
-        } else if self.has_ref(&tag).await {
-            Some(tag)
-        } else {
-            None
-        };
-        let sent_ref = if let Some(name) = named {
+        let sent_ref = if let Some(name) = self.named_ref(base_ref).await {
             self.pipe_into(
                 &["bundle", "create", "--quiet", "-", &name],
                 None,
@@ -133,23 +118,7 @@ impl Repo {
             .await?;
             base_ref.to_string()
         } else {
-            let spec = format!("{base_ref}^{{commit}}");
-            let commit = self
-                .run(&[
-                    "rev-parse",
-                    "--verify",
-                    "--quiet",
-                    "--end-of-options",
-                    &spec,
-                ])
-                .await
-                .map_err(|_| {
-                    Error::FailedPrecondition(format!(
-                        "base_ref {base_ref:?} is not a branch, tag or commit of repository {}",
-                        self.path.display()
-                    ))
-                })?;
-            let commit = String::from_utf8_lossy(&commit).trim().to_string();
+            let commit = self.commit_of(base_ref, base_ref).await?;
             // A bundle's refs must be names; git bundle refuses a bare commit,
             // so the (v2) header is written here and git writes the pack.
             let header = format!("# v2 git bundle\n{commit} {COMMIT_BASE_REF}\n\n");
@@ -182,22 +151,28 @@ impl Repo {
     /// The commit `base_ref` names, read as [`Repo::write_base_bundle`] reads
     /// it: a branch first, then a tag, then any commit name.
     pub async fn resolve_commit(&self, base_ref: &str) -> Result<String> {
-        if base_ref.is_empty() || base_ref.starts_with('-') {
-            return Err(Error::invalid(format!(
-                "base_ref {base_ref:?} is not a branch, tag or commit name"
-            )));
-        }
-        let named = [
+        check_base_ref(base_ref)?;
+        let name = self.named_ref(base_ref).await;
+        self.commit_of(name.as_deref().unwrap_or(base_ref), base_ref)
+            .await
+    }
+
+    /// The full name of the branch, or else the tag, `base_ref` names.
+    async fn named_ref(&self, base_ref: &str) -> Option<String> {
+        for name in [
             format!("refs/heads/{base_ref}"),
             format!("refs/tags/{base_ref}"),
-        ];
-        let mut name = base_ref.to_string();
-        for n in named {
-            if self.has_ref(&n).await {
-                name = n;
-                break;
+        ] {
+            if self.has_ref(&name).await {
+                return Some(name);
             }
         }
+        None
+    }
+
+    /// The commit `name` resolves to; the error names `base_ref`, what the
+    /// caller asked for.
+    async fn commit_of(&self, name: &str, base_ref: &str) -> Result<String> {
         let spec = format!("{name}^{{commit}}");
         let commit = self
             .run(&[
@@ -333,6 +308,16 @@ impl Repo {
         }
         Ok(())
     }
+}
+
+/// Refuses a base ref that is empty or could be read as an option.
+fn check_base_ref(base_ref: &str) -> Result<()> {
+    if base_ref.is_empty() || base_ref.starts_with('-') {
+        return Err(Error::invalid(format!(
+            "base_ref {base_ref:?} is not a branch, tag or commit name"
+        )));
+    }
+    Ok(())
 }
 
 /// Creates `path` (replacing an old one), private to host-agent.
