@@ -62,6 +62,19 @@ pub const GROUPS: &[Group] = &[
         scenarios: &["node-golden", "node-session", "pool-timing"],
         limit: Duration::from_secs(40 * 60),
     },
+    Group {
+        name: "network",
+        about: "sessions' networks in the real guest: the per-session resolver, egress, clones, exposed ports",
+        scenarios: &[
+            "net-resolve",
+            "net-dns-denied",
+            "net-ip-denied",
+            "net-expose",
+            "net-clones",
+            "net-throughput",
+        ],
+        limit: Duration::from_secs(40 * 60),
+    },
 ];
 
 /// The group called `name`.

@@ -56,8 +56,23 @@ const ROOTFS_MODULES: &[&str] = &[
     "nf_log_syslog",
     "nft_reject_inet",
 ];
-/// Modules the outer VM loads: KVM for AMD, 9p for the host's files, tun for taps.
-pub const L1_MODULES: &[&str] = &["virtio_pci", "9pnet_virtio", "9p", "kvm-amd", "tun"];
+/// Modules the outer VM loads: KVM for AMD, 9p for the host's files, tun for
+/// taps, and for host-agent's sessions' networks (group `network`) veth pairs
+/// and the nftables parts its rules use (NAT, conntrack, named counters).
+pub const L1_MODULES: &[&str] = &[
+    "virtio_pci",
+    "9pnet_virtio",
+    "9p",
+    "kvm-amd",
+    "tun",
+    "veth",
+    "nf_tables",
+    "nft_ct",
+    "nft_chain_nat",
+    "nft_nat",
+    "nft_masq",
+    "nft_objref",
+];
 
 /// What `prepare` produced.
 pub struct Prepared {

@@ -2,6 +2,7 @@
 
 mod boot;
 mod checks;
+mod network;
 mod node;
 mod pause_io;
 mod snapshot;
@@ -28,6 +29,10 @@ pub struct Fixtures {
     agent: Option<node::HostAgent>,
     /// How long the golden snapshot took.
     golden_secs: f64,
+    /// The `network` group's internet, repository and first session
+    /// (after `agent`, so host-agent stops its sessions before the
+    /// internet goes).
+    net: Option<network::Net>,
 }
 
 /// `vmm run` of a probe guest (devices may be added).
@@ -65,6 +70,12 @@ pub fn run(ctx: &mut Ctx, name: &str) -> Check {
         "node-golden" => node::golden(ctx, name),
         "node-session" => node::session(ctx, name),
         "pool-timing" => node::pool_timing(ctx, name),
+        "net-resolve" => network::resolve(ctx, name),
+        "net-dns-denied" => network::dns_denied(ctx, name),
+        "net-ip-denied" => network::ip_denied(ctx, name),
+        "net-expose" => network::expose(ctx, name),
+        "net-clones" => network::clones(ctx, name),
+        "net-throughput" => network::throughput(ctx, name),
         other => Err(format!("the runner has no scenario {other}")),
     }
 }

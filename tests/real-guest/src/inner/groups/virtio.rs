@@ -83,10 +83,7 @@ fn run_guest(ctx: &mut Ctx) -> Result<VirtioRun, String> {
     // on QEMU 7.2, a triple fault once in four runs on QEMU 10; README, "The
     // outer VM's QEMU"); SMP is the boot group's subject.
     let mut args = probe_args(&kernel, &ctx.env.cloud.probe_initrd, 1, &cmdline);
-    args.devices.disks = vec![
-        DiskSpec::rw(&rw_disk),
-        DiskSpec::ro(ro_disk.clone()),
-    ];
+    args.devices.disks = vec![DiskSpec::rw(&rw_disk), DiskSpec::ro(ro_disk.clone())];
     args.devices.rng = true;
     args.devices.net = Some(NetSpec::tap(tap));
     args.devices.vsock = Some(VsockSpec {

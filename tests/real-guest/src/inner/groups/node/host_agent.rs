@@ -18,7 +18,18 @@ pub struct HostAgent {
 }
 
 impl HostAgent {
+    /// Starts host-agent with `warm_pool` warm VMs and no network.
     pub fn start(ctx: &Ctx, warm_pool: u32) -> Result<HostAgent, String> {
+        Self::start_with(ctx, warm_pool, None)
+    }
+
+    /// Starts host-agent with `warm_pool` warm VMs and, when given, these
+    /// `network` settings (host-agent's JSON configuration).
+    pub fn start_with(
+        ctx: &Ctx,
+        warm_pool: u32,
+        network: Option<serde_json::Value>,
+    ) -> Result<HostAgent, String> {
         let state = ctx.scratch.join("host-agent");
         std::fs::create_dir_all(&state).map_err(|e| e.to_string())?;
         // A real guest booting under nested emulation takes far longer
@@ -37,12 +48,15 @@ impl HostAgent {
                 .filter_map(|p| p.parent().map(|d| d.to_path_buf()))
                 .collect();
         let config = ctx.scratch.join("host-agent.json");
-        let settings = serde_json::json!({
+        let mut settings = serde_json::json!({
             "guest_ready_timeout_seconds": 900,
             "unauthenticated_local": "admin",
             "allowed_image_roots": image_roots,
             "allowed_repository_roots": [ctx.scratch],
         });
+        if let Some(network) = network {
+            settings["network"] = network;
+        }
         std::fs::write(&config, settings.to_string()).map_err(|e| e.to_string())?;
         // One log per start (pool-timing restarts it on the same state).
         let starts = std::fs::read_dir(&ctx.scratch)

@@ -22,7 +22,8 @@ mod records;
 pub use host_agent::HostAgent;
 use records::{audit_agrees, usage_covers};
 
-const IMAGE: &str = "real";
+/// The image id the node and network groups register.
+pub(super) const IMAGE: &str = "real";
 const RULES: &str = r#"---
 description: the real-guest scenario's agent
 permission:
@@ -37,7 +38,8 @@ permission:
 /// Creates timed per path in `pool-timing`.
 const TIMED_CREATES: usize = 5;
 
-fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
+/// `git -C dir args` with a fixed identity and no user configuration.
+pub(super) fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
     let out = Command::new("git")
         .arg("-C")
         .arg(dir)
@@ -98,7 +100,9 @@ fn agent(ctx: &mut Ctx) -> Result<&HostAgent, String> {
         .ok_or_else(|| "no host-agent".into())
 }
 
-fn register_and_build(ctx: &mut Ctx) -> Result<(), String> {
+/// Registers the node image with the running host-agent (`ctx.fixtures.agent`)
+/// and builds its golden snapshot.
+pub(super) fn register_and_build(ctx: &mut Ctx) -> Result<(), String> {
     let img = ctx.env.node_image.clone();
     let a = ctx.fixtures.agent.as_ref().ok_or("no host-agent")?;
     let ch = a.channel()?;
@@ -150,7 +154,7 @@ fn register_and_build(ctx: &mut Ctx) -> Result<(), String> {
 
 /// Copies what host-agent and its VMs logged (its own log, the golden
 /// boot's console, each session's console and vmm log) into the shared logs.
-fn keep_logs(ctx: &Ctx) {
+pub(super) fn keep_logs(ctx: &Ctx) {
     for e in std::fs::read_dir(&ctx.scratch)
         .into_iter()
         .flatten()
@@ -208,13 +212,17 @@ pub fn golden(ctx: &mut Ctx, _name: &str) -> Check {
     ))
 }
 
-struct ExecResult {
-    out: Vec<Resp>,
-    stdout: String,
+/// What an Exec streamed back.
+pub(super) struct ExecResult {
+    /// Every message, in order.
+    pub(super) out: Vec<Resp>,
+    /// The standard output, as text.
+    pub(super) stdout: String,
 }
 
 impl ExecResult {
-    fn code(&self) -> Option<i32> {
+    /// The exit code, if it exited.
+    pub(super) fn code(&self) -> Option<i32> {
         self.out.iter().find_map(|k| match k {
             Resp::Exit(pb::ExecExit {
                 status: Some(pb::exec_exit::Status::Code(c)),
@@ -230,7 +238,12 @@ impl ExecResult {
     }
 }
 
-async fn exec(ch: Channel, s: &pb::Session, argv: &[&str]) -> Result<ExecResult, String> {
+/// Runs `argv` in session `s` through host-agent's Exec, to its end.
+pub(super) async fn exec(
+    ch: Channel,
+    s: &pb::Session,
+    argv: &[&str],
+) -> Result<ExecResult, String> {
     let start = pb::ExecRequest {
         kind: Some(Req::Start(pb::ExecStart {
             session_id: s.session_id.clone(),
@@ -263,7 +276,8 @@ async fn exec(ch: Channel, s: &pb::Session, argv: &[&str]) -> Result<ExecResult,
     Ok(ExecResult { out, stdout })
 }
 
-fn expect_ok(what: &str, r: &ExecResult) -> Result<(), String> {
+/// Fails unless the command exited 0.
+pub(super) fn expect_ok(what: &str, r: &ExecResult) -> Result<(), String> {
     match r.code() {
         Some(0) => Ok(()),
         _ => Err(format!("{what}: {:?}", r.out)),
@@ -280,7 +294,11 @@ pub fn session(ctx: &mut Ctx, name: &str) -> Check {
 
 /// CreateSession on `repo` for agent `coder` at `main`; the session (which
 /// must be RUNNING) and how long the call took.
-fn create_running(a: &HostAgent, ch: &Channel, repo: &Path) -> Result<(pb::Session, f64), String> {
+pub(super) fn create_running(
+    a: &HostAgent,
+    ch: &Channel,
+    repo: &Path,
+) -> Result<(pb::Session, f64), String> {
     let t0 = Instant::now();
     let s = a.block_on(async {
         pb::sessions_client::SessionsClient::new(ch.clone())
