@@ -11,7 +11,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::netns::{ask_udp, PrefixCleanup};
-use common::networked::{can_run, namespaces, net_golden, net_image, networked_agent};
+use common::networked::{
+    build_net_image, can_run, namespaces, networked_agent, wait_no_namespaces,
+};
 use common::*;
 use hickory_proto::op::ResponseCode;
 use hickory_proto::rr::RecordType;
@@ -33,14 +35,6 @@ fn links(ns: &str) -> usize {
     String::from_utf8_lossy(&out.stdout).lines().count()
 }
 
-fn wait_no_namespaces(prefix: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !namespaces(prefix).is_empty() {
-        assert!(Instant::now() < deadline, "left: {:?}", namespaces(prefix));
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_networked_sessions_leave_nothing_behind() {
     if !can_run() {
@@ -51,12 +45,7 @@ async fn fifty_networked_sessions_leave_nothing_behind() {
     let _cleanup = PrefixCleanup(prefix.clone());
     let (node, _cfg, mut agent) =
         networked_agent(&format!("sc{tag}"), &prefix, "10.210.0.0/28", &[], &[]);
-    let mut images = agent.images().await;
-    images.register_image(net_image()).await.expect("register");
-    images
-        .build_golden_snapshot(net_golden())
-        .await
-        .expect("golden snapshot");
+    build_net_image(&agent).await;
     let node_links = links(&node.0);
     let mut sessions = agent.sessions().await;
     let mut settled_fds = 0;

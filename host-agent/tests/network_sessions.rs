@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use common::netns::{ask_udp, ip, PrefixCleanup};
 use common::networked::{
-    can_run, jailed_vmm, namespaces, net_golden, net_image, networked_agent, nft_set, wait_gone,
+    build_net_image, can_run, jailed_vmm, namespaces, net_golden, net_image, networked_agent,
+    nft_set, wait_gone, wait_no_namespaces,
 };
 use common::*;
 use hickory_proto::op::ResponseCode;
@@ -40,12 +41,7 @@ async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
 
     // The golden snapshot: booted with a NIC in a namespace of its own,
     // which goes after the build; the snapshot is marked as networked.
-    let mut images = agent.images().await;
-    images.register_image(net_image()).await.expect("register");
-    images
-        .build_golden_snapshot(net_golden())
-        .await
-        .expect("golden snapshot");
+    build_net_image(&agent).await;
     let golden: Vec<_> = std::fs::read_dir(agent.state_dir().join("images/net"))
         .unwrap()
         .flatten()
@@ -188,11 +184,7 @@ async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
         agent.wait_state(&s.session_id, S::Running).await;
         agent.stop(&s.session_id).await;
     }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !namespaces(&prefix).is_empty() {
-        assert!(Instant::now() < deadline, "left: {:?}", namespaces(&prefix));
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_no_namespaces(&prefix);
     let links = Command::new("ip")
         .args(["-n", &node.0, "-o", "link"])
         .output()
@@ -335,11 +327,7 @@ async fn without_the_admin_scope_a_sessions_allowlist_only_narrows() {
         ))
         .await
         .expect("stop");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !namespaces(&prefix).is_empty() {
-        assert!(Instant::now() < deadline, "left: {:?}", namespaces(&prefix));
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_no_namespaces(&prefix);
 }
 
 /// A session of `agent` in repository `repo` at `main`.
@@ -368,12 +356,7 @@ async fn a_sessions_allowlist_is_what_its_manifest_grants_within_the_nodes() {
         &["203.0.113.0/24 tcp 443", "198.51.100.0/24"],
         &[],
     );
-    let mut images = agent.images().await;
-    images.register_image(net_image()).await.expect("register");
-    images
-        .build_golden_snapshot(net_golden())
-        .await
-        .expect("golden snapshot");
+    build_net_image(&agent).await;
     let repos = agent.state_dir().join("repositories");
     std::fs::create_dir_all(&repos).unwrap();
     let manifest = "version: 1\nagents:\n  coder:\n    egress:\n      \
@@ -469,11 +452,7 @@ async fn a_sessions_allowlist_is_what_its_manifest_grants_within_the_nodes() {
         "{}",
         err.message()
     );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !namespaces(&prefix).is_empty() {
-        assert!(Instant::now() < deadline, "left: {:?}", namespaces(&prefix));
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_no_namespaces(&prefix);
     agent.terminate();
 }
 
@@ -487,12 +466,7 @@ async fn exposed_ports_are_listed_with_the_session_and_go_when_it_stops() {
     let _cleanup = PrefixCleanup(prefix.clone());
     let (_node, _cfg, mut agent) =
         networked_agent(&format!("sx{tag}"), &prefix, "10.208.0.0/29", &[], &[]);
-    let mut images = agent.images().await;
-    images.register_image(net_image()).await.expect("register");
-    images
-        .build_golden_snapshot(net_golden())
-        .await
-        .expect("golden snapshot");
+    build_net_image(&agent).await;
     let s = agent.create("net", "").await;
     agent.wait_state(&s.session_id, S::Running).await;
     let mut sessions = agent.sessions().await;

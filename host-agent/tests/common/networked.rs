@@ -123,3 +123,121 @@ pub fn can_run() -> bool {
     }
     true
 }
+
+/// A warm VM of the pool as its directory shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WarmDir {
+    /// The pid in its `pid` file (the session that takes it has this pid).
+    pub pid: u32,
+    /// The namespace it records (`network-namespace`), if any.
+    pub netns: Option<String>,
+}
+
+/// The warm VMs in `agent`'s pool directory that are restored (their `pid`
+/// file is written once the vmm runs).
+pub fn warm_dirs(agent: &Agent) -> Vec<WarmDir> {
+    std::fs::read_dir(agent.state_dir().join("pool"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| {
+                    let pid = std::fs::read_to_string(e.path().join("pid")).ok()?;
+                    let pid = pid.split_whitespace().next()?.parse().ok()?;
+                    let netns = std::fs::read_to_string(e.path().join("network-namespace"))
+                        .ok()
+                        .map(|n| n.trim().to_string());
+                    Some(WarmDir { pid, netns })
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Waits (up to 120 s) until `agent` reports at least `n` warm VMs ready.
+pub async fn wait_warm(agent: &Agent, n: u32) {
+    let mut node = agent.node().await;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while node
+        .get_capacity(pb::GetCapacityRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .warm_pool_ready
+        < n
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the pool never reached {n} warm VMs"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The nftables tables in namespace `netns`, one `family name` a line.
+pub fn nft_tables(netns: &str) -> Vec<String> {
+    let out = Command::new("ip")
+        .args(["netns", "exec", netns, "nft", "list", "tables"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix("table "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The inode of the network namespace process `pid` is in.
+pub fn netns_of(pid: u32) -> String {
+    std::fs::read_link(format!("/proc/{pid}/ns/net"))
+        .unwrap()
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// The inode of the named namespace, as `/proc/PID/ns/net` reads.
+pub fn netns_inode(name: &str) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let ino = std::fs::metadata(Path::new("/run/netns").join(name))
+        .unwrap()
+        .ino();
+    format!("net:[{ino}]")
+}
+
+/// Waits (up to 20 s) until the namespaces under `prefix` are `want`
+/// (in any order).
+pub fn wait_namespaces(prefix: &str, want: &[String]) {
+    let mut want = want.to_vec();
+    want.sort();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut now = namespaces(prefix);
+        now.sort();
+        if now == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "namespaces {now:?}, expected {want:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Registers the virtio-net test guest's image (`net`) with `agent` and
+/// builds its golden snapshot.
+pub async fn build_net_image(agent: &Agent) {
+    let mut images = agent.images().await;
+    images.register_image(net_image()).await.expect("register");
+    images
+        .build_golden_snapshot(net_golden())
+        .await
+        .expect("golden snapshot");
+}
+
+/// Waits until no namespace under `prefix` is left (20 s at most).
+pub fn wait_no_namespaces(prefix: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !namespaces(prefix).is_empty() {
+        assert!(Instant::now() < deadline, "left: {:?}", namespaces(prefix));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
