@@ -7,8 +7,7 @@
 
 use std::collections::HashSet;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::os::fd::AsRawFd;
+use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::path::Path;
 use std::process::Command;
 use std::sync::mpsc;
@@ -16,86 +15,13 @@ use std::time::Duration;
 
 mod common;
 
-use common::netns::{ip, missing_tools as missing, Cleanup, Ns};
-use host_agent::network::addressing::{AddressPool, Cidr4, GATEWAY_IP, GUEST_IP, TAP_NAME};
+use common::netns::{attach_guest, echo_from, in_ns, ip, missing_tools as missing, Cleanup, Ns};
+use host_agent::network::addressing::{AddressPool, Cidr4, GUEST_IP};
 use host_agent::network::namespace::{
     apply_rules, enable_forwarding, list_namespaces, VmNetwork, NETNS_PREFIX,
 };
 use host_agent::network::node::{NodeNetwork, NodeSettings};
 use host_agent::network::rules::{node_ruleset, Allow, EgressPolicy, Proto};
-
-/// Runs `f` on a thread inside namespace `ns`.
-fn in_ns<T: Send + 'static>(
-    ns: &str,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> std::thread::JoinHandle<T> {
-    let path = format!("/run/netns/{ns}");
-    std::thread::spawn(move || {
-        let fd = std::fs::File::open(&path).expect("open the namespace");
-        // SAFETY: setns on an open namespace file; it changes only this
-        // thread's network namespace.
-        let rc = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
-        f()
-    })
-}
-
-/// Connects from namespace `ns`; `Ok(())` when the connection is made and
-/// echoes a byte, the error kind otherwise.
-fn connect_from(ns: &str, to: SocketAddr) -> Result<(), std::io::ErrorKind> {
-    in_ns(ns, move || {
-        let mut s =
-            TcpStream::connect_timeout(&to, Duration::from_secs(2)).map_err(|e| e.kind())?;
-        s.set_read_timeout(Some(Duration::from_secs(5)))
-            .map_err(|e| e.kind())?;
-        s.write_all(b"x").map_err(|e| e.kind())?;
-        let mut b = [0u8; 1];
-        s.read_exact(&mut b).map_err(|e| e.kind())?;
-        Ok(())
-    })
-    .join()
-    .expect("client thread")
-}
-
-fn guest(vm: &VmNetwork, name: &str) -> Ns {
-    let g = Ns::new(name.to_string());
-    // Where the vmm would serve the tap, a veth into the guest's namespace.
-    ip(&["-n", &vm.netns, "link", "del", TAP_NAME]);
-    ip(&[
-        "link", "add", TAP_NAME, "netns", &vm.netns, "type", "veth", "peer", "name", "eth0",
-        "netns", &g.0,
-    ]);
-    ip(&[
-        "-n",
-        &vm.netns,
-        "addr",
-        "add",
-        &format!("{GATEWAY_IP}/30"),
-        "dev",
-        TAP_NAME,
-    ]);
-    ip(&["-n", &vm.netns, "link", "set", TAP_NAME, "up"]);
-    ip(&[
-        "-n",
-        &g.0,
-        "addr",
-        "add",
-        &format!("{GUEST_IP}/30"),
-        "dev",
-        "eth0",
-    ]);
-    ip(&["-n", &g.0, "link", "set", "eth0", "up"]);
-    ip(&[
-        "-n",
-        &g.0,
-        "route",
-        "add",
-        "default",
-        "via",
-        &GATEWAY_IP.to_string(),
-    ]);
-    g
-}
 
 #[test]
 fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
@@ -190,7 +116,7 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
     let guests: Vec<Ns> = vms
         .iter()
         .zip(["a", "b"])
-        .map(|(vm, s)| guest(vm, &format!("g{tag}{s}")))
+        .map(|(vm, s)| attach_guest(&vm.netns, &format!("g{tag}{s}")))
         .collect();
 
     // Two clones with the same guest address reach the internet at once.
@@ -199,7 +125,7 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
         .iter()
         .map(|g| {
             let g = g.0.clone();
-            std::thread::spawn(move || connect_from(&g, server))
+            std::thread::spawn(move || echo_from(&g, server))
         })
         .collect();
     for (i, t) in both.into_iter().enumerate() {
@@ -222,7 +148,7 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
         ("the metadata service", "169.254.169.254:80"),
     ] {
         assert_eq!(
-            connect_from(g, to.parse().unwrap()),
+            echo_from(g, to.parse().unwrap()),
             Err(std::io::ErrorKind::TimedOut),
             "{what} ({to}) must be dropped"
         );
@@ -255,9 +181,9 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
     let mut narrowed = policy.clone();
     narrowed.allow.retain(|a| a.proto == Some(Proto::Udp));
     vms[0].update_policy(&narrowed).unwrap();
-    assert_eq!(connect_from(g, server), Err(std::io::ErrorKind::TimedOut));
+    assert_eq!(echo_from(g, server), Err(std::io::ErrorKind::TimedOut));
     assert_eq!(
-        connect_from(&guests[1].0, server),
+        echo_from(&guests[1].0, server),
         Ok(()),
         "the other VM keeps its policy"
     );
@@ -272,7 +198,7 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
     }];
     vms[1].update_policy(&everything).unwrap();
     let g = guests[1].0.as_str();
-    assert_eq!(connect_from(g, "203.0.113.4:8080".parse().unwrap()), Ok(()));
+    assert_eq!(echo_from(g, "203.0.113.4:8080".parse().unwrap()), Ok(()));
     for (what, to) in [
         ("the node's own address", "203.0.113.1:22"),
         ("the node's end of the veth", "10.200.0.5:22"),
@@ -280,7 +206,7 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
         ("the metadata service", "169.254.169.254:80"),
     ] {
         assert_eq!(
-            connect_from(g, to.parse().unwrap()),
+            echo_from(g, to.parse().unwrap()),
             Err(std::io::ErrorKind::TimedOut),
             "{what} ({to}) must be dropped whatever the allowlist says"
         );
