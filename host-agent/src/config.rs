@@ -400,12 +400,6 @@ impl Config {
                 "logs.max_file_bytes must be at least 4096 (--max-log-bytes)",
             ));
         }
-        if self.network.is_some() && self.warm_pool_size > 0 {
-            return Err(Error::invalid(
-                "network with a warm pool is not supported yet: set warm_pool_size to 0 \
-                 or leave network unset",
-            ));
-        }
         Ok(())
     }
 

@@ -259,6 +259,23 @@ impl NodeNetwork {
         self.adopt(id, vm_ip).ok()
     }
 
+    /// Takes back, after a restart, the network whose namespace is named
+    /// `netns` (as recorded by whoever made it: a session that took a warm
+    /// VM keeps the namespace named after the VM's pool directory); `None`
+    /// when the name is not one of this node's prefix, the namespace is
+    /// gone, or it holds no address of the pool.
+    pub fn adopt_named(&self, netns: &str) -> Option<VmNetwork> {
+        let id = netns.strip_prefix(self.prefix.as_str())?;
+        let vm = self.adopt_existing(id)?;
+        if vm.netns == netns {
+            Some(vm)
+        } else {
+            // Not a name `make` gives: the reserved addresses go back.
+            self.pool().release(&vm.slot);
+            None
+        }
+    }
+
     /// Removes a VM's network and gives its addresses back.
     pub fn release(&self, vm: &VmNetwork) {
         vm.remove();

@@ -174,7 +174,7 @@ impl Manager {
         dir: &Path,
     ) -> Result<String> {
         let mut failures = Vec::new();
-        if let Some(vm) = self.pool.take(&image.id, dir) {
+        if let Some(vm) = self.take_warm(sess, image, dir).await? {
             match self.try_vm(sess, image, vm, true).await {
                 Ok(()) => return Ok("from a warm VM".into()),
                 Err((e, _)) => {
@@ -211,6 +211,119 @@ impl Manager {
         } else {
             format!("from the golden snapshot ({})", failures.join("; "))
         })
+    }
+
+    /// Takes a warm VM of `image` for session `sess` into `dir`, if the pool
+    /// has one. For an image with a network, the session's egress is read
+    /// first (a manifest that does not parse fails the session without
+    /// costing a warm VM); then the warm VM's network, made ahead with an
+    /// empty allowlist, becomes the session's under the name it was made
+    /// with: its policy is loaded (one nft transaction) and its resolver
+    /// started. A warm VM whose network cannot be handed over is dropped,
+    /// and the session is restored from the golden snapshot instead (which
+    /// replaces the network taken here).
+    async fn take_warm(
+        self: &Arc<Self>,
+        sess: &Arc<Session>,
+        image: &ImageRow,
+        dir: &Path,
+    ) -> Result<Option<VmmProcess>> {
+        let node = match (&self.network, has_network(image)) {
+            (Some(node), true) => Some(node.clone()),
+            // No warm VM of this image is made without a network: the
+            // restore from the golden snapshot says why it cannot run here.
+            (None, true) => return Ok(None),
+            (_, false) => None,
+        };
+        if self.pool.count(&image.id) == 0 {
+            // Not worth reading the session's egress twice.
+            return Ok(None);
+        }
+        let egress = match node {
+            Some(_) => Some(self.initial_egress(&sess.row()).await?),
+            None => None,
+        };
+        let Some(warm) = self.pool.take(&image.id, dir) else {
+            return Ok(None);
+        };
+        let (Some(node), Some(egress)) = (node, egress) else {
+            return Ok(Some(warm.vmm));
+        };
+        let t0 = Instant::now();
+        let handed = match warm.network {
+            Some(net) => {
+                // The session owns it from here: after a failure below, the
+                // restore that follows replaces it, or the session's end
+                // releases it.
+                let vm = net.into_vm();
+                sess.lock().network = Some(vm.clone());
+                self.hand_over_network(sess, dir, &node, vm, &egress).await
+            }
+            None => Err(Error::Network(
+                "the warm VM was restored without a network".into(),
+            )),
+        };
+        match handed {
+            Ok(()) => {
+                tracing::debug!(
+                    session = %sess.id,
+                    elapsed_us = t0.elapsed().as_micros() as u64,
+                    "the warm VM's network is the session's"
+                );
+                Ok(Some(warm.vmm))
+            }
+            Err(e) => {
+                metrics::warm_fallback();
+                tracing::warn!(
+                    session = %sess.id,
+                    error = %e,
+                    "the warm VM's network could not be handed over; restoring from the golden snapshot"
+                );
+                self.pool.discard(crate::pool::WarmVm {
+                    vmm: warm.vmm,
+                    network: None,
+                });
+                Ok(None)
+            }
+        }
+    }
+
+    /// Gives session `sess` the network `vm` of the warm VM it took (already
+    /// recorded as the session's): its policy `egress` kept in `dir`, then,
+    /// at the same time, loaded into the namespace (one transaction) and
+    /// its resolver started. The guest is still paused: it reaches nothing
+    /// before both are done.
+    async fn hand_over_network(
+        self: &Arc<Self>,
+        sess: &Arc<Session>,
+        dir: &Path,
+        node: &NodeNetwork,
+        vm: VmNetwork,
+        egress: &crate::network::grants::SessionEgress,
+    ) -> Result<()> {
+        let t0 = Instant::now();
+        self.start_policy(sess, dir, egress)?;
+        let t1 = Instant::now();
+        let mut policy = node.policy().clone();
+        policy.allow = egress.allow.clone();
+        let rules = async {
+            let r = tokio::task::spawn_blocking(move || vm.update_policy(&policy))
+                .await
+                .map_err(|e| Error::Network(format!("the network task failed: {e}")));
+            (r, t1.elapsed())
+        };
+        let resolver = async { (self.start_resolver(sess).await, t1.elapsed()) };
+        let ((rules, nft), (resolver, dns)) = tokio::join!(rules, resolver);
+        rules??;
+        resolver?;
+        tracing::debug!(
+            session = %sess.id,
+            policy_us = (t1 - t0).as_micros() as u64,
+            nft_us = nft.as_micros() as u64,
+            resolver_us = dns.as_micros() as u64,
+            "the warm VM's network hand-over"
+        );
+        Ok(())
     }
 
     /// Makes `vmm` the session's and records it.

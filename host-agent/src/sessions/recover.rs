@@ -29,7 +29,7 @@ impl Manager {
                 continue;
             }
             if let (Some(node), true) = (&self.network, has_network(&image)) {
-                let id = vmm_api::command::jail_id(Path::new(&row.dir));
+                let network = Self::session_netns(node, Path::new(&row.dir));
                 // A network without its kept policy (a crash before it was
                 // written cannot leave one: it is written first) is given
                 // nothing, rather than guessed at.
@@ -37,7 +37,7 @@ impl Manager {
                     Self::kept_policy(Path::new(&row.dir)).unwrap_or_default();
                 {
                     let mut i = sess.lock();
-                    i.network = node.adopt_existing(&id);
+                    i.network = network;
                     i.net_allow = allow;
                     i.net_deny = deny;
                     i.net_hosts = hosts;
@@ -61,7 +61,9 @@ impl Manager {
             .collect();
         supervisor::kill_orphans(&self.cfg.state_dir.join("sessions"), &live);
         if let Some(node) = &self.network {
-            // Networks of VMs that are gone, or that a crash left unrecorded.
+            // Networks of VMs that are gone, or that a crash left unrecorded,
+            // and those of warm VMs (not kept across a restart: killed above
+            // with their pool directories; no session owns their namespace).
             let owned: std::collections::HashSet<String> = self
                 .all()
                 .iter()
@@ -73,6 +75,22 @@ impl Manager {
             }
         }
         Ok(())
+    }
+
+    /// The network of the session in `dir` found after a restart. A session
+    /// that took a warm VM keeps the namespace made for the VM, named after
+    /// its pool directory, and recorded in the directory that became the
+    /// session's ([`crate::pool::NETNS_FILE`]). The record is read rather
+    /// than the namespace renamed at CreateSession: iproute2 has no rename
+    /// (attaching a second name and deleting the first would cost two more
+    /// commands on CreateSession's path, and a crash between them would
+    /// leave both names).
+    /// Any other session's namespace is named after its own directory.
+    fn session_netns(node: &NodeNetwork, dir: &Path) -> Option<VmNetwork> {
+        match std::fs::read_to_string(dir.join(crate::pool::NETNS_FILE)) {
+            Ok(name) => node.adopt_named(name.trim()),
+            Err(_) => node.adopt_existing(&vmm_api::command::jail_id(dir)),
+        }
     }
 
     pub(super) async fn recover_one(
