@@ -14,6 +14,16 @@ impl Manager {
             .image(&p.image_id)?
             .ok_or_else(|| Error::not_found("image", &p.image_id))?;
         let fp = p.fingerprint();
+        // The session's limits: the image's, with its overrides. A VM of the
+        // warm pool runs with the image's, so a session that changes them
+        // is restored cold.
+        let limits = crate::io_limits::IoLimits::decode(&image.io_limits)?
+            .overridden_by(&p.io_limits, p.may_loosen_limits)?;
+        let warm = limits.encode() == image.io_limits;
+        let image = ImageRow {
+            io_limits: limits.encode(),
+            ..image
+        };
         let sess = {
             let _g = self.create_lock.lock().await;
             if !p.idempotency_key.is_empty() {
@@ -99,6 +109,7 @@ impl Manager {
                 agent: p.agent.clone(),
                 base_ref: p.base_ref.clone(),
                 owner: p.owner.clone(),
+                io_limits: image.io_limits.clone(),
                 ..Default::default()
             };
             if !p.idempotency_key.is_empty() {
@@ -115,7 +126,7 @@ impl Manager {
             sess
         };
         let _op = sess.op.lock().await;
-        self.start(&sess, &image).await?;
+        self.start(&sess, &image, warm).await?;
         Ok(sess.row())
     }
 
@@ -134,11 +145,12 @@ impl Manager {
         self: &Arc<Self>,
         sess: &Arc<Session>,
         image: &ImageRow,
+        warm: bool,
     ) -> Result<()> {
         self.transition(sess, S::Restoring, "restore", "")?;
         let t0 = Instant::now();
         let dir = PathBuf::from(sess.row().dir);
-        let result = self.start_vm(sess, image, &dir).await;
+        let result = self.start_vm(sess, image, &dir, warm).await;
         let source = match result {
             Ok(source) => source,
             Err(e) => {
@@ -156,7 +168,8 @@ impl Manager {
     }
 
     /// Gets the session a running VM whose guest is ready: a warm VM if the
-    /// pool has one, else one restored from the golden snapshot. Returns
+    /// pool has one (and `warm`: the session runs with the image's limits),
+    /// else one restored from the golden snapshot. Returns
     /// where it came from, for the READY and RUNNING events.
     ///
     /// A warm VM is prepared ahead on speculation; one that fails when taken
@@ -172,9 +185,15 @@ impl Manager {
         sess: &Arc<Session>,
         image: &ImageRow,
         dir: &Path,
+        warm: bool,
     ) -> Result<String> {
         let mut failures = Vec::new();
-        if let Some(vm) = self.take_warm(sess, image, dir).await? {
+        let taken = if warm {
+            self.take_warm(sess, image, dir).await?
+        } else {
+            None
+        };
+        if let Some(vm) = taken {
             match self.try_vm(sess, image, vm, true).await {
                 Ok(()) => return Ok("from a warm VM".into()),
                 Err((e, _)) => {

@@ -23,6 +23,12 @@ impl Manager {
                     ..Default::default()
                 },
             };
+            // The session's VMs run with its own limits (the image's with
+            // its overrides), as recorded when it was created.
+            let image = ImageRow {
+                io_limits: row.io_limits.clone(),
+                ..image
+            };
             let state = row.state;
             let sess = self.insert_session(row.clone(), image.clone());
             if is_terminal(state) {
