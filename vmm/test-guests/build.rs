@@ -15,6 +15,7 @@ const GUESTS: &[&str] = &[
     "virtio_blk",
     "virtio_rng",
     "virtio_net",
+    "net_hostile",
     "virtio_hostile",
     "virtio_vsock",
     "i8042_probe",

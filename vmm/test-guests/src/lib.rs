@@ -14,6 +14,12 @@
 //! * `virtio_rng`: reads 64 random bytes twice from virtio-rng.
 //! * `virtio_net`: sends one frame through virtio-net, optionally waits for one;
 //!   `tx_count=N` then sends it N more times, `hold=1` spins at the end instead of resetting.
+//! * `net_hostile`: sends through virtio-net the raw frames a hostile guest kernel
+//!   could use against its VM's host-side network rules (forged sources, denied
+//!   destinations, ARP claims, an IPv6 router advertisement, DHCP, IP options,
+//!   fragments), each UDP one tagged `hostile:<name>`, and last one legitimate
+//!   datagram; addresses and the gateway's MAC come from the command line
+//!   (see the source); `hold=1` spins at the end instead of resetting.
 //! * `virtio_vsock`: connects to a host port and accepts a host-initiated connection over virtio-vsock.
 //! * `virtio_hostile`: a misbehaving virtio-blk driver (bad sizes, buffers, chains).
 //! * `i8042_probe`: runs Linux's i8042 probe sequence by polling and reports what it read.
@@ -37,6 +43,7 @@ pub const ALL: &[&str] = &[
     "virtio_blk",
     "virtio_rng",
     "virtio_net",
+    "net_hostile",
     "virtio_hostile",
     "virtio_vsock",
     "i8042_probe",
