@@ -189,3 +189,98 @@ pub fn ask_udp(
     .join()
     .unwrap()
 }
+
+/// A "node" namespace `nd<tag>` with the uplink 203.0.113.1/24 and an
+/// "internet" namespace `in<tag>` behind it holding 203.0.113.2 to .4 (the
+/// node's default route), with forwarding on and the node's rules for VM
+/// pool `pool` loaded: the topology of `tests/network.rs`.
+pub fn node_and_internet(tag: &str, pool: host_agent::network::addressing::Cidr4) -> (Ns, Ns) {
+    use host_agent::network::namespace::{apply_rules, enable_forwarding};
+    use host_agent::network::rules::node_ruleset;
+    let node = Ns::new(format!("nd{tag}"));
+    let inet = Ns::new(format!("in{tag}"));
+    ip(&[
+        "link", "add", "up0", "netns", &node.0, "type", "veth", "peer", "name", "wan0", "netns",
+        &inet.0,
+    ]);
+    ip(&["-n", &node.0, "addr", "add", "203.0.113.1/24", "dev", "up0"]);
+    ip(&["-n", &node.0, "link", "set", "up0", "up"]);
+    ip(&[
+        "-n",
+        &node.0,
+        "route",
+        "add",
+        "default",
+        "via",
+        "203.0.113.2",
+    ]);
+    for a in ["203.0.113.2/24", "203.0.113.3/24", "203.0.113.4/24"] {
+        ip(&["-n", &inet.0, "addr", "add", a, "dev", "wan0"]);
+    }
+    ip(&["-n", &inet.0, "link", "set", "wan0", "up"]);
+    enable_forwarding(Some(&node.0)).expect("forwarding on the node");
+    apply_rules(Some(&node.0), &node_ruleset(pool)).expect("the node's rules");
+    (node, inet)
+}
+
+/// A UDP socket bound inside a namespace ([`udp_sink`]), its datagrams
+/// (payload and sender) on a channel; the socket closes when this is dropped.
+pub struct UdpSink {
+    /// The datagrams received, in order.
+    pub rx: std::sync::mpsc::Receiver<(Vec<u8>, std::net::SocketAddr)>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl UdpSink {
+    /// Every datagram received until `quiet` passes without one.
+    pub fn drain(&self, quiet: std::time::Duration) -> Vec<(Vec<u8>, std::net::SocketAddr)> {
+        std::iter::from_fn(|| self.rx.recv_timeout(quiet).ok()).collect()
+    }
+}
+
+impl Drop for UdpSink {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A UDP socket bound to `addr` inside namespace `ns`; returns once it is
+/// bound.
+pub fn udp_sink(ns: &str, addr: std::net::SocketAddr) -> UdpSink {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let stopped = stop.clone();
+    in_ns(ns, move || {
+        let s = std::net::UdpSocket::bind(addr)
+            .unwrap_or_else(|e| panic!("bind UDP {addr} in the namespace: {e}"));
+        s.set_read_timeout(Some(std::time::Duration::from_millis(100)))
+            .expect("read timeout");
+        ready_tx.send(()).expect("ready");
+        let mut buf = vec![0u8; 65536];
+        while !stopped.load(Ordering::Relaxed) {
+            if let Ok((n, from)) = s.recv_from(&mut buf) {
+                if tx.send((buf[..n].to_vec(), from)).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    ready_rx.recv().expect("UDP sink bound");
+    UdpSink { rx, stop }
+}
+
+/// The MAC address of interface `dev` in namespace `ns`.
+pub fn link_mac(ns: &str, dev: &str) -> String {
+    let out = Command::new("ip")
+        .args(["-n", ns, "-o", "link", "show", "dev", dev])
+        .output()
+        .expect("ip runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .skip_while(|w| *w != "link/ether")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no MAC for {dev} in {ns}: {text}"))
+        .to_string()
+}
