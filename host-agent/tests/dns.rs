@@ -313,9 +313,16 @@ fn the_resolver_answers_allowed_names_and_opens_their_addresses_only() {
     assert_eq!(echo_from(g, server), Err(std::io::ErrorKind::TimedOut));
     assert_eq!(echo_from(g, "203.0.113.4:8080".parse().unwrap()), Ok(()));
 
-    // Rewriting the rules empties the learned sets; restoring puts back
-    // what has not expired.
-    vm.update_policy(&policy).unwrap();
+    // A policy change (the sets) keeps what was learned.
+    vm.update_policy(&policy, true).unwrap();
+    assert_eq!(echo_from(g, "203.0.113.4:8080".parse().unwrap()), Ok(()));
+    // Rewriting the whole ruleset empties the learned sets; restoring puts
+    // back what has not expired.
+    apply_rules(
+        Some(&vm.netns),
+        &host_agent::network::rules::vm_ruleset(&policy, &vm.slot, &vm.veth_vm),
+    )
+    .unwrap();
     assert_eq!(
         echo_from(g, "203.0.113.4:8080".parse().unwrap()),
         Err(std::io::ErrorKind::TimedOut)

@@ -180,7 +180,7 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
     // Narrowing the allowlist of a live VM takes effect at once.
     let mut narrowed = policy.clone();
     narrowed.allow.retain(|a| a.proto == Some(Proto::Udp));
-    vms[0].update_policy(&narrowed).unwrap();
+    vms[0].update_policy(&narrowed, false).unwrap();
     assert_eq!(echo_from(g, server), Err(std::io::ErrorKind::TimedOut));
     assert_eq!(
         echo_from(&guests[1].0, server),
@@ -196,7 +196,7 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
         proto: None,
         port: None,
     }];
-    vms[1].update_policy(&everything).unwrap();
+    vms[1].update_policy(&everything, false).unwrap();
     let g = guests[1].0.as_str();
     assert_eq!(echo_from(g, "203.0.113.4:8080".parse().unwrap()), Ok(()));
     for (what, to) in [

@@ -9,12 +9,14 @@
 //! it, so a VM's network is released in one step even after a crash.
 
 use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 
 use super::addressing::{Slot, GATEWAY_IP, GUEST_PREFIX, TAP_NAME};
 use super::rules::{
-    flush_learned_script, forget_script, learned_script, vm_ruleset, EgressPolicy, Learned,
-    DENIED_COUNTER, TABLE,
+    flush_learned_script, forget_script, learned_script, sets_script, vm_ruleset, EgressPolicy,
+    Learned, DENIED_COUNTER, TABLE,
 };
 use crate::error::{Error, Result};
 
@@ -87,17 +89,34 @@ fn ip(ns: Option<&str>, args: &[&str]) -> Command {
     c
 }
 
-/// A command run inside namespace `ns`.
+/// A command run inside namespace `ns`: the child joins it before it
+/// runs `program` (no `ip netns exec`, whose own start and remount of /sys
+/// cost more than the program does; nothing run here reads /sys).
 fn in_netns(ns: Option<&str>, program: &str, args: &[&str]) -> Command {
-    match ns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns, program]).args(args);
+    let mut c = Command::new(program);
+    c.args(args);
+    let Some(ns) = ns else {
+        return c;
+    };
+    match std::fs::File::open(format!("/run/netns/{ns}")) {
+        Ok(file) => {
+            // SAFETY: runs in the child between fork and exec; it makes one
+            // system call (setns, async-signal-safe) on a descriptor the
+            // closure owns, and allocates nothing.
+            unsafe {
+                c.pre_exec(move || {
+                    if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
             c
         }
-        None => {
-            let mut c = Command::new(program);
-            c.args(args);
+        // Let `ip netns exec` say what is wrong with the namespace.
+        Err(_) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, program]).args(args);
             c
         }
     }
@@ -298,15 +317,15 @@ impl VmNetwork {
             None,
         )?;
         enable_forwarding(ns)?;
-        self.update_policy(policy)
+        apply_rules(ns, &vm_ruleset(policy, &self.slot, &self.veth_vm))
     }
 
-    /// Replaces the namespace's rules with those of `policy`, atomically.
-    pub fn update_policy(&self, policy: &EgressPolicy) -> Result<()> {
-        apply_rules(
-            Some(&self.netns),
-            &vm_ruleset(policy, &self.slot, &self.veth_vm),
-        )
+    /// Gives the namespace's rules the sets of `policy` (allowlist, deny
+    /// blocks, private ranges allowed) in one transaction; the chains and
+    /// what the resolver learned stay. With `reset_denied`, the `denied`
+    /// counter starts again from zero.
+    pub fn update_policy(&self, policy: &EgressPolicy, reset_denied: bool) -> Result<()> {
+        apply_rules(Some(&self.netns), &sets_script(policy, reset_denied))
     }
 
     /// Packets the namespace's rules dropped so far.

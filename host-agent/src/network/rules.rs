@@ -20,7 +20,10 @@
 //! resolver: UDP and TCP port 53 at [`GATEWAY_IP`].
 //!
 //! Drops are counted in the table's `denied` counter, never logged per packet.
-//! IPv6 is not forwarded at all (the guest link is IPv4-only).
+//! IPv6 is not forwarded at all (the guest link is IPv4-only). ARP from the
+//! tap is believed only for the guest's own address (table `arp agentvm`):
+//! a guest cannot put the node's or anyone else's address in the
+//! namespace's neighbour table.
 
 use std::fmt::Write as _;
 
@@ -255,9 +258,53 @@ table ip6 {TABLE} {{
     iifname "lo" accept
   }}
 }}
+table arp {TABLE} {{}}
+delete table arp {TABLE}
+table arp {TABLE} {{
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    iifname "{tap}" arp saddr ip != {GUEST_IP} drop
+  }}
+}}
 "#,
         vm_ip = slot.vm_ip
     );
+    out
+}
+
+/// The script that gives the namespace's table the sets of `policy` (deny
+/// blocks, private ranges allowed, the allowlist) in one transaction,
+/// leaving its chains, its learned sets and its NAT as they are: a live
+/// policy change, or a warm VM's handed to its session. With
+/// `reset_denied`, the `denied` counter starts again from zero (what a warm
+/// VM's guest tried before its session is not the session's).
+pub fn sets_script(policy: &EgressPolicy, reset_denied: bool) -> String {
+    let mut out = String::new();
+    let whole: Vec<String> = policy
+        .allow
+        .iter()
+        .filter(|a| a.proto.is_none() && a.port.is_none())
+        .map(|a| a.cidr.to_string())
+        .collect();
+    let list = |c: &[Cidr4]| c.iter().map(Cidr4::to_string).collect::<Vec<_>>();
+    for (set, elements) in [
+        ("always_deny", list(&policy.always_deny)),
+        ("private_allowed", list(&policy.private_allowed)),
+        ("allow_any", whole),
+        ("allow_port", port_elements(&policy.allow)),
+    ] {
+        let _ = writeln!(out, "flush set ip {TABLE} {set}");
+        if !elements.is_empty() {
+            let _ = writeln!(
+                out,
+                "add element ip {TABLE} {set} {{ {} }}",
+                elements.join(", ")
+            );
+        }
+    }
+    if reset_denied {
+        let _ = writeln!(out, "reset counter ip {TABLE} {DENIED_COUNTER}");
+    }
     out
 }
 
@@ -359,6 +406,44 @@ mod tests {
     }
 
     #[test]
+    fn a_policy_change_rewrites_the_sets_only() {
+        let allow = vec![
+            Allow {
+                cidr: Cidr4::parse("203.0.113.0/24").unwrap(),
+                proto: None,
+                port: None,
+            },
+            Allow {
+                cidr: Cidr4::parse("198.51.100.7").unwrap(),
+                proto: Some(Proto::Tcp),
+                port: Some(443),
+            },
+        ];
+        let policy = EgressPolicy::new(
+            allow,
+            &[Cidr4::parse("192.0.2.1").unwrap()],
+            Cidr4::parse("10.200.0.0/16").unwrap(),
+            vec![],
+        );
+        let script = sets_script(&policy, true);
+        for set in ["always_deny", "private_allowed", "allow_any", "allow_port"] {
+            assert!(
+                script.contains(&format!("flush set ip agentvm {set}\n")),
+                "{set}: {script}"
+            );
+        }
+        assert!(script.contains("add element ip agentvm allow_any { 203.0.113.0/24 }"));
+        assert!(script.contains("tcp . 198.51.100.7/32 . 443"), "{script}");
+        assert!(script.contains("192.0.2.1/32, 10.200.0.0/16"), "{script}");
+        assert!(script.contains("reset counter ip agentvm denied"));
+        // Nothing else: no chain, no learned set, no table is touched.
+        assert!(
+            !script.contains("chain") && !script.contains("learned") && !script.contains("table")
+        );
+        assert!(!sets_script(&policy, false).contains("reset"));
+    }
+
+    #[test]
     fn allow_entries_become_set_elements() {
         let allow = vec![
             Allow {
@@ -406,6 +491,10 @@ mod tests {
         );
         assert!(rules.contains("192.0.2.1/32, 10.200.0.0/16"), "{rules}");
         assert!(rules.contains("ip saddr != 172.16.0.2"), "anti-spoofing");
+        assert!(
+            rules.contains("iifname \"tap0\" arp saddr ip != 172.16.0.2 drop"),
+            "ARP anti-spoofing"
+        );
         // The learned sets are accepted after the deny checks, and the
         // guest reaches the gateway's port 53 and nothing else of it.
         let at = |what: &str| {

@@ -326,7 +326,7 @@ impl Manager {
         let mut policy = node.policy().clone();
         policy.allow = egress.allow.clone();
         let rules = async {
-            let r = tokio::task::spawn_blocking(move || vm.update_policy(&policy))
+            let r = tokio::task::spawn_blocking(move || vm.update_policy(&policy, true))
                 .await
                 .map_err(|e| Error::Network(format!("the network task failed: {e}")));
             (r, t1.elapsed())

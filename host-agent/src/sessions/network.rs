@@ -236,16 +236,11 @@ impl Manager {
         policy.allow = new_allow.clone();
         policy.always_deny.extend(all_deny.iter().copied());
         let applied = vm.clone();
-        tokio::task::spawn_blocking(move || applied.update_policy(&policy))
+        // The sets change; what the resolver learned stays (and still
+        // passes the new deny blocks first).
+        tokio::task::spawn_blocking(move || applied.update_policy(&policy, false))
             .await
             .map_err(|e| Error::Network(format!("the network task failed: {e}")))??;
-        // The new ruleset has empty learned sets: what the resolver learned
-        // and has not expired goes back (learned addresses still pass the
-        // new deny blocks first).
-        let resolver = sess.lock().dns.clone();
-        if let Some(r) = resolver {
-            r.restore_learned().await?;
-        }
         keep(Path::new(&dir), &new_allow, &all_deny, &hosts)?;
         {
             let mut i = sess.lock();
