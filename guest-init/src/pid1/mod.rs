@@ -78,14 +78,18 @@ impl Options {
 
 /// Runs PID 1 until shutdown; returns only when `poweroff` is false.
 pub fn run(opts: Options) -> std::io::Result<()> {
-    let cmd = cmdline::Cmdline::read();
     tracing::info!(version = env!("CARGO_PKG_VERSION"), "guest-init starting");
     if opts.mounts {
         for e in mounts::mount_all(&opts.root) {
             tracing::warn!(error = %e, "mount failed");
         }
     }
-    if let Some(h) = &opts.hostname {
+    // Read once /proc is mounted: the kernel starts init without it (and an
+    // initramfs unmounts its own before switch_root), so a command line read
+    // before the mounts is empty, and `ip=` (and its hostname) would be lost.
+    let cmd = cmdline::Cmdline::read();
+    let hostname = opts.hostname.clone().or_else(|| cmd.hostname.clone());
+    if let Some(h) = &hostname {
         if let Err(e) = net::set_hostname(h) {
             tracing::warn!(error = %e, hostname = %h, "cannot set hostname");
         }
