@@ -23,13 +23,13 @@ use hickory_proto::rr::{Name, RData, Record, RecordType};
 mod common;
 
 use common::netns::{
-    ask_udp, attach_guest, echo_from, echo_servers, in_ns, ip, missing_tools as missing,
-    query_bytes, Cleanup, Ns,
+    ask_udp, attach_guest, echo_from, echo_servers, in_ns, missing_tools as missing,
+    node_and_internet, query_bytes, Cleanup,
 };
 use host_agent::network::addressing::{AddressPool, Cidr4, GATEWAY_IP};
 use host_agent::network::dns::{DnsConfig, DnsResolver, NameRule};
-use host_agent::network::namespace::{apply_rules, enable_forwarding, VmNetwork, NETNS_PREFIX};
-use host_agent::network::rules::{node_ruleset, Allow, EgressPolicy, Proto};
+use host_agent::network::namespace::{apply_rules, VmNetwork, NETNS_PREFIX};
+use host_agent::network::rules::{Allow, EgressPolicy, Proto};
 
 /// Queries received, by lowercase name.
 type Seen = Arc<Mutex<HashMap<String, u32>>>;
@@ -144,35 +144,8 @@ fn the_resolver_answers_allowed_names_and_opens_their_addresses_only() {
         return;
     }
     let tag = std::process::id();
-    let node = Ns::new(format!("dn{tag}"));
-    let inet = Ns::new(format!("di{tag}"));
-    ip(&[
-        "link", "add", "up0", "netns", &node.0, "type", "veth", "peer", "name", "wan0", "netns",
-        &inet.0,
-    ]);
-    ip(&["-n", &node.0, "addr", "add", "203.0.113.1/24", "dev", "up0"]);
-    ip(&["-n", &node.0, "link", "set", "up0", "up"]);
-    ip(&[
-        "-n",
-        &node.0,
-        "route",
-        "add",
-        "default",
-        "via",
-        "203.0.113.2",
-    ]);
-    for a in [
-        "203.0.113.2/24",
-        "203.0.113.3/24",
-        "203.0.113.4/24",
-        "203.0.113.5/24",
-    ] {
-        ip(&["-n", &inet.0, "addr", "add", a, "dev", "wan0"]);
-    }
-    ip(&["-n", &inet.0, "link", "set", "wan0", "up"]);
     let pool_block = Cidr4::parse("10.203.0.0/16").unwrap();
-    enable_forwarding(Some(&node.0)).unwrap();
-    apply_rules(Some(&node.0), &node_ruleset(pool_block)).unwrap();
+    let (node, inet) = node_and_internet(&format!("d{tag}"), pool_block);
     echo_servers(
         &inet.0,
         &["203.0.113.3:8080", "203.0.113.4:8080", "203.0.113.5:8080"],

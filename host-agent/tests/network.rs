@@ -15,13 +15,13 @@ use std::time::Duration;
 
 mod common;
 
-use common::netns::{attach_guest, echo_from, in_ns, ip, missing_tools as missing, Cleanup, Ns};
-use host_agent::network::addressing::{AddressPool, Cidr4, GUEST_IP};
-use host_agent::network::namespace::{
-    apply_rules, enable_forwarding, list_namespaces, VmNetwork, NETNS_PREFIX,
+use common::netns::{
+    attach_guest, echo_from, in_ns, ip, missing_tools as missing, node_and_internet, Cleanup, Ns,
 };
+use host_agent::network::addressing::{AddressPool, Cidr4, GUEST_IP};
+use host_agent::network::namespace::{list_namespaces, VmNetwork, NETNS_PREFIX};
 use host_agent::network::node::{NodeNetwork, NodeSettings};
-use host_agent::network::rules::{node_ruleset, Allow, EgressPolicy, Proto};
+use host_agent::network::rules::{Allow, EgressPolicy, Proto};
 
 #[test]
 fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
@@ -30,30 +30,8 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
         return;
     }
     let tag = std::process::id();
-    let node = Ns::new(format!("nd{tag}"));
-    let inet = Ns::new(format!("in{tag}"));
-    ip(&[
-        "link", "add", "up0", "netns", &node.0, "type", "veth", "peer", "name", "wan0", "netns",
-        &inet.0,
-    ]);
-    ip(&["-n", &node.0, "addr", "add", "203.0.113.1/24", "dev", "up0"]);
-    ip(&["-n", &node.0, "link", "set", "up0", "up"]);
-    ip(&[
-        "-n",
-        &node.0,
-        "route",
-        "add",
-        "default",
-        "via",
-        "203.0.113.2",
-    ]);
-    for a in ["203.0.113.2/24", "203.0.113.3/24", "203.0.113.4/24"] {
-        ip(&["-n", &inet.0, "addr", "add", a, "dev", "wan0"]);
-    }
-    ip(&["-n", &inet.0, "link", "set", "wan0", "up"]);
     let pool_block = Cidr4::parse("10.200.0.0/16").unwrap();
-    enable_forwarding(Some(&node.0)).unwrap();
-    apply_rules(Some(&node.0), &node_ruleset(pool_block)).unwrap();
+    let (node, inet) = node_and_internet(&tag.to_string(), pool_block);
 
     // Servers on the internet: an echo on two addresses, a UDP sink.
     let (ready_tx, ready_rx) = mpsc::channel();

@@ -191,7 +191,7 @@ pub fn ask_udp(
 }
 
 /// A "node" namespace `nd<tag>` with the uplink 203.0.113.1/24 and an
-/// "internet" namespace `in<tag>` behind it holding 203.0.113.2 to .4 (the
+/// "internet" namespace `in<tag>` behind it holding 203.0.113.2 to .5 (the
 /// node's default route), with forwarding on and the node's rules for VM
 /// pool `pool` loaded: the topology of `tests/network.rs`.
 pub fn node_and_internet(tag: &str, pool: host_agent::network::addressing::Cidr4) -> (Ns, Ns) {
@@ -214,7 +214,12 @@ pub fn node_and_internet(tag: &str, pool: host_agent::network::addressing::Cidr4
         "via",
         "203.0.113.2",
     ]);
-    for a in ["203.0.113.2/24", "203.0.113.3/24", "203.0.113.4/24"] {
+    for a in [
+        "203.0.113.2/24",
+        "203.0.113.3/24",
+        "203.0.113.4/24",
+        "203.0.113.5/24",
+    ] {
         ip(&["-n", &inet.0, "addr", "add", a, "dev", "wan0"]);
     }
     ip(&["-n", &inet.0, "link", "set", "wan0", "up"]);
