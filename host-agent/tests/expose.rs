@@ -1,19 +1,26 @@
 //! Exposed ports through a VM's namespace: a node listener made by
 //! `host_agent::network::expose` carries connections to a TCP server in a
 //! "guest" namespace joined where the tap would be (the guest's fixed
-//! address), 100 MiB each way, checked by hash. Needs root, iproute2 and
-//! nftables; says so and skips without them.
+//! address), 100 MiB each way, checked by hash; and through the API, a
+//! session's exposed ports are listed with it and closed when it stops.
+//! Needs root, iproute2 and nftables (and cgroups for sessions); says so
+//! and skips without them.
 
 mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
 
-use common::netns::{attach_guest, in_ns, ip, missing_tools, Cleanup, Ns};
+use std::time::{Duration, Instant};
+
+use common::netns::{attach_guest, in_ns, ip, missing_tools, Cleanup, Ns, PrefixCleanup};
+use common::networked::{build_net_image, can_run, networked_agent};
+use common::*;
 use host_agent::network::addressing::{AddressPool, Cidr4, GUEST_IP};
 use host_agent::network::expose::expose;
 use host_agent::network::namespace::{enable_forwarding, VmNetwork, NETNS_PREFIX};
 use host_agent::network::rules::EgressPolicy;
+use proto::hostagent as pb;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -122,4 +129,85 @@ async fn an_exposed_port_carries_100_mib_each_way_to_the_guest() {
     assert!(tokio::net::TcpStream::connect(host).await.is_err());
     drop(guest);
     vm.remove();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exposed_ports_are_listed_with_the_session_and_go_when_it_stops() {
+    if !can_run() {
+        return;
+    }
+    let tag = std::process::id();
+    let prefix = format!("avx{tag}-");
+    let _cleanup = PrefixCleanup(prefix.clone());
+    let (_node, _cfg, mut agent) =
+        networked_agent(&format!("sx{tag}"), &prefix, "10.208.0.0/29", &[], &[]);
+    build_net_image(&agent).await;
+    let s = agent.create("net", "").await;
+    agent.wait_state(&s.session_id, S::Running).await;
+    let mut sessions = agent.sessions().await;
+    let req = |port: u32, protocol: &str| pb::ExposePortRequest {
+        session_id: s.session_id.clone(),
+        guest_port: port,
+        protocol: protocol.into(),
+    };
+    let first = sessions
+        .expose_port(req(8080, "tcp"))
+        .await
+        .expect("expose")
+        .into_inner();
+    let addr: std::net::SocketAddr = first.host_address.parse().unwrap();
+    assert!(addr.ip().is_loopback(), "{addr}");
+    // Exposing it again gives the same address; a second port another.
+    let again = sessions
+        .expose_port(req(8080, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again, first);
+    let second = sessions
+        .expose_port(req(22, "tcp"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_ne!(second.host_address, first.host_address);
+    for (bad, says) in [(req(0, "tcp"), "1 to 65535"), (req(53, "udp"), "only tcp")] {
+        let e = sessions.expose_port(bad).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(says), "{}", e.message());
+    }
+    // Listed with the session, and listening.
+    let net = agent.get(&s.session_id).await.network.expect("a network");
+    let ports: Vec<u32> = net.exposed_ports.iter().map(|p| p.guest_port).collect();
+    assert_eq!(ports, [22, 8080]);
+    assert!(std::net::TcpStream::connect(addr).is_ok());
+    // Unexposed: gone from the list, and closed.
+    let net = sessions
+        .unexpose_port(req(8080, "tcp"))
+        .await
+        .expect("unexpose")
+        .into_inner();
+    assert_eq!(net.exposed_ports, std::slice::from_ref(&second));
+    assert!(std::net::TcpStream::connect(addr).is_err());
+    let e = sessions.unexpose_port(req(8080, "tcp")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    // The session stops: its ports close with it (on the runtime's next
+    // turn after the transition).
+    agent.stop(&s.session_id).await;
+    let addr: std::net::SocketAddr = second.host_address.parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(addr).is_ok() {
+        assert!(Instant::now() < deadline, "{addr} still listens");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let e = sessions.expose_port(req(8080, "tcp")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    let events: Vec<String> = agent
+        .session_events(&s.session_id)
+        .await
+        .into_iter()
+        .map(|e| e.reason)
+        .filter(|r| r.starts_with("port_"))
+        .collect();
+    assert_eq!(events, ["port_exposed", "port_exposed", "port_unexposed"]);
+    agent.terminate();
 }
