@@ -59,6 +59,7 @@ const ROOTFS_MODULES: &[&str] = &[
 /// Modules the outer VM loads: KVM for AMD, 9p for the host's files, tun for
 /// taps, and for host-agent's sessions' networks (group `network`) veth pairs
 /// and the nftables parts its rules use (NAT, conntrack, named counters).
+/// Each failed insmod is printed on the outer VM's console (`L1: insmod`).
 pub const L1_MODULES: &[&str] = &[
     "virtio_pci",
     "9pnet_virtio",
@@ -66,6 +67,8 @@ pub const L1_MODULES: &[&str] = &[
     "kvm-amd",
     "tun",
     "veth",
+    // libcrc32c's crypto (a soft dependency, which modules.dep leaves out).
+    "crc32c_generic",
     "nf_tables",
     "nft_ct",
     "nft_chain_nat",

@@ -232,11 +232,13 @@ fn ack(stream: TcpStream, seen: &(Mutex<Seen>, Condvar)) -> std::io::Result<()> 
     let mut first = true;
     for line in BufReader::new(stream).lines() {
         let line = line?;
-        writeln!(w, "ack {}", line.trim())?;
+        // Counted before the answer goes, so a client that has its answer
+        // finds its connection counted.
         if first {
             *lock(&seen.0).acks.entry(local).or_default() += 1;
             first = false;
         }
+        writeln!(w, "ack {}", line.trim())?;
     }
     Ok(())
 }

@@ -11,7 +11,7 @@
 
 mod internet;
 
-use std::io::{Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -438,10 +438,12 @@ fn node_reaches(ip: Ipv4Addr) -> Result<(), String> {
     c.set_read_timeout(Some(Duration::from_secs(10)))
         .map_err(|e| e.to_string())?;
     c.write_all(b"from-the-node\n").map_err(|e| e.to_string())?;
-    let mut buf = [0u8; 64];
-    let n = c.read(&mut buf).map_err(|e| e.to_string())?;
-    if !buf[..n].starts_with(b"ack from-the-node") {
-        return Err(format!("{ip}:{ACK_PORT} answered the node {:?}", &buf[..n]));
+    let mut line = String::new();
+    std::io::BufReader::new(c)
+        .read_line(&mut line)
+        .map_err(|e| format!("{ip}:{ACK_PORT} did not answer the node: {e}"))?;
+    if line.trim() != "ack from-the-node" {
+        return Err(format!("{ip}:{ACK_PORT} answered the node {line:?}"));
     }
     Ok(())
 }
