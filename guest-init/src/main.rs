@@ -177,19 +177,17 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
             pid1::set_default_path();
-            let cmd = pid1::cmdline::Cmdline::read();
-            pid1::run(pid1::Options::guest(&cmd)).map(|_| ExitCode::SUCCESS)
+            pid1::run(pid1::Options::guest()).map(|_| ExitCode::SUCCESS)
         }
         Some(Command::Init(a)) => {
             pid1::set_default_path();
-            let cmd = pid1::cmdline::Cmdline::read();
-            let mut o = pid1::Options::guest(&cmd);
-            o.hostname = a.hostname.or(o.hostname);
+            let mut o = pid1::Options::guest();
+            o.hostname = a.hostname;
             if let Some(r) = a.root {
                 o.root = r;
             }
             if let Some(l) = a.listen {
-                o.listen = l;
+                o.listen = Some(l);
             }
             if let Some(w) = a.workspace {
                 o.workspace = w;

@@ -38,8 +38,9 @@ pub struct Options {
     pub mounts: bool,
     /// Configure lo and eth0.
     pub network: bool,
-    /// Where to serve the session channel.
-    pub listen: ListenAddr,
+    /// Where to serve the session channel (`None`: vsock, at the port the
+    /// kernel command line names, read once /proc is mounted).
+    pub listen: Option<ListenAddr>,
     /// Session workspace.
     pub workspace: PathBuf,
     /// State directory.
@@ -58,19 +59,20 @@ pub struct Options {
 }
 
 impl Options {
-    /// A guest's settings, with the kernel command line's overrides.
-    pub fn guest(cmd: &cmdline::Cmdline) -> Self {
+    /// A guest's settings; the kernel command line's overrides (vsock
+    /// port, hostname, `ip=`) are applied by [`run`] once it can read them.
+    pub fn guest() -> Self {
         Self {
             root: PathBuf::from("/"),
             mounts: true,
             network: true,
-            listen: ListenAddr::Vsock(cmd.vsock_port),
+            listen: None,
             workspace: PathBuf::from("/workspace"),
             state_dir: PathBuf::from("/run/guest-init"),
             poweroff: true,
             apply_egress: true,
             hosts_file: PathBuf::from("/etc/hosts"),
-            hostname: cmd.hostname.clone(),
+            hostname: None,
             set_clock: true,
         }
     }
@@ -117,7 +119,11 @@ pub fn run(opts: Options) -> std::io::Result<()> {
             max_frame: proto::framing::DEFAULT_MAX_FRAME,
             set_clock: opts.set_clock,
         };
-        let mut transport = opts.listen.bind()?;
+        let listen = opts
+            .listen
+            .clone()
+            .unwrap_or(ListenAddr::Vsock(cmd.vsock_port));
+        let mut transport = listen.bind()?;
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             if term.recv().await.is_some() {

@@ -334,7 +334,12 @@ fn running_detail(a: &HostAgent, ch: &Channel, session_id: &str) -> Result<Strin
             .into_inner();
         loop {
             match tokio::time::timeout(Duration::from_secs(60), stream.message()).await {
-                Ok(Ok(Some(e))) if e.to == pb::SessionState::Running as i32 => return Ok(e.detail),
+                // The transition into RUNNING (`started`), not a note made
+                // while RUNNING (a networked session's `network_granted`,
+                // `dns_denied` carry RUNNING as their state too).
+                Ok(Ok(Some(e))) if e.to == pb::SessionState::Running as i32 && e.from != e.to => {
+                    return Ok(e.detail)
+                }
                 Ok(Ok(Some(_))) => continue,
                 Ok(Ok(None)) => return Err("the event stream ended before RUNNING".into()),
                 Ok(Err(e)) => return Err(format!("Watch: {}", e.message())),
