@@ -79,6 +79,22 @@ pub struct NetworkState {
 }
 
 impl Manager {
+    /// The node's network for a VM of `image`: `None` when its golden
+    /// snapshot has no network device, an error when it has one and this
+    /// node has no network.
+    pub(super) fn network_for(&self, image: &ImageRow) -> Result<Option<Arc<NodeNetwork>>> {
+        if !has_network(image) {
+            return Ok(None);
+        }
+        self.network.clone().map(Some).ok_or_else(|| {
+            Error::FailedPrecondition(format!(
+                "image {}'s golden snapshot has a network device, but this node has no \
+                 network configured: set `network` or rebuild the golden snapshot",
+                image.id
+            ))
+        })
+    }
+
     /// The egress session `row` starts with: its manifest's grant for its
     /// agent within the node's allowlist, or, without a repository, the
     /// node's allowlist. A manifest that does not parse fails the session,

@@ -77,16 +77,9 @@ impl Manager {
         dir: &Path,
         uid: Option<u32>,
     ) -> Result<Option<WarmNetwork>> {
-        if !has_network(image) {
+        let Some(node) = self.network_for(image)? else {
             return Ok(None);
-        }
-        let node = self.network.clone().ok_or_else(|| {
-            Error::FailedPrecondition(format!(
-                "image {}'s golden snapshot has a network device, but this node has no \
-                 network configured: set `network` or rebuild the golden snapshot",
-                image.id
-            ))
-        })?;
+        };
         let id = vmm_api::command::jail_id(dir);
         let dir = dir.to_path_buf();
         tokio::task::spawn_blocking(move || {
