@@ -160,11 +160,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
         }
         SessionsCmd::Expose { id, guest_port } => {
             let e = cl
-                .expose_port(pb::ExposePortRequest {
-                    session_id: id,
-                    guest_port,
-                    protocol: "tcp".into(),
-                })
+                .expose_port(port_request(id, guest_port))
                 .await
                 .map_err(st)?
                 .into_inner();
@@ -173,11 +169,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
         }
         SessionsCmd::Unexpose { id, guest_port } => {
             let n = cl
-                .unexpose_port(pb::ExposePortRequest {
-                    session_id: id,
-                    guest_port,
-                    protocol: "tcp".into(),
-                })
+                .unexpose_port(port_request(id, guest_port))
                 .await
                 .map_err(st)?
                 .into_inner();
@@ -196,4 +188,13 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
     };
     print_all(&[s], out);
     Ok(())
+}
+
+/// The request naming TCP port `guest_port` of session `id`.
+fn port_request(id: String, guest_port: u32) -> pb::ExposePortRequest {
+    pb::ExposePortRequest {
+        session_id: id,
+        guest_port,
+        protocol: "tcp".into(),
+    }
 }
