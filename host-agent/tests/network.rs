@@ -330,3 +330,66 @@ fn bench_network_setup_and_teardown() {
         create[10], create[0], remove[10], remove[0]
     );
 }
+
+/// Rules the kernel takes from policies whose entries nest, repeat or
+/// overlap in part: the sets are written without nft's auto-merge, so
+/// host-agent must hand them elements that do not conflict.
+#[test]
+fn overlapping_policy_entries_load_at_create_and_on_update() {
+    if let Some(why) = missing() {
+        println!("skipped: {why}");
+        return;
+    }
+    let tag = std::process::id();
+    let node = Ns::new(format!("no{tag}"));
+    let block = Cidr4::parse("10.212.0.0/16").unwrap();
+    let mut pool = AddressPool::new(block).unwrap();
+    let allow = |cidr: &str, proto: Option<Proto>, port: Option<u16>| Allow {
+        cidr: Cidr4::parse(cidr).unwrap(),
+        proto,
+        port,
+    };
+    let entries = vec![
+        allow("198.51.0.0/16", None, None),
+        allow("198.51.100.0/24", None, None),
+        allow("198.51.100.0/24", None, None),
+        allow("10.0.0.0/8", Some(Proto::Tcp), Some(443)),
+        allow("10.1.0.0/16", Some(Proto::Tcp), None),
+        allow("10.1.0.0/16", None, Some(53)),
+        allow("10.1.2.0/24", Some(Proto::Udp), Some(53)),
+        allow("203.0.113.7", Some(Proto::Tcp), Some(22)),
+        allow("203.0.113.7", Some(Proto::Tcp), Some(22)),
+    ];
+    // The node's addresses inside the pool, a deny block twice.
+    let deny = [
+        Cidr4::parse("10.212.0.1").unwrap(),
+        Cidr4::parse("127.0.0.0/16").unwrap(),
+    ];
+    let mut policy = EgressPolicy::new(entries.clone(), &deny, block, vec![]);
+    policy
+        .always_deny
+        .push(Cidr4::parse("10.212.0.0/24").unwrap());
+    let vm = VmNetwork::plan(
+        NETNS_PREFIX,
+        &format!("o{tag}"),
+        pool.allocate().unwrap(),
+        Some(node.0.clone()),
+    );
+    let _cleanup = Cleanup(vec![vm.netns.clone()]);
+    vm.create(&policy, None).expect("the rules load");
+    policy.allow.reverse();
+    vm.update_policy(&policy, true).expect("the sets load");
+    let out = Command::new("ip")
+        .args([
+            "netns", "exec", &vm.netns, "nft", "list", "table", "ip", "agentvm",
+        ])
+        .output()
+        .unwrap();
+    let rules = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        rules.contains("198.51.0.0/16") && !rules.contains("198.51.100.0/24"),
+        "{rules}"
+    );
+    assert!(rules.contains("tcp . 10.0.0.0/8 . 443"), "{rules}");
+    vm.remove();
+}

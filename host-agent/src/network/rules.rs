@@ -149,35 +149,77 @@ impl EgressPolicy {
     }
 }
 
-/// Writes an interval set of addresses; nft merges overlapping blocks
-/// (`auto-merge`), so a policy may name a block twice.
+/// `cidrs` without duplicates and without blocks another one holds, in
+/// address order: elements an interval set takes as they are. Two blocks
+/// either nest or do not meet, so what is left is disjoint.
+///
+/// The sets are written without nft's `auto-merge`: with it, every change
+/// to a set costs nft a read of the whole set from the kernel, about 15 ms
+/// a transaction where one without takes under 1 ms (measured with a
+/// warm VM's hand-over), so the merging is done here.
+fn disjoint(cidrs: &[Cidr4]) -> Vec<Cidr4> {
+    let mut sorted = cidrs.to_vec();
+    // Larger blocks first at an address, so the blocks they hold follow.
+    sorted.sort_by_key(|c| (u32::from(c.addr), c.prefix));
+    sorted.dedup();
+    let mut out: Vec<Cidr4> = Vec::with_capacity(sorted.len());
+    for c in sorted {
+        if !out
+            .iter()
+            .any(|o| o.prefix <= c.prefix && o.contains(c.addr))
+        {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The elements of the address set of `cidrs` (see [`disjoint`]).
+fn addr_elements(cidrs: &[Cidr4]) -> Vec<String> {
+    disjoint(cidrs).iter().map(Cidr4::to_string).collect()
+}
+
+/// Writes an interval set of addresses; a policy may name a block twice.
 fn addr_set(out: &mut String, name: &str, cidrs: &[Cidr4]) {
-    let _ = writeln!(
-        out,
-        "  set {name} {{\n    type ipv4_addr; flags interval; auto-merge"
-    );
-    if !cidrs.is_empty() {
-        let list: Vec<String> = cidrs.iter().map(Cidr4::to_string).collect();
+    let _ = writeln!(out, "  set {name} {{\n    type ipv4_addr; flags interval");
+    let list = addr_elements(cidrs);
+    if !list.is_empty() {
         let _ = writeln!(out, "    elements = {{ {} }}", list.join(", "));
     }
     let _ = writeln!(out, "  }}");
 }
 
 /// The allowlist entries with a protocol or a port, as
-/// `proto . block . ports` elements.
+/// `proto . block . ports` elements (an entry without a protocol becomes a
+/// TCP and a UDP one). An element another one holds is left out: without
+/// `auto-merge` (see [`disjoint`]) the set refuses one inside another.
 fn port_elements(allow: &[Allow]) -> Vec<String> {
-    let mut out = Vec::new();
+    let mut each: Vec<Allow> = Vec::new();
     for a in allow {
-        let ports = match a.port {
-            Some(p) => p.to_string(),
-            None => "0-65535".to_string(),
-        };
         let protos = match (a.proto, a.port) {
             (None, None) => continue,
             (Some(p), _) => vec![p],
             (None, Some(_)) => vec![Proto::Tcp, Proto::Udp],
         };
-        for p in protos {
+        each.extend(protos.into_iter().map(|p| Allow {
+            proto: Some(p),
+            ..*a
+        }));
+    }
+    let mut out = Vec::new();
+    for (i, a) in each.iter().enumerate() {
+        let held = each
+            .iter()
+            .enumerate()
+            .any(|(j, o)| j != i && o.covers(a) && (o != a || j < i));
+        if held {
+            continue;
+        }
+        let ports = match a.port {
+            Some(p) => p.to_string(),
+            None => "0-65535".to_string(),
+        };
+        if let Some(p) = a.proto {
             out.push(format!("{} . {} . {ports}", p.name(), a.cidr));
         }
     }
@@ -208,7 +250,7 @@ pub fn vm_ruleset(policy: &EgressPolicy, slot: &Slot, veth: &str) -> String {
     addr_set(&mut out, "allow_any", &whole);
     let _ = writeln!(
         out,
-        "  set allow_port {{\n    type inet_proto . ipv4_addr . inet_service; flags interval; auto-merge"
+        "  set allow_port {{\n    type inet_proto . ipv4_addr . inet_service; flags interval"
     );
     let elements = port_elements(&policy.allow);
     if !elements.is_empty() {
@@ -280,17 +322,16 @@ table arp {TABLE} {{
 /// VM's guest tried before its session is not the session's).
 pub fn sets_script(policy: &EgressPolicy, reset_denied: bool) -> String {
     let mut out = String::new();
-    let whole: Vec<String> = policy
+    let whole: Vec<Cidr4> = policy
         .allow
         .iter()
         .filter(|a| a.proto.is_none() && a.port.is_none())
-        .map(|a| a.cidr.to_string())
+        .map(|a| a.cidr)
         .collect();
-    let list = |c: &[Cidr4]| c.iter().map(Cidr4::to_string).collect::<Vec<_>>();
     for (set, elements) in [
-        ("always_deny", list(&policy.always_deny)),
-        ("private_allowed", list(&policy.private_allowed)),
-        ("allow_any", whole),
+        ("always_deny", addr_elements(&policy.always_deny)),
+        ("private_allowed", addr_elements(&policy.private_allowed)),
+        ("allow_any", addr_elements(&whole)),
         ("allow_port", port_elements(&policy.allow)),
     ] {
         let _ = writeln!(out, "flush set ip {TABLE} {set}");
@@ -406,6 +447,37 @@ mod tests {
     }
 
     #[test]
+    fn address_sets_get_disjoint_blocks_and_port_sets_no_covered_entry() {
+        let c = |t: &str| Cidr4::parse(t).unwrap();
+        assert_eq!(
+            disjoint(&[
+                c("10.1.0.0/16"),
+                c("192.0.2.7"),
+                c("10.0.0.0/8"),
+                c("192.0.2.7"),
+                c("10.1.2.0/24"),
+                c("9.0.0.0/8"),
+            ]),
+            [c("9.0.0.0/8"), c("10.0.0.0/8"), c("192.0.2.7")]
+        );
+        let allow = |cidr: &str, proto: Option<Proto>, port: Option<u16>| Allow {
+            cidr: c(cidr),
+            proto,
+            port,
+        };
+        assert_eq!(
+            port_elements(&[
+                allow("10.0.0.0/8", Some(Proto::Tcp), None),
+                allow("10.1.0.0/16", Some(Proto::Tcp), Some(443)),
+                allow("10.1.0.0/16", None, Some(53)),
+                allow("10.1.0.0/16", Some(Proto::Udp), Some(53)),
+                allow("10.1.0.0/16", None, Some(53)),
+            ]),
+            ["tcp . 10.0.0.0/8 . 0-65535", "udp . 10.1.0.0/16 . 53"]
+        );
+    }
+
+    #[test]
     fn a_policy_change_rewrites_the_sets_only() {
         let allow = vec![
             Allow {
@@ -434,7 +506,10 @@ mod tests {
         }
         assert!(script.contains("add element ip agentvm allow_any { 203.0.113.0/24 }"));
         assert!(script.contains("tcp . 198.51.100.7/32 . 443"), "{script}");
-        assert!(script.contains("192.0.2.1/32, 10.200.0.0/16"), "{script}");
+        assert!(
+            script.contains("0.0.0.0/8, 10.200.0.0/16, 127.0.0.0/8, 169.254.0.0/16, 192.0.2.1/32,"),
+            "{script}"
+        );
         assert!(script.contains("reset counter ip agentvm denied"));
         // Nothing else: no chain, no learned set, no table is touched.
         assert!(
@@ -489,7 +564,9 @@ mod tests {
             rules.contains("169.254.0.0/16"),
             "the metadata range is always denied"
         );
-        assert!(rules.contains("192.0.2.1/32, 10.200.0.0/16"), "{rules}");
+        assert!(rules.contains("10.200.0.0/16, 127.0.0.0/8"), "{rules}");
+        assert!(rules.contains("169.254.0.0/16, 192.0.2.1/32"), "{rules}");
+        assert!(!rules.contains("auto-merge"), "{rules}");
         assert!(rules.contains("ip saddr != 172.16.0.2"), "anti-spoofing");
         assert!(
             rules.contains("iifname \"tap0\" arp saddr ip != 172.16.0.2 drop"),
