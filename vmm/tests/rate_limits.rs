@@ -189,56 +189,8 @@ fn an_unlimited_disk_counts_too() {
 
 mod net {
     use super::*;
-    use std::process::Command;
 
-    /// A tap created with `ip`, up, with IPv6 off; deleted on drop.
-    struct HostTap(String);
-
-    impl HostTap {
-        fn create(name: &str) -> Result<HostTap, String> {
-            if !Path::new("/dev/net/tun").exists() {
-                return Err("/dev/net/tun is missing".into());
-            }
-            let ip = |args: &[&str]| -> Result<(), String> {
-                let out = Command::new("ip")
-                    .args(args)
-                    .output()
-                    .map_err(|e| format!("cannot run ip: {e}"))?;
-                if out.status.success() {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "ip {}: {}",
-                        args.join(" "),
-                        String::from_utf8_lossy(&out.stderr)
-                    ))
-                }
-            };
-            ip(&["tuntap", "add", "dev", name, "mode", "tap"])?;
-            let tap = HostTap(name.into());
-            let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6"), "1");
-            ip(&["link", "set", name, "up"])?;
-            Ok(tap)
-        }
-
-        /// The host side's receive counters: what the guest sent.
-        fn received(&self) -> (u64, u64) {
-            let stat = |what: &str| -> u64 {
-                std::fs::read_to_string(format!("/sys/class/net/{}/statistics/{what}", self.0))
-                    .unwrap()
-                    .trim()
-                    .parse()
-                    .unwrap()
-            };
-            (stat("rx_packets"), stat("rx_bytes"))
-        }
-    }
-
-    impl Drop for HostTap {
-        fn drop(&mut self) {
-            let _ = Command::new("ip").args(["link", "del", &self.0]).status();
-        }
-    }
+    use crate::common::tap::HostTap;
 
     /// The guest's frame: 14-byte Ethernet header and 64 bytes of payload.
     const FRAME: u64 = 78;

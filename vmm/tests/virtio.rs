@@ -2,6 +2,8 @@
 //! guests that drive virtio-mmio devices by polling, and the tests check the
 //! guests' serial output and the host-side effects (disk file, tap frames).
 
+mod common;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -215,42 +217,7 @@ mod net {
     use super::*;
     use std::ffi::CString;
 
-    /// A tap created with `ip`, up, with IPv6 off; deleted on drop.
-    struct HostTap(String);
-
-    impl HostTap {
-        fn create(name: &str) -> Result<HostTap, String> {
-            if !Path::new("/dev/net/tun").exists() {
-                return Err("/dev/net/tun is missing".into());
-            }
-            let ip = |args: &[&str]| -> Result<(), String> {
-                let out = Command::new("ip")
-                    .args(args)
-                    .output()
-                    .map_err(|e| format!("cannot run ip: {e}"))?;
-                if out.status.success() {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "ip {}: {}",
-                        args.join(" "),
-                        String::from_utf8_lossy(&out.stderr)
-                    ))
-                }
-            };
-            ip(&["tuntap", "add", "dev", name, "mode", "tap"])?;
-            let tap = HostTap(name.into());
-            let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6"), "1");
-            ip(&["link", "set", name, "up"])?;
-            Ok(tap)
-        }
-    }
-
-    impl Drop for HostTap {
-        fn drop(&mut self) {
-            let _ = Command::new("ip").args(["link", "del", &self.0]).status();
-        }
-    }
+    use crate::common::tap::HostTap;
 
     /// A raw AF_PACKET socket bound to one interface.
     struct PacketSocket(i32);

@@ -7,6 +7,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod counter;
+pub mod tap;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
