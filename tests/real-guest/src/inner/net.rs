@@ -14,7 +14,8 @@ pub const GUEST_CIDR: &str = "172.16.0.2/30";
 /// Port of [`AckServer`].
 pub const TCP_PORT: u16 = 7000;
 
-fn ip(args: &[&str]) -> Result<(), String> {
+/// Runs `ip args...`; its error names the command and what `ip` said.
+pub(crate) fn ip(args: &[&str]) -> Result<(), String> {
     let out = Command::new("ip")
         .args(args)
         .output()
