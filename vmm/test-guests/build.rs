@@ -16,6 +16,7 @@ const GUESTS: &[&str] = &[
     "virtio_rng",
     "virtio_net",
     "net_hostile",
+    "net_perf",
     "virtio_hostile",
     "virtio_vsock",
     "i8042_probe",

@@ -98,6 +98,12 @@ static inline int virtio_is(u64 addr, u32 device_id) {
            mmio_r32(addr + VIRTIO_DEVICE_ID) == device_id;
 }
 
+/* Whether `addr` is a device page inside the MMIO hole map_mmio_hole maps
+ * (anything else would fault: a bad command line must not crash the guest). */
+static inline int in_mmio_hole(u64 addr) {
+    return addr >= 0xC0000000UL && addr <= 0xFFFFF000UL && (addr & 0xfff) == 0;
+}
+
 /* The first device with `device_id` the DSDT describes, or 0. */
 static inline u64 virtio_find_acpi(const u8 *zp, u32 device_id) {
     const u8 *rsdp = acpi_rsdp_from_zero_page(zp);
@@ -109,12 +115,15 @@ static inline u64 virtio_find_acpi(const u8 *zp, u32 device_id) {
     u32 cursor = 36, gsi;
     u64 addr;
     while (acpi_next_virtio(dsdt, &cursor, &addr, &gsi))
-        if (virtio_is(addr, device_id)) return addr;
+        if (in_mmio_hole(addr) && virtio_is(addr, device_id)) return addr;
     return 0;
 }
 
 /* Returns the base of the first announced virtio-mmio device with `device_id`
- * (command line first, then ACPI), or 0. */
+ * (command line first, then ACPI), or 0. The command line's entries are
+ * `virtio_mmio.device=SIZE@0xADDR:GSI`, as the vmm writes them with --acpi
+ * off and as Firecracker always writes them (its devices sit at
+ * 0xc0001000, 0xc0002000, ...); the DSDT is the vmm's default. */
 static inline u64 virtio_find(const u8 *zp, u32 device_id) {
     static int mapped = 0;
     if (!mapped) { map_mmio_hole(); mapped = 1; }
@@ -127,8 +136,8 @@ static inline u64 virtio_find(const u8 *zp, u32 device_id) {
         if (q[0] != '@' || q[1] != '0' || q[2] != 'x') continue;
         q += 3;
         u64 addr = 0;
-        while (is_hex(*q)) addr = addr * 16 + hex_digit(*q++);
-        if (virtio_is(addr, device_id)) return addr;
+        for (int digits = 0; is_hex(*q) && digits < 16; digits++) addr = addr * 16 + hex_digit(*q++);
+        if (in_mmio_hole(addr) && virtio_is(addr, device_id)) return addr;
     }
     return virtio_find_acpi(zp, device_id);
 }

@@ -20,6 +20,11 @@
 //!   fragments), each UDP one tagged `hostile:<name>`, and last one legitimate
 //!   datagram; addresses and the gateway's MAC come from the command line
 //!   (see the source); `hold=1` spins at the end instead of resetting.
+//! * `net_perf`: moves frames through virtio-net as fast as the rings allow, for
+//!   perf's network scenarios (runs under the vmm and under Firecracker):
+//!   `mode=tx` sends `count=N` frames of `size=S` bytes, `mode=rx` counts N
+//!   received frames and acknowledges every 64, `mode=echo` sends every
+//!   received frame back (see the source for the frame format).
 //! * `virtio_vsock`: connects to a host port and accepts a host-initiated connection over virtio-vsock.
 //! * `virtio_hostile`: a misbehaving virtio-blk driver (bad sizes, buffers, chains).
 //! * `i8042_probe`: runs Linux's i8042 probe sequence by polling and reports what it read.
@@ -44,6 +49,7 @@ pub const ALL: &[&str] = &[
     "virtio_rng",
     "virtio_net",
     "net_hostile",
+    "net_perf",
     "virtio_hostile",
     "virtio_vsock",
     "i8042_probe",
