@@ -58,8 +58,11 @@ impl Default for JailSettings {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct NetworkConfig {
-    /// The IPv4 block VMs' host-side /30s come from.
-    pub pool: String,
+    /// The blocks VMs' host-side addresses come from: one IPv4 block (a /30
+    /// per VM) and, optionally, one IPv6 block (a /126 per VM); a string or
+    /// a list of one or two.
+    #[serde(deserialize_with = "one_or_more")]
+    pub pool: Vec<String>,
     /// The node-wide allowlist: `CIDR`, `CIDR tcp|udp` or `CIDR tcp|udp PORT`.
     pub allow: Vec<String>,
     /// Private ranges an allowlist may name (otherwise always denied).
@@ -83,7 +86,7 @@ pub struct NetworkConfig {
 impl Default for NetworkConfig {
     fn default() -> Self {
         NetworkConfig {
-            pool: "10.200.0.0/16".into(),
+            pool: vec!["10.200.0.0/16".into()],
             allow: vec![],
             private_allowed: vec![],
             manage_node: true,
@@ -96,10 +99,26 @@ impl Default for NetworkConfig {
 }
 
 impl NetworkConfig {
-    /// The settings of [`crate::network::node::NodeNetwork::start`].
-    pub fn node_settings(&self) -> crate::network::node::NodeSettings {
-        crate::network::node::NodeSettings {
-            pool: self.pool.clone(),
+    /// The settings of [`crate::network::node::NodeNetwork::start`]; the
+    /// pool must be one IPv4 block and at most one IPv6 block.
+    pub fn node_settings(&self) -> crate::error::Result<crate::network::node::NodeSettings> {
+        let (v6, v4): (Vec<&String>, Vec<&String>) =
+            self.pool.iter().partition(|p| p.contains(':'));
+        let [pool] = v4.as_slice() else {
+            return Err(crate::error::Error::invalid(format!(
+                "network.pool {:?} must hold exactly one IPv4 block",
+                self.pool
+            )));
+        };
+        if v6.len() > 1 {
+            return Err(crate::error::Error::invalid(format!(
+                "network.pool {:?} may hold at most one IPv6 block",
+                self.pool
+            )));
+        }
+        Ok(crate::network::node::NodeSettings {
+            pool: pool.to_string(),
+            pool6: v6.first().map(|p| p.to_string()),
             allow: self.allow.clone(),
             private_allowed: self.private_allowed.clone(),
             node_netns: self.node_netns.clone(),
@@ -107,8 +126,22 @@ impl NetworkConfig {
             netns_prefix: self.netns_prefix.clone(),
             expose_address: self.expose_address.clone(),
             dns_upstreams: self.dns_upstreams.clone(),
-        }
+        })
     }
+}
+
+/// A string, or a list of strings.
+fn one_or_more<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMore {
+        One(String),
+        More(Vec<String>),
+    }
+    Ok(match OneOrMore::deserialize(d)? {
+        OneOrMore::One(s) => vec![s],
+        OneOrMore::More(v) => v,
+    })
 }
 
 /// An inclusive range of uids, written `FIRST-LAST`.
@@ -513,5 +546,29 @@ mod tests {
         assert_eq!(cfg.jail.memory_overhead_mib, 256);
         assert_eq!(cfg.logs.max_file_bytes, 65536);
         assert!(serde_json::from_str::<Config>(r#"{"jail": {"uid_range": "0-9"}}"#).is_err());
+    }
+
+    #[test]
+    fn the_network_pool_is_one_ipv4_block_and_maybe_one_ipv6_block() {
+        let net = |json: &str| serde_json::from_str::<NetworkConfig>(json).unwrap();
+        let one = net(r#"{"pool": "10.9.0.0/16"}"#).node_settings().unwrap();
+        assert_eq!((one.pool.as_str(), one.pool6), ("10.9.0.0/16", None));
+        let both = net(r#"{"pool": ["fd00:9::/112", "10.9.0.0/16"]}"#)
+            .node_settings()
+            .unwrap();
+        assert_eq!(both.pool, "10.9.0.0/16");
+        assert_eq!(both.pool6.as_deref(), Some("fd00:9::/112"));
+        for bad in [
+            r#"{"pool": ["fd00:9::/112"]}"#,
+            r#"{"pool": ["10.9.0.0/16", "10.8.0.0/16"]}"#,
+            r#"{"pool": ["10.9.0.0/16", "fd00:9::/112", "fd00:8::/112"]}"#,
+        ] {
+            let e = net(bad).node_settings().unwrap_err().to_string();
+            assert!(e.contains("network.pool"), "{bad}: {e}");
+        }
+        assert_eq!(
+            NetworkConfig::default().node_settings().unwrap().pool6,
+            None
+        );
     }
 }

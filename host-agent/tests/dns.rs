@@ -26,7 +26,7 @@ use common::netns::{
     ask_udp, attach_guest, echo_from, echo_servers, in_ns, missing_tools as missing,
     node_and_internet, query_bytes, Cleanup,
 };
-use host_agent::network::addressing::{AddressPool, Cidr4, GATEWAY_IP};
+use host_agent::network::addressing::{AddressPool, Cidr, GATEWAY_IP};
 use host_agent::network::dns::{DnsConfig, DnsResolver, NameRule};
 use host_agent::network::namespace::{apply_rules, VmNetwork, NETNS_PREFIX};
 use host_agent::network::rules::{Allow, EgressPolicy, Proto};
@@ -144,8 +144,8 @@ fn the_resolver_answers_allowed_names_and_opens_their_addresses_only() {
         return;
     }
     let tag = std::process::id();
-    let pool_block = Cidr4::parse("10.203.0.0/16").unwrap();
-    let (node, inet) = node_and_internet(&format!("d{tag}"), pool_block);
+    let pool_block = Cidr::parse("10.203.0.0/16").unwrap();
+    let (node, inet) = node_and_internet(&format!("d{tag}"), pool_block, None);
     echo_servers(
         &inet.0,
         &["203.0.113.3:8080", "203.0.113.4:8080", "203.0.113.5:8080"],
@@ -153,11 +153,11 @@ fn the_resolver_answers_allowed_names_and_opens_their_addresses_only() {
 
     // The session's own allowlist is empty: only what the resolver learns
     // opens anything.
-    let mut pool = AddressPool::new(pool_block).unwrap();
+    let mut pool = AddressPool::new(pool_block, None).unwrap();
     let policy = EgressPolicy::new(
         vec![],
-        &[Cidr4::parse("203.0.113.1").unwrap()],
-        pool_block,
+        &[Cidr::parse("203.0.113.1").unwrap()],
+        &[pool_block],
         vec![],
     );
     let vm = VmNetwork::plan(
@@ -175,7 +175,7 @@ fn the_resolver_answers_allowed_names_and_opens_their_addresses_only() {
     let count = |name: &str| seen.lock().unwrap().get(name).copied().unwrap_or(0);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let ceiling = vec![Allow {
-        cidr: Cidr4::parse("203.0.113.0/24").unwrap(),
+        cidr: Cidr::parse("203.0.113.0/24").unwrap(),
         proto: Some(Proto::Tcp),
         port: None,
     }];

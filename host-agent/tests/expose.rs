@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::netns::{attach_guest, in_ns, ip, missing_tools, Cleanup, Ns, PrefixCleanup};
 use common::networked::{build_net_image, can_run, networked_agent};
 use common::*;
-use host_agent::network::addressing::{AddressPool, Cidr4, GUEST_IP};
+use host_agent::network::addressing::{AddressPool, Cidr, GUEST_IP};
 use host_agent::network::expose::expose;
 use host_agent::network::namespace::{enable_forwarding, VmNetwork, NETNS_PREFIX};
 use host_agent::network::rules::EgressPolicy;
@@ -47,11 +47,11 @@ async fn an_exposed_port_carries_100_mib_each_way_to_the_guest() {
         "-n", &node.0, "link", "add", "d0", "type", "veth", "peer", "name", "d1",
     ]);
     ip(&["-n", &node.0, "addr", "add", "192.0.2.9/24", "dev", "d0"]);
-    enable_forwarding(Some(&node.0)).unwrap();
-    let block = Cidr4::parse("10.207.0.0/29").unwrap();
-    let mut pool = AddressPool::new(block).unwrap();
+    enable_forwarding(Some(&node.0), false).unwrap();
+    let block = Cidr::parse("10.207.0.0/29").unwrap();
+    let mut pool = AddressPool::new(block, None).unwrap();
     // The guest may reach nothing: an exposed port needs no egress.
-    let policy = EgressPolicy::new(vec![], &[], block, vec![]);
+    let policy = EgressPolicy::new(vec![], &[], &[block], vec![]);
     let vm = VmNetwork::plan(
         NETNS_PREFIX,
         &format!("x{tag}"),

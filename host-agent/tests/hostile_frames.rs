@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use common::netns::{
     attach_guest, in_ns, ip, link_mac, missing_tools, node_and_internet, udp_sink, Cleanup, UdpSink,
 };
-use host_agent::network::addressing::{AddressPool, Cidr4, GUEST_IP, GUEST_MAC, TAP_NAME};
+use host_agent::network::addressing::{AddressPool, Cidr, GUEST_IP, GUEST_MAC, TAP_NAME};
 use host_agent::network::namespace::{VmNetwork, NETNS_PREFIX};
 use host_agent::network::node::node_addresses;
 use host_agent::network::rules::{Allow, EgressPolicy, Proto};
@@ -284,8 +284,8 @@ fn can_run() -> bool {
 /// the vmm on the VM's tap and checks where its frames went.
 fn run_hostile_guest(t: &str) -> Outcome {
     let tag_id = format!("{}{t}", std::process::id());
-    let pool_block = Cidr4::parse("10.203.0.0/16").unwrap();
-    let (node, inet) = node_and_internet(&format!("hf{tag_id}"), pool_block);
+    let pool_block = Cidr::parse("10.203.0.0/16").unwrap();
+    let (node, inet) = node_and_internet(&format!("hf{tag_id}"), pool_block, None);
     // The metadata service lives on the node.
     ip(&[
         "-n",
@@ -307,19 +307,19 @@ fn run_hostile_guest(t: &str) -> Outcome {
         "nodad",
     ]);
 
-    let mut pool = AddressPool::new(pool_block).unwrap();
+    let mut pool = AddressPool::new(pool_block, None).unwrap();
     let policy = EgressPolicy::new(
         vec![Allow {
-            cidr: Cidr4::parse(ALLOWED).unwrap(),
+            cidr: Cidr::parse(ALLOWED).unwrap(),
             proto: Some(Proto::Udp),
             port: Some(ALLOWED_PORT),
         }],
         &node_addresses(Some(&node.0)).unwrap(),
-        pool_block,
+        &[pool_block],
         vec![],
     );
     assert!(
-        policy.always_deny.contains(&Cidr4::parse(NODE).unwrap()),
+        policy.always_deny.contains(&Cidr::parse(NODE).unwrap()),
         "{policy:?}"
     );
     let vms: Vec<VmNetwork> = ["h", "o"]

@@ -18,7 +18,7 @@ mod common;
 use common::netns::{
     attach_guest, echo_from, in_ns, ip, missing_tools as missing, node_and_internet, Cleanup, Ns,
 };
-use host_agent::network::addressing::{AddressPool, Cidr4, GUEST_IP};
+use host_agent::network::addressing::{AddressPool, Cidr, GUEST_IP};
 use host_agent::network::namespace::{list_namespaces, VmNetwork, NETNS_PREFIX};
 use host_agent::network::node::{NodeNetwork, NodeSettings};
 use host_agent::network::rules::{Allow, EgressPolicy, Proto};
@@ -30,8 +30,8 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
         return;
     }
     let tag = std::process::id();
-    let pool_block = Cidr4::parse("10.200.0.0/16").unwrap();
-    let (node, inet) = node_and_internet(&tag.to_string(), pool_block);
+    let pool_block = Cidr::parse("10.200.0.0/16").unwrap();
+    let (node, inet) = node_and_internet(&tag.to_string(), pool_block, None);
 
     // Servers on the internet: an echo on two addresses, a UDP sink.
     let (ready_tx, ready_rx) = mpsc::channel();
@@ -59,22 +59,22 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
     });
     ready_rx.recv().expect("servers up");
 
-    let mut pool = AddressPool::new(pool_block).unwrap();
+    let mut pool = AddressPool::new(pool_block, None).unwrap();
     let policy = EgressPolicy::new(
         vec![
             Allow {
-                cidr: Cidr4::parse("203.0.113.3").unwrap(),
+                cidr: Cidr::parse("203.0.113.3").unwrap(),
                 proto: Some(Proto::Tcp),
                 port: Some(8080),
             },
             Allow {
-                cidr: Cidr4::parse("203.0.113.3").unwrap(),
+                cidr: Cidr::parse("203.0.113.3").unwrap(),
                 proto: Some(Proto::Udp),
                 port: Some(5353),
             },
         ],
-        &[Cidr4::parse("203.0.113.1").unwrap()],
-        pool_block,
+        &[Cidr::parse("203.0.113.1").unwrap()],
+        &[pool_block],
         vec![],
     );
     let vms: Vec<VmNetwork> = ["a", "b"]
@@ -170,7 +170,7 @@ fn clones_share_a_guest_address_and_egress_is_enforced_on_the_host_side() {
     // and the metadata service out.
     let mut everything = policy.clone();
     everything.allow = vec![Allow {
-        cidr: Cidr4::parse("0.0.0.0/0").unwrap(),
+        cidr: Cidr::parse("0.0.0.0/0").unwrap(),
         proto: None,
         port: None,
     }];
@@ -234,7 +234,7 @@ fn the_node_hands_out_addresses_takes_vms_back_and_removes_orphans() {
     assert!(
         net.policy()
             .always_deny
-            .contains(&Cidr4::parse("192.0.2.9").unwrap()),
+            .contains(&Cidr::parse("192.0.2.9").unwrap()),
         "{:?}",
         net.policy()
     );
@@ -303,9 +303,9 @@ fn bench_network_setup_and_teardown() {
     }
     let tag = std::process::id();
     let node = Ns::new(format!("nb{tag}"));
-    let mut pool = AddressPool::new(Cidr4::parse("10.201.0.0/16").unwrap()).unwrap();
+    let mut pool = AddressPool::new(Cidr::parse("10.201.0.0/16").unwrap(), None).unwrap();
     let pool_block = pool.block();
-    let policy = EgressPolicy::new(vec![], &[], pool_block, vec![]);
+    let policy = EgressPolicy::new(vec![], &[], &[pool_block], vec![]);
     let mut create = vec![];
     let mut remove = vec![];
     for i in 0..20 {
@@ -342,10 +342,10 @@ fn overlapping_policy_entries_load_at_create_and_on_update() {
     }
     let tag = std::process::id();
     let node = Ns::new(format!("no{tag}"));
-    let block = Cidr4::parse("10.212.0.0/16").unwrap();
-    let mut pool = AddressPool::new(block).unwrap();
+    let block = Cidr::parse("10.212.0.0/16").unwrap();
+    let mut pool = AddressPool::new(block, None).unwrap();
     let allow = |cidr: &str, proto: Option<Proto>, port: Option<u16>| Allow {
-        cidr: Cidr4::parse(cidr).unwrap(),
+        cidr: Cidr::parse(cidr).unwrap(),
         proto,
         port,
     };
@@ -362,13 +362,13 @@ fn overlapping_policy_entries_load_at_create_and_on_update() {
     ];
     // The node's addresses inside the pool, a deny block twice.
     let deny = [
-        Cidr4::parse("10.212.0.1").unwrap(),
-        Cidr4::parse("127.0.0.0/16").unwrap(),
+        Cidr::parse("10.212.0.1").unwrap(),
+        Cidr::parse("127.0.0.0/16").unwrap(),
     ];
-    let mut policy = EgressPolicy::new(entries.clone(), &deny, block, vec![]);
+    let mut policy = EgressPolicy::new(entries.clone(), &deny, &[block], vec![]);
     policy
         .always_deny
-        .push(Cidr4::parse("10.212.0.0/24").unwrap());
+        .push(Cidr::parse("10.212.0.0/24").unwrap());
     let vm = VmNetwork::plan(
         NETNS_PREFIX,
         &format!("o{tag}"),

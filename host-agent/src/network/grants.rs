@@ -7,12 +7,12 @@
 //! or every protocol and port when none is listed), each cut down to what
 //! the node allows. `host` entries become names the session's DNS resolver
 //! answers; the addresses it learns for them are checked against the node's
-//! allowlist when they are added. IPv6 blocks are noted and skipped: the
-//! guest link is IPv4-only.
+//! allowlist when they are added. IPv6 blocks are treated alike on a node
+//! that gives VMs IPv6 (an IPv6 pool); elsewhere they are noted and skipped.
 
 use agent_manifest::{EgressEntry, EgressTarget};
 
-use super::addressing::Cidr4;
+use super::addressing::Cidr;
 use super::rules::{Allow, Proto};
 use crate::error::{Error, Result};
 
@@ -40,9 +40,9 @@ pub struct SessionEgress {
 /// The part of `a` that `b` also allows, if any.
 pub fn intersect(a: &Allow, b: &Allow) -> Option<Allow> {
     // Two blocks overlap only when one holds the other.
-    let cidr = if a.cidr.prefix >= b.cidr.prefix && b.cidr.contains(a.cidr.addr) {
+    let cidr = if b.cidr.holds(&a.cidr) {
         a.cidr
-    } else if b.cidr.prefix > a.cidr.prefix && a.cidr.contains(b.cidr.addr) {
+    } else if a.cidr.holds(&b.cidr) {
         b.cidr
     } else {
         return None;
@@ -76,10 +76,15 @@ fn minimal(entries: Vec<Allow>) -> Vec<Allow> {
 }
 
 /// The session's egress from the manifest's `entries` for its agent and the
-/// node's allowlist `node`. An entry the manifest cannot mean (no target, a
-/// bad host name, a block that is not an address block) is an error, as it
-/// is in the guest: the session does not start on a manifest half read.
-pub fn session_egress(entries: &[EgressEntry], node: &[Allow]) -> Result<SessionEgress> {
+/// node's allowlist `node`; IPv6 blocks count only with `ipv6` (the node
+/// gives VMs IPv6). An entry the manifest cannot mean (no target, a bad
+/// host name, a block that is not an address block) is an error, as it is
+/// in the guest: the session does not start on a manifest half read.
+pub fn session_egress(
+    entries: &[EgressEntry],
+    node: &[Allow],
+    ipv6: bool,
+) -> Result<SessionEgress> {
     let mut out = SessionEgress::default();
     let mut allow = Vec::new();
     for (i, e) in entries.iter().enumerate() {
@@ -91,22 +96,16 @@ pub fn session_egress(entries: &[EgressEntry], node: &[Allow]) -> Result<Session
                 host: host.to_string(),
                 ports: e.ports.clone(),
             }),
-            EgressTarget::Cidr(text) if text.contains(':') => {
-                let (addr, prefix) = text.split_once('/').unwrap_or((text, "128"));
-                let block = addr.parse::<std::net::Ipv6Addr>().is_ok()
-                    && prefix.parse::<u8>().is_ok_and(|p| p <= 128);
-                if !block {
-                    return Err(Error::FailedPrecondition(format!(
-                        "agent-manifest.yaml: egress {text:?} is not an address block"
-                    )));
-                }
-                out.skipped
-                    .push(format!("{text}: IPv6, and the guest link is IPv4-only"));
-            }
             EgressTarget::Cidr(text) => {
-                let cidr = Cidr4::parse(text).map_err(|err| {
+                let cidr = Cidr::parse(text).map_err(|err| {
                     Error::FailedPrecondition(format!("agent-manifest.yaml: egress {err}"))
                 })?;
+                if !cidr.is_v4() && !ipv6 {
+                    out.skipped.push(format!(
+                        "{text}: IPv6, and this node gives VMs none (network.pool has no IPv6 block)"
+                    ));
+                    continue;
+                }
                 let wanted: Vec<Allow> = if e.ports.is_empty() {
                     vec![Allow {
                         cidr,
@@ -202,10 +201,10 @@ mod tests {
             entry(None, Some("203.0.113.7/32"), &[5432, 53]),
             // A name: the resolver's.
             entry(Some("crates.io"), None, &[443]),
-            // IPv6: skipped.
+            // IPv6: skipped on a node without IPv6.
             entry(None, Some("2001:db8::/32"), &[]),
         ];
-        let got = session_egress(&entries, &node).unwrap();
+        let got = session_egress(&entries, &node, false).unwrap();
         assert_eq!(
             shown(&got.allow),
             [
@@ -231,11 +230,12 @@ mod tests {
     #[test]
     fn what_the_node_does_not_allow_is_dropped_and_said() {
         let node = allow(&["203.0.113.0/24 tcp 443"]);
-        let got = session_egress(&[entry(None, Some("198.51.100.0/24"), &[443])], &node).unwrap();
+        let got =
+            session_egress(&[entry(None, Some("198.51.100.0/24"), &[443])], &node, true).unwrap();
         assert!(got.allow.is_empty());
         assert!(got.skipped[0].contains("outside the node's allowlist"));
         // No node allowlist: nothing at all, whatever the manifest says.
-        let got = session_egress(&[entry(None, Some("0.0.0.0/0"), &[])], &[]).unwrap();
+        let got = session_egress(&[entry(None, Some("0.0.0.0/0"), &[])], &[], true).unwrap();
         assert!(got.allow.is_empty());
     }
 
@@ -249,6 +249,7 @@ mod tests {
                 entry(None, Some("10.0.0.0/8"), &[]),
             ],
             &node,
+            false,
         )
         .unwrap();
         assert_eq!(shown(&got.allow), ["10.0.0.0/8"]);
@@ -259,16 +260,38 @@ mod tests {
         for (e, says) in [
             (entry(None, None, &[]), "exactly one"),
             (entry(Some("a b"), None, &[]), "not a valid host name"),
-            (entry(None, Some("300.1.2.3/8"), &[]), "not an IPv4"),
+            (entry(None, Some("300.1.2.3/8"), &[]), "not an IP address"),
             (entry(None, Some("10.0.0.1/8"), &[]), "host bits"),
-            (
-                entry(None, Some("fe80::zz/10"), &[]),
-                "not an address block",
-            ),
+            (entry(None, Some("fe80::zz/10"), &[]), "not an IP address"),
         ] {
-            let err = session_egress(&[e], &[]).unwrap_err().to_string();
+            let err = session_egress(&[e], &[], true).unwrap_err().to_string();
             assert!(err.contains(says), "{err}");
             assert!(err.contains("agent-manifest.yaml"), "{err}");
         }
+    }
+
+    #[test]
+    fn ipv6_blocks_count_on_a_node_with_ipv6() {
+        let node = allow(&["0.0.0.0/0 tcp 443", "2001:db8::/32", "::/0 tcp 443"]);
+        let entries = [
+            entry(None, Some("2001:db8:5::/48"), &[]),
+            entry(None, Some("2001:db9::/32"), &[]),
+            entry(None, Some("203.0.113.0/24"), &[443]),
+        ];
+        let got = session_egress(&entries, &node, true).unwrap();
+        assert_eq!(
+            shown(&got.allow),
+            [
+                "2001:db8:5::/48",
+                "2001:db9::/32 tcp 443",
+                "203.0.113.0/24 tcp 443",
+            ]
+        );
+        assert!(got.skipped.is_empty(), "{:?}", got.skipped);
+        // The IPv4 ceiling never lets an IPv6 block through, nor the reverse.
+        let v4_only = allow(&["0.0.0.0/0"]);
+        let got = session_egress(&entries[..1], &v4_only, true).unwrap();
+        assert!(got.allow.is_empty());
+        assert!(got.skipped[0].contains("outside the node's allowlist"));
     }
 }

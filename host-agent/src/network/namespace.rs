@@ -13,7 +13,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 
-use super::addressing::{Slot, GATEWAY_IP, GUEST_PREFIX, TAP_NAME};
+use super::addressing::{Slot, GATEWAY_IP, GATEWAY_IP6, GUEST_PREFIX, GUEST_PREFIX6, TAP_NAME};
 use super::rules::{
     flush_learned_script, forget_script, learned_script, sets_script, vm_ruleset, EgressPolicy,
     Learned, DENIED_COUNTER, TABLE,
@@ -33,7 +33,7 @@ pub struct VmNetwork {
     pub veth_host: String,
     /// The namespace's end.
     pub veth_vm: String,
-    /// The VM's /30 of the pool.
+    /// The VM's /30 of the pool (and /126 of the IPv6 pool, if any).
     pub slot: Slot,
     /// The node namespace the veth's other end lives in (`None`: the one
     /// host-agent runs in; tests name one of their own).
@@ -122,13 +122,20 @@ fn in_netns(ns: Option<&str>, program: &str, args: &[&str]) -> Command {
     }
 }
 
-/// Turns on IPv4 forwarding inside namespace `ns` (`None`: the node's own;
-/// an operator's setting, changed only when host-agent is told to manage the
-/// node's network).
-pub fn enable_forwarding(ns: Option<&str>) -> Result<()> {
+/// Turns on IPv4 forwarding, and IPv6 forwarding too with `v6`, inside
+/// namespace `ns` (`None`: the node's own; an operator's setting, changed
+/// only when host-agent is told to manage the node's network). A node that
+/// forwards IPv6 ignores router advertisements unless its uplink has
+/// `accept_ra=2`: the operator's to set.
+pub fn enable_forwarding(ns: Option<&str>, v6: bool) -> Result<()> {
+    let script = if v6 {
+        "echo 1 > /proc/sys/net/ipv4/ip_forward && echo 1 > /proc/sys/net/ipv6/conf/all/forwarding"
+    } else {
+        "echo 1 > /proc/sys/net/ipv4/ip_forward"
+    };
     run(
-        "enabling IPv4 forwarding",
-        &mut in_netns(ns, "sh", &["-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"]),
+        "enabling forwarding",
+        &mut in_netns(ns, "sh", &["-c", script]),
         None,
     )
     .map(|_| ())
@@ -221,102 +228,73 @@ impl VmNetwork {
     fn create_steps(&self, policy: &EgressPolicy, tap_owner: TapOwner) -> Result<()> {
         let node = self.node_netns.as_deref();
         let ns = Some(self.netns.as_str());
-        let host_cidr = format!("{}/30", self.slot.host_ip);
-        let vm_cidr = format!("{}/30", self.slot.vm_ip);
-        let gateway = format!("{GATEWAY_IP}/{GUEST_PREFIX}");
         run(
             "creating the VM's network namespace",
             &mut ip(None, &["netns", "add", &self.netns]),
             None,
         )?;
-        // No IPv6 in the namespace (the guest link is IPv4-only): otherwise
-        // the kernel sends router and neighbour solicitations down the tap
-        // to the guest as soon as it is up.
+        // Without an IPv6 slot, no IPv6 in the namespace: otherwise the
+        // kernel sends router and neighbour solicitations down the tap to the
+        // guest as soon as it is up. With one, the namespace is a router
+        // that takes no configuration from anyone: no router advertisements,
+        // no autoconfiguration, no redirects.
+        let sysctls = if self.slot.v6.is_some() {
+            "cd /proc/sys/net/ipv6/conf && for c in all default; do echo 0 > $c/accept_ra && echo 0 > $c/autoconf && echo 0 > $c/accept_redirects; done && echo 1 > all/forwarding"
+        } else {
+            "[ ! -d /proc/sys/net/ipv6 ] || { echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 && echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6; }"
+        };
         run(
-            "turning IPv6 off in the VM's namespace",
-            &mut in_netns(
-                ns,
-                "sh",
-                &[
-                    "-c",
-                    "[ ! -d /proc/sys/net/ipv6 ] || { echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 && echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6; }",
-                ],
+            "setting up IPv6 in the VM's namespace",
+            &mut in_netns(ns, "sh", &["-c", sysctls]),
+            None,
+        )?;
+        // The node's end, then the namespace's, each in one `ip -batch`
+        // run (a process start costs more here than the work it does).
+        let mut node_side = vec![
+            format!(
+                "link add {} type veth peer name {} netns {}",
+                self.veth_host, self.veth_vm, self.netns
             ),
-            None,
-        )?;
-        run(
-            "creating the VM's veth pair",
-            &mut ip(
-                node,
-                &[
-                    "link",
-                    "add",
-                    &self.veth_host,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    &self.veth_vm,
-                    "netns",
-                    &self.netns,
-                ],
-            ),
-            None,
-        )?;
-        run(
-            "addressing the node's veth",
-            &mut ip(node, &["addr", "add", &host_cidr, "dev", &self.veth_host]),
-            None,
-        )?;
-        run(
-            "bringing up the node's veth",
-            &mut ip(node, &["link", "set", &self.veth_host, "up"]),
-            None,
-        )?;
-        run(
-            "addressing the VM's veth",
-            &mut ip(ns, &["addr", "add", &vm_cidr, "dev", &self.veth_vm]),
-            None,
-        )?;
-        run(
-            "bringing up the VM's veth",
-            &mut ip(ns, &["link", "set", &self.veth_vm, "up"]),
-            None,
-        )?;
-        run(
-            "bringing up loopback",
-            &mut ip(ns, &["link", "set", "lo", "up"]),
-            None,
-        )?;
-        let host_ip = self.slot.host_ip.to_string();
-        run(
-            "routing the VM to the node",
-            &mut ip(ns, &["route", "add", "default", "via", &host_ip]),
-            None,
-        )?;
+            format!("addr add {}/30 dev {}", self.slot.host_ip, self.veth_host),
+        ];
         let (uid, gid) = tap_owner.unwrap_or((0, 0));
-        let (uid, gid) = (uid.to_string(), gid.to_string());
+        let mut vm_side = vec![
+            format!("addr add {}/30 dev {}", self.slot.vm_ip, self.veth_vm),
+            format!("link set {} up", self.veth_vm),
+            "link set lo up".to_string(),
+            format!("route add default via {}", self.slot.host_ip),
+            format!("tuntap add dev {TAP_NAME} mode tap user {uid} group {gid}"),
+            format!("addr add {GATEWAY_IP}/{GUEST_PREFIX} dev {TAP_NAME}"),
+        ];
+        if let Some(v6) = self.slot.v6 {
+            // `nodad`: the addresses are unique by construction, and usable
+            // at once instead of after duplicate address detection.
+            node_side.push(format!(
+                "addr add {}/126 dev {} nodad",
+                v6.host_ip, self.veth_host
+            ));
+            vm_side.push(format!(
+                "addr add {}/126 dev {} nodad",
+                v6.vm_ip, self.veth_vm
+            ));
+            vm_side.push(format!(
+                "addr add {GATEWAY_IP6}/{GUEST_PREFIX6} dev {TAP_NAME} nodad"
+            ));
+            vm_side.push(format!("route add ::/0 via {}", v6.host_ip));
+        }
+        node_side.push(format!("link set {} up", self.veth_host));
+        vm_side.push(format!("link set {TAP_NAME} up"));
         run(
-            "creating the VM's tap",
-            &mut ip(
-                ns,
-                &[
-                    "tuntap", "add", "dev", TAP_NAME, "mode", "tap", "user", &uid, "group", &gid,
-                ],
-            ),
-            None,
+            "making the node's end of the VM's veth pair",
+            &mut ip(node, &["-batch", "-"]),
+            Some(&(node_side.join("\n") + "\n")),
         )?;
         run(
-            "addressing the tap",
-            &mut ip(ns, &["addr", "add", &gateway, "dev", TAP_NAME]),
-            None,
+            "addressing the VM's veth, tap and routes",
+            &mut ip(ns, &["-batch", "-"]),
+            Some(&(vm_side.join("\n") + "\n")),
         )?;
-        run(
-            "bringing up the tap",
-            &mut ip(ns, &["link", "set", TAP_NAME, "up"]),
-            None,
-        )?;
-        enable_forwarding(ns)?;
+        enable_forwarding(ns, false)?;
         apply_rules(ns, &vm_ruleset(policy, &self.slot, &self.veth_vm))
     }
 
@@ -325,26 +303,20 @@ impl VmNetwork {
     /// what the resolver learned stay. With `reset_denied`, the `denied`
     /// counter starts again from zero.
     pub fn update_policy(&self, policy: &EgressPolicy, reset_denied: bool) -> Result<()> {
-        apply_rules(Some(&self.netns), &sets_script(policy, reset_denied))
+        apply_rules(
+            Some(&self.netns),
+            &sets_script(policy, reset_denied, self.slot.v6.is_some()),
+        )
     }
 
-    /// Packets the namespace's rules dropped so far.
+    /// Packets the namespace's rules dropped so far (both families).
     pub fn denied_packets(&self) -> Result<u64> {
         let out = run(
-            "reading the denied counter",
-            &mut in_netns(
-                Some(&self.netns),
-                "nft",
-                &["list", "counter", "ip", TABLE, DENIED_COUNTER],
-            ),
+            "reading the denied counters",
+            &mut in_netns(Some(&self.netns), "nft", &["list", "counters"]),
             None,
         )?;
-        Ok(out
-            .split_whitespace()
-            .skip_while(|w| *w != "packets")
-            .nth(1)
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0))
+        Ok(denied_in_listing(&out))
     }
 
     /// Removes the namespace (and with it the veth pair and the tap). Never
@@ -369,6 +341,29 @@ impl VmNetwork {
     }
 }
 
+/// The sum of the `denied` counters of the `agentvm` tables in the output
+/// of `nft list counters`.
+fn denied_in_listing(listing: &str) -> u64 {
+    let mut total = 0u64;
+    let mut in_table = false;
+    let mut in_counter = false;
+    for line in listing.lines().map(str::trim) {
+        if line.starts_with("table ") {
+            in_table = line.split_whitespace().nth(2) == Some(TABLE);
+        } else if line.starts_with("counter ") {
+            in_counter = in_table && line.split_whitespace().nth(1) == Some(DENIED_COUNTER);
+        } else if in_counter && line.starts_with("packets ") {
+            total += line
+                .split_whitespace()
+                .nth(1)
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or(0);
+            in_counter = false;
+        }
+    }
+    total
+}
+
 /// The namespaces whose names start with `prefix`, for removing the ones no
 /// VM owns after a restart.
 pub fn list_namespaces(prefix: &str) -> Vec<String> {
@@ -380,4 +375,16 @@ pub fn list_namespaces(prefix: &str) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_denied_counters_of_both_tables_are_summed() {
+        let listing = "table ip agentvm {\n\tcounter denied {\n\t\tpackets 7 bytes 420\n\t}\n}\ntable ip6 agentvm {\n\tcounter denied {\n\t\tpackets 5 bytes 300\n\t}\n\tcounter other {\n\t\tpackets 100 bytes 1\n\t}\n}\ntable ip elsewhere {\n\tcounter denied {\n\t\tpackets 1000 bytes 1\n\t}\n}\n";
+        assert_eq!(denied_in_listing(listing), 12);
+        assert_eq!(denied_in_listing(""), 0);
+    }
 }

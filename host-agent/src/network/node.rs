@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::Mutex;
 
-use super::addressing::{AddressPool, Cidr4};
+use super::addressing::{AddressPool, Cidr};
 use super::namespace::{apply_rules, enable_forwarding, list_namespaces, TapOwner, VmNetwork};
 use super::rules::{node_ruleset, Allow, EgressPolicy, Proto};
 use crate::error::{Error, Result};
@@ -19,6 +19,9 @@ use crate::error::{Error, Result};
 pub struct NodeSettings {
     /// The pool VMs' host-side /30s come from, e.g. `10.200.0.0/16`.
     pub pool: String,
+    /// The IPv6 pool their /126s come from (e.g. `fd00:200::/112`);
+    /// `None`: VMs get no IPv6.
+    pub pool6: Option<String>,
     /// The node-wide allowlist: `CIDR`, `CIDR tcp|udp`, or `CIDR tcp|udp PORT`.
     pub allow: Vec<String>,
     /// Private ranges an allowlist may name (otherwise always dropped).
@@ -42,6 +45,7 @@ impl Default for NodeSettings {
     fn default() -> Self {
         Self {
             pool: "10.200.0.0/16".into(),
+            pool6: None,
             allow: vec![],
             private_allowed: vec![],
             node_netns: None,
@@ -68,7 +72,7 @@ pub fn parse_upstream(text: &str) -> Result<SocketAddr> {
 pub fn parse_allow(entry: &str) -> Result<Allow> {
     let words: Vec<&str> = entry.split_whitespace().collect();
     let bad = |why: &str| Error::invalid(format!("allow entry {entry:?}: {why}"));
-    let cidr = Cidr4::parse(words.first().ok_or_else(|| bad("empty"))?)?;
+    let cidr = Cidr::parse(words.first().ok_or_else(|| bad("empty"))?)?;
     let proto = match words.get(1) {
         None => None,
         Some(&"tcp") => Some(Proto::Tcp),
@@ -90,20 +94,20 @@ pub fn parse_allow(entry: &str) -> Result<Allow> {
     Ok(Allow { cidr, proto, port })
 }
 
-/// The node's IPv4 addresses (in `ns`, or host-agent's own namespace), each
-/// as a /32: VMs may never reach them.
-pub fn node_addresses(ns: Option<&str>) -> Result<Vec<Cidr4>> {
+/// The node's addresses, IPv4 and IPv6 (in `ns`, or host-agent's own
+/// namespace), each as a /32 or /128: VMs may never reach them.
+pub fn node_addresses(ns: Option<&str>) -> Result<Vec<Cidr>> {
     let mut cmd = Command::new("ip");
     if let Some(ns) = ns {
         cmd.args(["-n", ns]);
     }
     let out = cmd
-        .args(["-o", "-4", "addr", "show"])
+        .args(["-o", "addr", "show"])
         .output()
         .map_err(|e| Error::io("listing the node's addresses with ip", e))?;
     if !out.status.success() {
         return Err(Error::Network(format!(
-            "ip -o -4 addr show failed: {}",
+            "ip -o addr show failed: {}",
             String::from_utf8_lossy(&out.stderr).trim()
         )));
     }
@@ -111,9 +115,9 @@ pub fn node_addresses(ns: Option<&str>) -> Result<Vec<Cidr4>> {
         .lines()
         .filter_map(|l| {
             let mut w = l.split_whitespace();
-            w.find(|x| *x == "inet")?;
-            let addr: Ipv4Addr = w.next()?.split('/').next()?.parse().ok()?;
-            Some(Cidr4 { addr, prefix: 32 })
+            w.find(|x| *x == "inet" || *x == "inet6")?;
+            let addr: IpAddr = w.next()?.split('/').next()?.parse().ok()?;
+            Some(Cidr::host(addr))
         })
         .collect())
 }
@@ -145,8 +149,9 @@ impl NodeNetwork {
                 settings.netns_prefix
             )));
         }
-        let block = Cidr4::parse(&settings.pool)?;
-        let pool = AddressPool::new(block)?;
+        let block = Cidr::parse(&settings.pool)?;
+        let block6 = settings.pool6.as_deref().map(Cidr::parse).transpose()?;
+        let pool = AddressPool::new(block, block6)?;
         let allow = settings
             .allow
             .iter()
@@ -155,7 +160,7 @@ impl NodeNetwork {
         let private_allowed = settings
             .private_allowed
             .iter()
-            .map(|c| Cidr4::parse(c))
+            .map(|c| Cidr::parse(c))
             .collect::<Result<Vec<_>>>()?;
         let expose_address: IpAddr = settings.expose_address.parse().map_err(|_| {
             Error::invalid(format!(
@@ -180,12 +185,13 @@ impl NodeNetwork {
         let ns = settings.node_netns.as_deref();
         let addresses = node_addresses(ns)?;
         if settings.manage_node {
-            enable_forwarding(ns)?;
-            apply_rules(ns, &node_ruleset(block))?;
+            enable_forwarding(ns, block6.is_some())?;
+            apply_rules(ns, &node_ruleset(block, block6))?;
         }
+        let pools: Vec<Cidr> = std::iter::once(block).chain(block6).collect();
         Ok(Self {
             pool: Mutex::new(pool),
-            policy: EgressPolicy::new(allow, &addresses, block, private_allowed),
+            policy: EgressPolicy::new(allow, &addresses, &pools, private_allowed),
             node_netns: settings.node_netns.clone(),
             prefix: settings.netns_prefix.clone(),
             expose_address,
@@ -201,6 +207,11 @@ impl NodeNetwork {
     /// The resolvers the sessions' DNS resolvers ask.
     pub fn upstreams(&self) -> &[SocketAddr] {
         &self.upstreams
+    }
+
+    /// Whether VMs get IPv6 (the node has an IPv6 pool).
+    pub fn has_ipv6(&self) -> bool {
+        self.pool().block6().is_some()
     }
 
     fn pool(&self) -> std::sync::MutexGuard<'_, AddressPool> {
@@ -250,12 +261,13 @@ impl NodeNetwork {
         {
             return None;
         }
-        let block = self.pool().block();
         let vm_ip = node_addresses(Some(&probe.netns))
             .ok()?
             .into_iter()
-            .map(|c| c.addr)
-            .find(|a| block.contains(*a) && (u32::from(*a) - u32::from(block.addr)) % 4 == 2)?;
+            .find_map(|c| match c.addr {
+                IpAddr::V4(a) if self.pool().index_of(a).is_some() => Some(a),
+                _ => None,
+            })?;
         self.adopt(id, vm_ip).ok()
     }
 
@@ -306,6 +318,8 @@ mod tests {
         assert_eq!((a.proto, a.port), (Some(Proto::Tcp), Some(443)));
         assert_eq!(parse_allow("1.2.3.4 udp").unwrap().port, None);
         assert_eq!(parse_allow("0.0.0.0/0").unwrap().proto, None);
+        let v6 = parse_allow("2001:db8::/32 tcp 443").unwrap();
+        assert_eq!((v6.cidr.is_v4(), v6.port), (false, Some(443)));
         for (bad, says) in [
             ("", "empty"),
             ("1.2.3.4 icmp", "not tcp or udp"),
@@ -313,6 +327,7 @@ mod tests {
             ("1.2.3.4 tcp 70000", "1 to 65535"),
             ("1.2.3.4 tcp 1 2", "expected"),
             ("1.2.3.4/40", "prefix"),
+            ("2001:db8::/129", "prefix"),
         ] {
             let e = parse_allow(bad).unwrap_err().to_string();
             assert!(e.contains(says), "{bad:?}: {e}");

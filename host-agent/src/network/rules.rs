@@ -2,13 +2,15 @@
 //! denied unless the session's allowlist names it, checked where the guest
 //! cannot reach (its own root can flush the guest's rules, not these).
 //!
-//! Order of the forward chain, first match wins:
+//! One table per address family (`ip agentvm`, `ip6 agentvm`), written by
+//! the same code. Order of each forward chain, first match wins:
 //! 1. replies of connections already allowed pass;
-//! 2. anything from the tap not sourced at [`GUEST_IP`] is dropped (a
-//!    guest forging addresses);
+//! 2. anything from the tap not sourced at the guest's address
+//!    ([`GUEST_IP`], [`GUEST_IP6`]) is dropped (a guest forging addresses);
 //! 3. [`EgressPolicy::always_deny`] (link-local with the cloud metadata
-//!    address, loopback, the node's own addresses, the VM pool: other VMs)
-//!    is dropped whatever the allowlist says;
+//!    address, loopback, the node's own addresses, the VM pools: other VMs;
+//!    for IPv6 also the prefixes that carry IPv4 inside, such as NAT64) is
+//!    dropped whatever the allowlist says;
 //! 4. private ranges are dropped unless the node's policy names them;
 //! 5. the allowlist: whole destinations, or protocol, destination and port;
 //!    then what the session's DNS resolver learned (the addresses allowed
@@ -16,29 +18,78 @@
 //!    expiring with its record's TTL);
 //! 6. everything else is dropped.
 //!
-//! The input chain lets the guest reach nothing of the namespace but the
-//! resolver: UDP and TCP port 53 at [`GATEWAY_IP`].
+//! The input chains let the guest reach nothing of the namespace but the
+//! resolver (UDP and TCP port 53 at [`GATEWAY_IP`]) and, for IPv6, neighbour
+//! discovery (solicitations and advertisements from the link itself: hop
+//! limit 255); router advertisements, redirects and DHCPv6 from the guest
+//! are dropped. A VM without an IPv6 slot gets an `ip6` table that forwards
+//! nothing.
 //!
-//! Drops are counted in the table's `denied` counter, never logged per packet.
-//! IPv6 is not forwarded at all (the guest link is IPv4-only). ARP from the
-//! tap is believed only for the guest's own address (table `arp agentvm`):
-//! a guest cannot put the node's or anyone else's address in the
-//! namespace's neighbour table.
+//! Drops are counted in each table's `denied` counter, never logged per
+//! packet. ARP from the tap is believed only for the guest's own address
+//! (table `arp agentvm`): a guest cannot put the node's or anyone else's
+//! address in the namespace's neighbour table.
 
 use std::fmt::Write as _;
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
-use super::addressing::{Cidr4, Slot, GATEWAY_IP, GUEST_IP, TAP_NAME};
+use super::addressing::{Cidr, Slot, GATEWAY_IP, GUEST_IP, GUEST_IP6, TAP_NAME};
 
 /// Name of the table in every VM namespace.
 pub const TABLE: &str = "agentvm";
 /// Name of the counter of dropped guest packets in that table.
 pub const DENIED_COUNTER: &str = "denied";
-/// Set of whole addresses the DNS resolver learned (`ipv4_addr`, timeouts).
+/// Set of whole addresses the DNS resolver learned (timeouts).
 pub const LEARNED_ANY: &str = "learned_any";
 /// Set of `address . protocol . port` the DNS resolver learned (timeouts).
 pub const LEARNED_PORT: &str = "learned_port";
+
+/// An address family, as nftables names its tables and types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// IPv4: table `ip`, `ipv4_addr`.
+    V4,
+    /// IPv6: table `ip6`, `ipv6_addr`.
+    V6,
+}
+
+impl Family {
+    /// The family of `addr`.
+    pub fn of(addr: IpAddr) -> Family {
+        if addr.is_ipv4() {
+            Family::V4
+        } else {
+            Family::V6
+        }
+    }
+
+    /// The table family (`ip`, `ip6`), also the keyword of address matches.
+    pub fn table(self) -> &'static str {
+        match self {
+            Family::V4 => "ip",
+            Family::V6 => "ip6",
+        }
+    }
+
+    fn addr_type(self) -> &'static str {
+        match self {
+            Family::V4 => "ipv4_addr",
+            Family::V6 => "ipv6_addr",
+        }
+    }
+
+    fn guest(self) -> IpAddr {
+        match self {
+            Family::V4 => IpAddr::V4(GUEST_IP),
+            Family::V6 => IpAddr::V6(GUEST_IP6),
+        }
+    }
+
+    fn holds(self, c: &Cidr) -> bool {
+        Family::of(c.addr) == self
+    }
+}
 
 /// A transport protocol of an allow rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -61,8 +112,8 @@ impl Proto {
 /// One allowed destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Allow {
-    /// Destination block.
-    pub cidr: Cidr4,
+    /// Destination block (IPv4 or IPv6).
+    pub cidr: Cidr,
     /// Protocol (`None`: TCP and UDP, or any protocol when `port` is `None` too).
     pub proto: Option<Proto>,
     /// Destination port (`None`: every port).
@@ -72,8 +123,7 @@ pub struct Allow {
 impl Allow {
     /// Whether everything `other` allows is allowed by `self` too.
     pub fn covers(&self, other: &Allow) -> bool {
-        self.cidr.prefix <= other.cidr.prefix
-            && self.cidr.contains(other.cidr.addr)
+        self.cidr.holds(&other.cidr)
             && (self.proto.is_none() || self.proto == other.proto)
             && (self.port.is_none() || self.port == other.port)
     }
@@ -96,23 +146,39 @@ impl std::fmt::Display for Allow {
     }
 }
 
-/// Private ranges: denied unless the node's policy names them.
+/// Private ranges: denied unless the node's policy names them (IPv6:
+/// unique-local addresses).
 pub const PRIVATE: &[&str] = &[
     "10.0.0.0/8",
     "100.64.0.0/10",
     "172.16.0.0/12",
     "192.168.0.0/16",
     "198.18.0.0/15",
+    "fc00::/7",
 ];
 
 /// Denied whatever any policy says: "this network", loopback, link-local
-/// (the metadata service at 169.254.169.254), multicast and reserved.
+/// (the metadata service at 169.254.169.254 and fd00:ec2::254), multicast
+/// and reserved; for IPv6 also IPv4-mapped addresses and the translation
+/// and tunnel prefixes (NAT64, Teredo, 6to4) through which an IPv6 packet
+/// could reach an IPv4 address the IPv4 rules deny.
 pub const ALWAYS_DENIED: &[&str] = &[
     "0.0.0.0/8",
     "127.0.0.0/8",
     "169.254.0.0/16",
     "224.0.0.0/4",
     "240.0.0.0/4",
+    "::/127",
+    "::ffff:0:0/96",
+    "64:ff9b::/96",
+    "64:ff9b:1::/48",
+    "100::/64",
+    "2001::/32",
+    "2002::/16",
+    "fd00:ec2::254",
+    "fe80::/10",
+    "fec0::/10",
+    "ff00::/8",
 ];
 
 /// What a VM's guest may reach.
@@ -120,27 +186,27 @@ pub const ALWAYS_DENIED: &[&str] = &[
 pub struct EgressPolicy {
     /// The session's allowlist.
     pub allow: Vec<Allow>,
-    /// Dropped first: [`ALWAYS_DENIED`], the node's addresses, the VM pool.
-    pub always_deny: Vec<Cidr4>,
+    /// Dropped first: [`ALWAYS_DENIED`], the node's addresses, the VM pools.
+    pub always_deny: Vec<Cidr>,
     /// Private ranges the node's policy lets allowlists name.
-    pub private_allowed: Vec<Cidr4>,
+    pub private_allowed: Vec<Cidr>,
 }
 
 impl EgressPolicy {
     /// A policy allowing `allow`, denying the fixed ranges plus the node's
-    /// own `node_addresses` and its VM `pool`.
+    /// own `node_addresses` and its VM `pools`.
     pub fn new(
         allow: Vec<Allow>,
-        node_addresses: &[Cidr4],
-        pool: Cidr4,
-        private_allowed: Vec<Cidr4>,
+        node_addresses: &[Cidr],
+        pools: &[Cidr],
+        private_allowed: Vec<Cidr>,
     ) -> Self {
-        let mut always_deny: Vec<Cidr4> = ALWAYS_DENIED
+        let mut always_deny: Vec<Cidr> = ALWAYS_DENIED
             .iter()
-            .filter_map(|c| Cidr4::parse(c).ok())
+            .filter_map(|c| Cidr::parse(c).ok())
             .collect();
         always_deny.extend_from_slice(node_addresses);
-        always_deny.push(pool);
+        always_deny.extend_from_slice(pools);
         Self {
             allow,
             always_deny,
@@ -158,45 +224,48 @@ impl EgressPolicy {
 /// small table's set took 18-20 ms a run with it and 4-5 ms without
 /// (`nft -f` from a shell on the development machine), so the merging is
 /// done here.
-fn disjoint(cidrs: &[Cidr4]) -> Vec<Cidr4> {
+fn disjoint(cidrs: &[Cidr]) -> Vec<Cidr> {
     let mut sorted = cidrs.to_vec();
     // Larger blocks first at an address, so the blocks they hold follow.
-    sorted.sort_by_key(|c| (u32::from(c.addr), c.prefix));
+    sorted.sort();
     sorted.dedup();
-    let mut out: Vec<Cidr4> = Vec::with_capacity(sorted.len());
+    let mut out: Vec<Cidr> = Vec::with_capacity(sorted.len());
     for c in sorted {
-        if !out
-            .iter()
-            .any(|o| o.prefix <= c.prefix && o.contains(c.addr))
-        {
+        if !out.iter().any(|o| o.holds(&c)) {
             out.push(c);
         }
     }
     out
 }
 
-/// The elements of the address set of `cidrs` (see [`disjoint`]).
-fn addr_elements(cidrs: &[Cidr4]) -> Vec<String> {
-    disjoint(cidrs).iter().map(Cidr4::to_string).collect()
+/// The elements of the address set of `cidrs` of family `f` (see
+/// [`disjoint`]).
+fn addr_elements(f: Family, cidrs: &[Cidr]) -> Vec<String> {
+    let mine: Vec<Cidr> = cidrs.iter().copied().filter(|c| f.holds(c)).collect();
+    disjoint(&mine).iter().map(Cidr::to_string).collect()
 }
 
 /// Writes an interval set of addresses; a policy may name a block twice.
-fn addr_set(out: &mut String, name: &str, cidrs: &[Cidr4]) {
-    let _ = writeln!(out, "  set {name} {{\n    type ipv4_addr; flags interval");
-    let list = addr_elements(cidrs);
+fn addr_set(out: &mut String, f: Family, name: &str, cidrs: &[Cidr]) {
+    let _ = writeln!(
+        out,
+        "  set {name} {{\n    type {}; flags interval",
+        f.addr_type()
+    );
+    let list = addr_elements(f, cidrs);
     if !list.is_empty() {
         let _ = writeln!(out, "    elements = {{ {} }}", list.join(", "));
     }
     let _ = writeln!(out, "  }}");
 }
 
-/// The allowlist entries with a protocol or a port, as
+/// The allowlist entries of family `f` with a protocol or a port, as
 /// `proto . block . ports` elements (an entry without a protocol becomes a
 /// TCP and a UDP one). An element another one holds is left out: without
 /// `auto-merge` (see [`disjoint`]) the set refuses one inside another.
-fn port_elements(allow: &[Allow]) -> Vec<String> {
+fn port_elements(f: Family, allow: &[Allow]) -> Vec<String> {
     let mut each: Vec<Allow> = Vec::new();
-    for a in allow {
+    for a in allow.iter().filter(|a| f.holds(&a.cidr)) {
         let protos = match (a.proto, a.port) {
             (None, None) => continue,
             (Some(p), _) => vec![p],
@@ -227,72 +296,36 @@ fn port_elements(allow: &[Allow]) -> Vec<String> {
     out
 }
 
-/// The whole ruleset for the namespace of the VM at `slot`, whose end of
-/// the veth pair is `veth`: replaces any earlier version atomically.
-pub fn vm_ruleset(policy: &EgressPolicy, slot: &Slot, veth: &str) -> String {
-    let mut out = String::new();
-    // Declare, then delete, then write: one atomic transaction that works
-    // whether or not the table exists yet.
-    let _ = writeln!(out, "table ip {TABLE} {{}}\ndelete table ip {TABLE}");
-    let _ = writeln!(out, "table ip {TABLE} {{");
-    addr_set(&mut out, "always_deny", &policy.always_deny);
-    let private: Vec<Cidr4> = PRIVATE
-        .iter()
-        .filter_map(|c| Cidr4::parse(c).ok())
-        .collect();
-    addr_set(&mut out, "private", &private);
-    addr_set(&mut out, "private_allowed", &policy.private_allowed);
-    let whole: Vec<Cidr4> = policy
-        .allow
+/// The whole blocks of the allowlist (entries without protocol or port).
+fn whole_blocks(allow: &[Allow]) -> Vec<Cidr> {
+    allow
         .iter()
         .filter(|a| a.proto.is_none() && a.port.is_none())
         .map(|a| a.cidr)
-        .collect();
-    addr_set(&mut out, "allow_any", &whole);
-    let _ = writeln!(
-        out,
-        "  set allow_port {{\n    type inet_proto . ipv4_addr . inet_service; flags interval"
-    );
-    let elements = port_elements(&policy.allow);
-    if !elements.is_empty() {
-        let _ = writeln!(out, "    elements = {{ {} }}", elements.join(", "));
-    }
-    let _ = writeln!(out, "  }}");
-    let _ = writeln!(
-        out,
-        "  set {LEARNED_ANY} {{\n    type ipv4_addr; flags timeout\n  }}\n  set {LEARNED_PORT} {{\n    type ipv4_addr . inet_proto . inet_service; flags timeout\n  }}"
-    );
-    let _ = writeln!(out, "  counter {DENIED_COUNTER} {{}}");
-    let tap = TAP_NAME;
-    let _ = write!(
-        out,
-        r#"  chain forward {{
-    type filter hook forward priority filter; policy drop;
-    ct state established,related accept
-    iifname "{tap}" ip saddr != {GUEST_IP} counter name {DENIED_COUNTER} drop
-    iifname "{tap}" ip daddr @always_deny counter name {DENIED_COUNTER} drop
-    iifname "{tap}" ip daddr @private ip daddr != @private_allowed counter name {DENIED_COUNTER} drop
-    iifname "{tap}" ip daddr @allow_any accept
-    iifname "{tap}" meta l4proto . ip daddr . th dport @allow_port accept
-    iifname "{tap}" ip daddr @{LEARNED_ANY} accept
-    iifname "{tap}" ip daddr . meta l4proto . th dport @{LEARNED_PORT} accept
-    iifname "{tap}" counter name {DENIED_COUNTER} drop
-  }}
-  chain input {{
-    type filter hook input priority filter; policy drop;
-    ct state established,related accept
-    iifname "lo" accept
-    iifname "{tap}" ip saddr {GUEST_IP} ip daddr {GATEWAY_IP} meta l4proto {{ tcp, udp }} th dport 53 accept
-    iifname "{tap}" counter name {DENIED_COUNTER} drop
-  }}
-  chain postrouting {{
-    type nat hook postrouting priority srcnat;
-    oifname "{veth}" ip saddr {GUEST_IP} snat to {vm_ip}
-  }}
-}}
-table ip6 {TABLE} {{}}
+        .collect()
+}
+
+/// The whole ruleset for the namespace of the VM at `slot`, whose end of
+/// the veth pair is `veth`: replaces any earlier version atomically. The
+/// IPv6 table forwards only when the slot has IPv6 addresses.
+pub fn vm_ruleset(policy: &EgressPolicy, slot: &Slot, veth: &str) -> String {
+    let mut out = String::new();
+    family_table(&mut out, Family::V4, policy, IpAddr::V4(slot.vm_ip), veth);
+    match slot.v6 {
+        Some(v6) => family_table(&mut out, Family::V6, policy, IpAddr::V6(v6.vm_ip), veth),
+        None => {
+            let _ = write!(
+                out,
+                r#"table ip6 {TABLE} {{}}
 delete table ip6 {TABLE}
 table ip6 {TABLE} {{
+  counter {DENIED_COUNTER} {{}}
+  set {LEARNED_ANY} {{
+    type ipv6_addr; flags timeout
+  }}
+  set {LEARNED_PORT} {{
+    type ipv6_addr . inet_proto . inet_service; flags timeout
+  }}
   chain forward {{
     type filter hook forward priority filter; policy drop;
   }}
@@ -301,7 +334,14 @@ table ip6 {TABLE} {{
     iifname "lo" accept
   }}
 }}
-table arp {TABLE} {{}}
+"#
+            );
+        }
+    }
+    let tap = TAP_NAME;
+    let _ = write!(
+        out,
+        r#"table arp {TABLE} {{}}
 delete table arp {TABLE}
 table arp {TABLE} {{
   chain input {{
@@ -309,43 +349,115 @@ table arp {TABLE} {{
     iifname "{tap}" arp saddr ip != {GUEST_IP} drop
   }}
 }}
-"#,
-        vm_ip = slot.vm_ip
+"#
     );
     out
 }
 
-/// The script that gives the namespace's table the sets of `policy` (deny
-/// blocks, private ranges allowed, the allowlist) in one transaction,
-/// leaving its chains, its learned sets and its NAT as they are: a live
-/// policy change, or a warm VM's handed to its session. With
-/// `reset_denied`, the `denied` counter starts again from zero (what a warm
-/// VM's guest tried before its session is not the session's).
-pub fn sets_script(policy: &EgressPolicy, reset_denied: bool) -> String {
-    let mut out = String::new();
-    let whole: Vec<Cidr4> = policy
-        .allow
-        .iter()
-        .filter(|a| a.proto.is_none() && a.port.is_none())
-        .map(|a| a.cidr)
-        .collect();
-    for (set, elements) in [
-        ("always_deny", addr_elements(&policy.always_deny)),
-        ("private_allowed", addr_elements(&policy.private_allowed)),
-        ("allow_any", addr_elements(&whole)),
-        ("allow_port", port_elements(&policy.allow)),
-    ] {
-        let _ = writeln!(out, "flush set ip {TABLE} {set}");
-        if !elements.is_empty() {
-            let _ = writeln!(
-                out,
-                "add element ip {TABLE} {set} {{ {} }}",
-                elements.join(", ")
-            );
-        }
+/// Writes the table of family `f`: its sets from `policy`, its learned
+/// sets, its counter, its chains and the NAT of the guest to `vm_ip`.
+fn family_table(out: &mut String, f: Family, policy: &EgressPolicy, vm_ip: IpAddr, veth: &str) {
+    let t = f.table();
+    // Declare, then delete, then write: one atomic transaction that works
+    // whether or not the table exists yet.
+    let _ = writeln!(out, "table {t} {TABLE} {{}}\ndelete table {t} {TABLE}");
+    let _ = writeln!(out, "table {t} {TABLE} {{");
+    addr_set(out, f, "always_deny", &policy.always_deny);
+    let private: Vec<Cidr> = PRIVATE.iter().filter_map(|c| Cidr::parse(c).ok()).collect();
+    addr_set(out, f, "private", &private);
+    addr_set(out, f, "private_allowed", &policy.private_allowed);
+    addr_set(out, f, "allow_any", &whole_blocks(&policy.allow));
+    let ty = f.addr_type();
+    let _ = writeln!(
+        out,
+        "  set allow_port {{\n    type inet_proto . {ty} . inet_service; flags interval"
+    );
+    let elements = port_elements(f, &policy.allow);
+    if !elements.is_empty() {
+        let _ = writeln!(out, "    elements = {{ {} }}", elements.join(", "));
     }
-    if reset_denied {
-        let _ = writeln!(out, "reset counter ip {TABLE} {DENIED_COUNTER}");
+    let _ = writeln!(out, "  }}");
+    let _ = writeln!(
+        out,
+        "  set {LEARNED_ANY} {{\n    type {ty}; flags timeout\n  }}\n  set {LEARNED_PORT} {{\n    type {ty} . inet_proto . inet_service; flags timeout\n  }}"
+    );
+    let _ = writeln!(out, "  counter {DENIED_COUNTER} {{}}");
+    let tap = TAP_NAME;
+    let guest = f.guest();
+    // What the guest may reach of the namespace itself.
+    let local = match f {
+        Family::V4 => format!(
+            "iifname \"{tap}\" ip saddr {GUEST_IP} ip daddr {GATEWAY_IP} meta l4proto {{ tcp, udp }} th dport 53 accept"
+        ),
+        Family::V6 => format!(
+            "iifname \"{tap}\" ip6 saddr {{ {GUEST_IP6}, fe80::/10 }} ip6 hoplimit 255 icmpv6 type {{ nd-neighbor-solicit, nd-neighbor-advert }} accept\n    iifname \"{veth}\" ip6 hoplimit 255 icmpv6 type {{ nd-neighbor-solicit, nd-neighbor-advert }} accept"
+        ),
+    };
+    let _ = write!(
+        out,
+        r#"  chain forward {{
+    type filter hook forward priority filter; policy drop;
+    ct state established,related accept
+    iifname "{tap}" {t} saddr != {guest} counter name {DENIED_COUNTER} drop
+    iifname "{tap}" {t} daddr @always_deny counter name {DENIED_COUNTER} drop
+    iifname "{tap}" {t} daddr @private {t} daddr != @private_allowed counter name {DENIED_COUNTER} drop
+    iifname "{tap}" {t} daddr @allow_any accept
+    iifname "{tap}" meta l4proto . {t} daddr . th dport @allow_port accept
+    iifname "{tap}" {t} daddr @{LEARNED_ANY} accept
+    iifname "{tap}" {t} daddr . meta l4proto . th dport @{LEARNED_PORT} accept
+    iifname "{tap}" counter name {DENIED_COUNTER} drop
+  }}
+  chain input {{
+    type filter hook input priority filter; policy drop;
+    ct state established,related accept
+    iifname "lo" accept
+    {local}
+    iifname "{tap}" counter name {DENIED_COUNTER} drop
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat;
+    oifname "{veth}" {t} saddr {guest} snat to {vm_ip}
+  }}
+}}
+"#
+    );
+}
+
+/// The script that gives the namespace's tables (IPv4, and IPv6 with `v6`)
+/// the sets of `policy` (deny blocks, private ranges allowed, the
+/// allowlist) in one transaction, leaving their chains, their learned sets
+/// and their NAT as they are: a live policy change, or a warm VM's handed
+/// to its session. With `reset_denied`, the `denied` counters start again
+/// from zero (what a warm VM's guest tried before its session is not the
+/// session's).
+pub fn sets_script(policy: &EgressPolicy, reset_denied: bool, v6: bool) -> String {
+    let mut out = String::new();
+    let whole = whole_blocks(&policy.allow);
+    let families: &[Family] = if v6 {
+        &[Family::V4, Family::V6]
+    } else {
+        &[Family::V4]
+    };
+    for &f in families {
+        let t = f.table();
+        for (set, elements) in [
+            ("always_deny", addr_elements(f, &policy.always_deny)),
+            ("private_allowed", addr_elements(f, &policy.private_allowed)),
+            ("allow_any", addr_elements(f, &whole)),
+            ("allow_port", port_elements(f, &policy.allow)),
+        ] {
+            let _ = writeln!(out, "flush set {t} {TABLE} {set}");
+            if !elements.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "add element {t} {TABLE} {set} {{ {} }}",
+                    elements.join(", ")
+                );
+            }
+        }
+        if reset_denied {
+            let _ = writeln!(out, "reset counter {t} {TABLE} {DENIED_COUNTER}");
+        }
     }
     out
 }
@@ -362,8 +474,8 @@ pub enum LearnedTarget {
 /// An address an allowed name resolved to, for as long as its record lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Learned {
-    /// The address.
-    pub addr: Ipv4Addr,
+    /// The address (its family picks the table).
+    pub addr: IpAddr,
     /// What of it is allowed.
     pub target: LearnedTarget,
     /// Seconds until the element expires (at least 1).
@@ -371,10 +483,12 @@ pub struct Learned {
 }
 
 impl Learned {
-    fn set_and_key(&self) -> (&'static str, String) {
+    fn set_and_key(&self) -> (&'static str, &'static str, String) {
+        let t = Family::of(self.addr).table();
         match self.target {
-            LearnedTarget::Any => (LEARNED_ANY, self.addr.to_string()),
+            LearnedTarget::Any => (t, LEARNED_ANY, self.addr.to_string()),
             LearnedTarget::Port(p, port) => (
+                t,
                 LEARNED_PORT,
                 format!("{} . {} . {port}", self.addr, p.name()),
             ),
@@ -389,11 +503,11 @@ impl Learned {
 pub fn learned_script(entries: &[Learned]) -> String {
     let mut out = String::new();
     for e in entries {
-        let (set, key) = e.set_and_key();
+        let (t, set, key) = e.set_and_key();
         let ttl = e.ttl_secs.max(1);
         let _ = writeln!(
             out,
-            "add element ip {TABLE} {set} {{ {key} }}\ndelete element ip {TABLE} {set} {{ {key} }}\nadd element ip {TABLE} {set} {{ {key} timeout {ttl}s }}"
+            "add element {t} {TABLE} {set} {{ {key} }}\ndelete element {t} {TABLE} {set} {{ {key} }}\nadd element {t} {TABLE} {set} {{ {key} timeout {ttl}s }}"
         );
     }
     out
@@ -404,62 +518,92 @@ pub fn learned_script(entries: &[Learned]) -> String {
 pub fn forget_script(entries: &[Learned]) -> String {
     let mut out = String::new();
     for e in entries {
-        let (set, key) = e.set_and_key();
+        let (t, set, key) = e.set_and_key();
         let _ = writeln!(
             out,
-            "add element ip {TABLE} {set} {{ {key} timeout 1s }}\ndelete element ip {TABLE} {set} {{ {key} }}"
+            "add element {t} {TABLE} {set} {{ {key} timeout 1s }}\ndelete element {t} {TABLE} {set} {{ {key} }}"
         );
     }
     out
 }
 
-/// The script that empties both learned sets.
+/// The script that empties the learned sets of both tables (a VM without
+/// IPv6 has empty IPv6 ones).
 pub fn flush_learned_script() -> String {
-    format!("flush set ip {TABLE} {LEARNED_ANY}\nflush set ip {TABLE} {LEARNED_PORT}\n")
+    let mut out = String::new();
+    for t in ["ip", "ip6"] {
+        let _ = writeln!(
+            out,
+            "flush set {t} {TABLE} {LEARNED_ANY}\nflush set {t} {TABLE} {LEARNED_PORT}"
+        );
+    }
+    out
 }
 
 /// The node's own rules: VMs never reach one another through the node, and
-/// their traffic leaves masqueraded behind the node's address.
-pub fn node_ruleset(pool: Cidr4) -> String {
-    format!(
-        r#"table ip {TABLE}-node {{}}
-delete table ip {TABLE}-node
-table ip {TABLE}-node {{
+/// their traffic leaves masqueraded behind the node's address (IPv6 too
+/// when the node has an IPv6 pool).
+pub fn node_ruleset(pool: Cidr, pool6: Option<Cidr>) -> String {
+    let mut out = String::new();
+    for (t, block) in [("ip", Some(pool)), ("ip6", pool6)] {
+        let Some(block) = block else {
+            // A node whose IPv6 pool was taken away forwards none.
+            let _ = writeln!(
+                out,
+                "table {t} {TABLE}-node {{}}\ndelete table {t} {TABLE}-node"
+            );
+            continue;
+        };
+        let _ = write!(
+            out,
+            r#"table {t} {TABLE}-node {{}}
+delete table {t} {TABLE}-node
+table {t} {TABLE}-node {{
   chain forward {{
     type filter hook forward priority filter; policy accept;
-    ip saddr {pool} ip daddr {pool} drop
+    {t} saddr {block} {t} daddr {block} drop
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat;
-    ip saddr {pool} ip daddr != {pool} masquerade
+    {t} saddr {block} {t} daddr != {block} masquerade
   }}
 }}
 "#
-    )
+        );
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::net::Ipv4Addr;
+    use crate::network::addressing::Slot6;
+    use std::net::{Ipv4Addr, Ipv6Addr};
 
-    fn cidr(s: &str) -> Cidr4 {
-        Cidr4::parse(s).unwrap()
+    fn cidr(s: &str) -> Cidr {
+        Cidr::parse(s).unwrap()
     }
 
     #[test]
     fn address_sets_get_disjoint_blocks_and_port_sets_no_covered_entry() {
-        let c = |t: &str| Cidr4::parse(t).unwrap();
+        let c = |t: &str| Cidr::parse(t).unwrap();
         assert_eq!(
             disjoint(&[
+                c("2001:db8::/32"),
                 c("10.1.0.0/16"),
+                c("2001:db8:1::/48"),
                 c("192.0.2.7"),
                 c("10.0.0.0/8"),
                 c("192.0.2.7"),
                 c("10.1.2.0/24"),
                 c("9.0.0.0/8"),
             ]),
-            [c("9.0.0.0/8"), c("10.0.0.0/8"), c("192.0.2.7")]
+            [
+                c("9.0.0.0/8"),
+                c("10.0.0.0/8"),
+                c("192.0.2.7"),
+                c("2001:db8::/32")
+            ]
         );
         let allow = |cidr: &str, proto: Option<Proto>, port: Option<u16>| Allow {
             cidr: c(cidr),
@@ -467,13 +611,17 @@ mod tests {
             port,
         };
         assert_eq!(
-            port_elements(&[
-                allow("10.0.0.0/8", Some(Proto::Tcp), None),
-                allow("10.1.0.0/16", Some(Proto::Tcp), Some(443)),
-                allow("10.1.0.0/16", None, Some(53)),
-                allow("10.1.0.0/16", Some(Proto::Udp), Some(53)),
-                allow("10.1.0.0/16", None, Some(53)),
-            ]),
+            port_elements(
+                Family::V4,
+                &[
+                    allow("2001:db8::/32", Some(Proto::Tcp), None),
+                    allow("10.0.0.0/8", Some(Proto::Tcp), None),
+                    allow("10.1.0.0/16", Some(Proto::Tcp), Some(443)),
+                    allow("10.1.0.0/16", None, Some(53)),
+                    allow("10.1.0.0/16", Some(Proto::Udp), Some(53)),
+                    allow("10.1.0.0/16", None, Some(53)),
+                ]
+            ),
             ["tcp . 10.0.0.0/8 . 0-65535", "udp . 10.1.0.0/16 . 53"]
         );
     }
@@ -482,23 +630,23 @@ mod tests {
     fn a_policy_change_rewrites_the_sets_only() {
         let allow = vec![
             Allow {
-                cidr: Cidr4::parse("203.0.113.0/24").unwrap(),
+                cidr: Cidr::parse("203.0.113.0/24").unwrap(),
                 proto: None,
                 port: None,
             },
             Allow {
-                cidr: Cidr4::parse("198.51.100.7").unwrap(),
+                cidr: Cidr::parse("198.51.100.7").unwrap(),
                 proto: Some(Proto::Tcp),
                 port: Some(443),
             },
         ];
         let policy = EgressPolicy::new(
             allow,
-            &[Cidr4::parse("192.0.2.1").unwrap()],
-            Cidr4::parse("10.200.0.0/16").unwrap(),
+            &[Cidr::parse("192.0.2.1").unwrap()],
+            &[Cidr::parse("10.200.0.0/16").unwrap()],
             vec![],
         );
-        let script = sets_script(&policy, true);
+        let script = sets_script(&policy, true, false);
         for set in ["always_deny", "private_allowed", "allow_any", "allow_port"] {
             assert!(
                 script.contains(&format!("flush set ip agentvm {set}\n")),
@@ -516,7 +664,26 @@ mod tests {
         assert!(
             !script.contains("chain") && !script.contains("learned") && !script.contains("table")
         );
-        assert!(!sets_script(&policy, false).contains("reset"));
+        assert!(!sets_script(&policy, false, false).contains("reset"));
+        // With IPv6, the ip6 table's sets get the IPv6 blocks (and only them).
+        let both = sets_script(&policy, true, true);
+        assert!(
+            both.contains("flush set ip6 agentvm allow_port\n"),
+            "{both}"
+        );
+        assert!(both.contains("reset counter ip6 agentvm denied"), "{both}");
+        let v6_deny = both
+            .lines()
+            .find(|l| l.starts_with("add element ip6 agentvm always_deny"))
+            .unwrap();
+        assert!(
+            v6_deny.contains("fe80::/10") && !v6_deny.contains("10.200.0.0"),
+            "{v6_deny}"
+        );
+        assert!(
+            !both.contains("add element ip6 agentvm allow_any"),
+            "{both}"
+        );
     }
 
     #[test]
@@ -544,7 +711,7 @@ mod tests {
             },
         ];
         assert_eq!(
-            port_elements(&allow),
+            port_elements(Family::V4, &allow),
             [
                 "tcp . 198.51.100.7/32 . 443",
                 "tcp . 198.51.100.8/32 . 53",
@@ -556,8 +723,14 @@ mod tests {
             index: 0,
             host_ip: Ipv4Addr::new(10, 200, 0, 1),
             vm_ip: Ipv4Addr::new(10, 200, 0, 2),
+            v6: None,
         };
-        let policy = EgressPolicy::new(allow, &[cidr("192.0.2.1")], cidr("10.200.0.0/16"), vec![]);
+        let policy = EgressPolicy::new(
+            allow,
+            &[cidr("192.0.2.1")],
+            &[cidr("10.200.0.0/16")],
+            vec![],
+        );
         let rules = vm_ruleset(&policy, &slot, "avv0");
         assert!(rules.contains("elements = { 203.0.113.0/24 }"), "{rules}");
         assert!(rules.contains("snat to 10.200.0.2"), "{rules}");
@@ -589,12 +762,12 @@ mod tests {
     fn learned_elements_replace_their_timeout() {
         let entries = [
             Learned {
-                addr: Ipv4Addr::new(203, 0, 113, 5),
+                addr: Ipv4Addr::new(203, 0, 113, 5).into(),
                 target: LearnedTarget::Port(Proto::Tcp, 443),
                 ttl_secs: 60,
             },
             Learned {
-                addr: Ipv4Addr::new(203, 0, 113, 6),
+                addr: Ipv4Addr::new(203, 0, 113, 6).into(),
                 target: LearnedTarget::Any,
                 ttl_secs: 0,
             },
@@ -631,8 +804,115 @@ mod tests {
 
     #[test]
     fn the_node_masquerades_the_pool_and_keeps_vms_apart() {
-        let r = node_ruleset(cidr("10.200.0.0/16"));
+        let r = node_ruleset(cidr("10.200.0.0/16"), None);
         assert!(r.contains("ip saddr 10.200.0.0/16 ip daddr 10.200.0.0/16 drop"));
         assert!(r.contains("masquerade"));
+        assert!(r.contains("delete table ip6 agentvm-node\n"), "{r}");
+        assert!(!r.contains("table ip6 agentvm-node {\n"), "{r}");
+        let r = node_ruleset(cidr("10.200.0.0/16"), Some(cidr("fd00:200::/112")));
+        assert!(
+            r.contains("ip6 saddr fd00:200::/112 ip6 daddr fd00:200::/112 drop"),
+            "{r}"
+        );
+        assert!(r.contains("ip6 saddr fd00:200::/112 ip6 daddr != fd00:200::/112 masquerade"));
+    }
+
+    #[test]
+    fn an_ipv6_slot_gets_a_forwarding_ip6_table_with_its_own_sets() {
+        let allow = vec![
+            Allow {
+                cidr: cidr("2001:db8:1::/48"),
+                proto: None,
+                port: None,
+            },
+            Allow {
+                cidr: cidr("2001:db8:2::7"),
+                proto: Some(Proto::Tcp),
+                port: Some(443),
+            },
+            Allow {
+                cidr: cidr("203.0.113.0/24"),
+                proto: None,
+                port: None,
+            },
+        ];
+        let policy = EgressPolicy::new(
+            allow,
+            &[cidr("192.0.2.1"), cidr("2001:db8:ffff::1")],
+            &[cidr("10.200.0.0/16"), cidr("fd00:200::/112")],
+            vec![],
+        );
+        let v6_slot = Slot {
+            index: 0,
+            host_ip: Ipv4Addr::new(10, 200, 0, 1),
+            vm_ip: Ipv4Addr::new(10, 200, 0, 2),
+            v6: Some(Slot6 {
+                host_ip: Ipv6Addr::new(0xfd00, 0x200, 0, 0, 0, 0, 0, 1),
+                vm_ip: Ipv6Addr::new(0xfd00, 0x200, 0, 0, 0, 0, 0, 2),
+            }),
+        };
+        let rules = vm_ruleset(&policy, &v6_slot, "avv0");
+        let v6 =
+            &rules[rules.find("table ip6 agentvm {\n").unwrap()..rules.find("table arp").unwrap()];
+        let v4 = &rules[..rules.find("table ip6").unwrap()];
+        assert!(v6.contains("type ipv6_addr; flags interval"), "{v6}");
+        assert!(v6.contains("elements = { 2001:db8:1::/48 }"), "{v6}");
+        assert!(v6.contains("tcp . 2001:db8:2::7/128 . 443"), "{v6}");
+        assert!(
+            !v6.contains("203.0.113.0/24") && !v4.contains("2001:db8"),
+            "{rules}"
+        );
+        assert!(
+            v6.contains("ip6 saddr != fd00:ac10::2 counter name denied drop"),
+            "{v6}"
+        );
+        assert!(v6.contains("snat to fd00:200::2"), "{v6}");
+        // Always denied: the metadata address, link-local, NAT64, the node
+        // and the pool; unique-local is private.
+        for deny in [
+            "fd00:ec2::254/128",
+            "fe80::/10",
+            "64:ff9b::/96",
+            "2001:db8:ffff::1/128",
+            "fd00:200::/112",
+        ] {
+            assert!(v6.contains(deny), "{deny}: {v6}");
+        }
+        assert!(v6.contains("elements = { fc00::/7 }"), "{v6}");
+        // Neighbour discovery only, and from the link itself.
+        assert!(
+            v6.contains(
+                "ip6 hoplimit 255 icmpv6 type { nd-neighbor-solicit, nd-neighbor-advert } accept"
+            ),
+            "{v6}"
+        );
+        assert!(!v6.contains("nd-router-advert"), "{v6}");
+        // Without an IPv6 slot the ip6 table forwards nothing.
+        let v4_only = vm_ruleset(
+            &policy,
+            &Slot {
+                v6: None,
+                ..v6_slot
+            },
+            "avv0",
+        );
+        let ip6 = &v4_only[v4_only.find("table ip6 agentvm {\n").unwrap()..];
+        assert!(!ip6.contains("ct state") && !ip6.contains("snat"), "{ip6}");
+        assert!(
+            ip6.contains("policy drop") && ip6.contains("set learned_any"),
+            "{ip6}"
+        );
+        // Learned IPv6 addresses go to the ip6 table.
+        let s = learned_script(&[Learned {
+            addr: "2001:db8:2::9".parse().unwrap(),
+            target: LearnedTarget::Any,
+            ttl_secs: 30,
+        }]);
+        assert!(
+            s.ends_with("add element ip6 agentvm learned_any { 2001:db8:2::9 timeout 30s }\n"),
+            "{s}"
+        );
+        assert!(flush_learned_script().contains("flush set ip6 agentvm learned_port"));
+        assert!(flush_learned_script().contains("flush set ip agentvm learned_any"));
     }
 }

@@ -118,7 +118,7 @@ struct Inner {
     /// The session's allowlist in force (with a network).
     net_allow: Vec<crate::network::rules::Allow>,
     /// Blocks denied to the session on top of the node's.
-    net_deny: Vec<crate::network::addressing::Cidr4>,
+    net_deny: Vec<crate::network::addressing::Cidr>,
     /// Host names its manifest grants (answered by its DNS resolver).
     net_hosts: Vec<crate::network::grants::HostGrant>,
     /// Its exposed guest ports, by guest port.
@@ -230,7 +230,7 @@ impl Manager {
         let network = cfg
             .network
             .as_ref()
-            .map(|n| NodeNetwork::start(&n.node_settings()).map(Arc::new))
+            .map(|n| NodeNetwork::start(&n.node_settings()?).map(Arc::new))
             .transpose()?;
         Ok(Arc::new(Manager {
             cfg,

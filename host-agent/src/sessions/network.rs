@@ -10,7 +10,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::*;
-use crate::network::addressing::Cidr4;
+use crate::network::addressing::Cidr;
 use crate::network::grants::{session_egress, HostGrant, SessionEgress};
 use crate::network::node::parse_allow;
 use crate::network::rules::Allow;
@@ -42,12 +42,12 @@ struct KeptHost {
 }
 
 /// Writes the policy of the session in `dir` (made if it is not there yet).
-fn keep(dir: &Path, allow: &[Allow], deny: &[Cidr4], hosts: &[HostGrant]) -> Result<()> {
+fn keep(dir: &Path, allow: &[Allow], deny: &[Cidr], hosts: &[HostGrant]) -> Result<()> {
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
     let kept = Kept {
         allow: allow.iter().map(Allow::to_string).collect(),
-        deny: deny.iter().map(Cidr4::to_string).collect(),
+        deny: deny.iter().map(Cidr::to_string).collect(),
         hosts: hosts
             .iter()
             .map(|h| KeptHost {
@@ -123,7 +123,8 @@ impl Manager {
         })?;
         let manifest = agent_manifest::Manifest::parse(&text)
             .map_err(|e| Error::FailedPrecondition(format!("at {commit}: {e}")))?;
-        session_egress(&manifest.grant(&row.agent).egress, &node)
+        let ipv6 = self.network.as_ref().is_some_and(|n| n.has_ipv6());
+        session_egress(&manifest.grant(&row.agent).egress, &node, ipv6)
     }
 
     /// Records `egress` as session `sess`'s policy (in memory, and kept in
@@ -159,7 +160,7 @@ impl Manager {
     }
 
     /// The policy kept in `dir` by an earlier run, if any.
-    pub(super) fn kept_policy(dir: &Path) -> Option<(Vec<Allow>, Vec<Cidr4>, Vec<HostGrant>)> {
+    pub(super) fn kept_policy(dir: &Path) -> Option<(Vec<Allow>, Vec<Cidr>, Vec<HostGrant>)> {
         let text = std::fs::read_to_string(dir.join(POLICY_FILE)).ok()?;
         let kept: Kept = serde_json::from_str(&text).ok()?;
         let allow = kept
@@ -170,7 +171,7 @@ impl Manager {
         let deny = kept
             .deny
             .iter()
-            .map(|c| Cidr4::parse(c))
+            .map(|c| Cidr::parse(c))
             .collect::<Result<_>>();
         let hosts = kept
             .hosts
@@ -207,10 +208,15 @@ impl Manager {
             .iter()
             .map(|a| parse_allow(a))
             .collect::<Result<_>>()?;
-        let new_deny: Vec<Cidr4> = deny
-            .iter()
-            .map(|c| Cidr4::parse(c))
-            .collect::<Result<_>>()?;
+        if let Some(v6) = new_allow.iter().find(|a| !a.cidr.is_v4()) {
+            if !node.has_ipv6() {
+                return Err(Error::invalid(format!(
+                    "allow entry \"{v6}\" is IPv6, and this node gives VMs no IPv6 \
+                     (network.pool has no IPv6 block)"
+                )));
+            }
+        }
+        let new_deny: Vec<Cidr> = deny.iter().map(|c| Cidr::parse(c)).collect::<Result<_>>()?;
         let (vm, current_allow, mut all_deny, hosts, dir) = {
             let i = sess.lock();
             if is_terminal(i.row.state) {

@@ -27,9 +27,13 @@ impl Manager {
             tracing::warn!(session = %sess.id, "no DNS upstream on this node: the session's guest resolves nothing");
             return Ok(());
         }
-        let (netns, names, old) = {
+        let (netns, ipv6, names, old) = {
             let mut i = sess.lock();
-            let Some(netns) = i.network.as_ref().map(|n| n.netns.clone()) else {
+            let Some((netns, ipv6)) = i
+                .network
+                .as_ref()
+                .map(|n| (n.netns.clone(), n.slot.v6.is_some()))
+            else {
                 return Ok(());
             };
             let names: Vec<NameRule> = i
@@ -40,19 +44,20 @@ impl Manager {
                     ports: h.ports.clone(),
                 })
                 .collect();
-            (netns, names, i.dns.take())
+            (netns, ipv6, names, i.dns.take())
         };
         if let Some(old) = old.and_then(|o| Arc::try_unwrap(o).ok()) {
             // Its sockets hold the gateway's port 53 (one still in use
             // elsewhere goes when that use ends: it is aborted on drop).
             old.stop().await;
         }
-        let config = DnsConfig::new(
+        let mut config = DnsConfig::new(
             netns,
             names,
             node.upstreams().to_vec(),
             node.policy().allow.clone(),
         );
+        config.ipv6 = ipv6;
         let mut handle = DnsResolver::start(config).await?;
         if let Some(denied) = handle.take_denied_events() {
             tokio::spawn(self.clone().record_denied(sess.clone(), denied));

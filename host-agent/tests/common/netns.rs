@@ -111,10 +111,18 @@ pub fn echo_from(ns: &str, to: std::net::SocketAddr) -> Result<(), std::io::Erro
 
 /// A "guest" namespace `name` joined to VM namespace `vm_netns` where the
 /// tap would be, by a veth named `tap0` (the guest's end is `eth0`), with
-/// the guest's address and its default route via the gateway.
+/// the guest's address and its default route via the gateway (IPv6 too,
+/// as guest-init configures it, when the VM's namespace has IPv6).
 pub fn attach_guest(vm_netns: &str, name: &str) -> Ns {
-    use host_agent::network::addressing::{GATEWAY_IP, GUEST_IP, TAP_NAME};
+    use host_agent::network::addressing::{
+        GATEWAY_IP, GATEWAY_IP6, GUEST_IP, GUEST_IP6, GUEST_PREFIX6, TAP_NAME,
+    };
     let g = Ns::new(name.to_string());
+    let ipv6 = Command::new("ip")
+        .args(["-n", vm_netns, "-6", "addr", "show", "dev", TAP_NAME])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains(&GATEWAY_IP6.to_string()))
+        .unwrap_or(false);
     ip(&["-n", vm_netns, "link", "del", TAP_NAME]);
     ip(&[
         "link", "add", TAP_NAME, "netns", vm_netns, "type", "veth", "peer", "name", "eth0",
@@ -122,12 +130,24 @@ pub fn attach_guest(vm_netns: &str, name: &str) -> Ns {
     ]);
     let gateway = format!("{GATEWAY_IP}/30");
     ip(&["-n", vm_netns, "addr", "add", &gateway, "dev", TAP_NAME]);
-    ip(&["-n", vm_netns, "link", "set", TAP_NAME, "up"]);
     let guest = format!("{GUEST_IP}/30");
     ip(&["-n", &g.0, "addr", "add", &guest, "dev", "eth0"]);
+    if ipv6 {
+        let gateway6 = format!("{GATEWAY_IP6}/{GUEST_PREFIX6}");
+        ip(&[
+            "-n", vm_netns, "addr", "add", &gateway6, "dev", TAP_NAME, "nodad",
+        ]);
+        let guest6 = format!("{GUEST_IP6}/{GUEST_PREFIX6}");
+        ip(&["-n", &g.0, "addr", "add", &guest6, "dev", "eth0", "nodad"]);
+    }
+    ip(&["-n", vm_netns, "link", "set", TAP_NAME, "up"]);
     ip(&["-n", &g.0, "link", "set", "eth0", "up"]);
     let via = GATEWAY_IP.to_string();
     ip(&["-n", &g.0, "route", "add", "default", "via", &via]);
+    if ipv6 {
+        let via6 = GATEWAY_IP6.to_string();
+        ip(&["-n", &g.0, "route", "add", "::/0", "via", &via6]);
+    }
     g
 }
 
@@ -190,11 +210,16 @@ pub fn ask_udp(
     .unwrap()
 }
 
-/// A "node" namespace `nd<tag>` with the uplink 203.0.113.1/24 and an
-/// "internet" namespace `in<tag>` behind it holding 203.0.113.2 to .5 (the
-/// node's default route), with forwarding on and the node's rules for VM
-/// pool `pool` loaded: the topology of `tests/network.rs`.
-pub fn node_and_internet(tag: &str, pool: host_agent::network::addressing::Cidr4) -> (Ns, Ns) {
+/// A "node" namespace `nd<tag>` with the uplink 203.0.113.1/24 (and
+/// 2001:db8:113::1/64) and an "internet" namespace `in<tag>` behind it
+/// holding 203.0.113.2 to .5 and 2001:db8:113::2 to ::5 (the node's default
+/// routes), with forwarding on and the node's rules for VM pool `pool` (and
+/// IPv6 pool `pool6`) loaded: the topology of `tests/network.rs`.
+pub fn node_and_internet(
+    tag: &str,
+    pool: host_agent::network::addressing::Cidr,
+    pool6: Option<host_agent::network::addressing::Cidr>,
+) -> (Ns, Ns) {
     use host_agent::network::namespace::{apply_rules, enable_forwarding};
     use host_agent::network::rules::node_ruleset;
     let node = Ns::new(format!("nd{tag}"));
@@ -204,6 +229,16 @@ pub fn node_and_internet(tag: &str, pool: host_agent::network::addressing::Cidr4
         &inet.0,
     ]);
     ip(&["-n", &node.0, "addr", "add", "203.0.113.1/24", "dev", "up0"]);
+    ip(&[
+        "-n",
+        &node.0,
+        "addr",
+        "add",
+        "2001:db8:113::1/64",
+        "dev",
+        "up0",
+        "nodad",
+    ]);
     ip(&["-n", &node.0, "link", "set", "up0", "up"]);
     ip(&[
         "-n",
@@ -214,6 +249,15 @@ pub fn node_and_internet(tag: &str, pool: host_agent::network::addressing::Cidr4
         "via",
         "203.0.113.2",
     ]);
+    ip(&[
+        "-n",
+        &node.0,
+        "route",
+        "add",
+        "::/0",
+        "via",
+        "2001:db8:113::2",
+    ]);
     for a in [
         "203.0.113.2/24",
         "203.0.113.3/24",
@@ -222,9 +266,17 @@ pub fn node_and_internet(tag: &str, pool: host_agent::network::addressing::Cidr4
     ] {
         ip(&["-n", &inet.0, "addr", "add", a, "dev", "wan0"]);
     }
+    for a in [
+        "2001:db8:113::2/64",
+        "2001:db8:113::3/64",
+        "2001:db8:113::4/64",
+        "2001:db8:113::5/64",
+    ] {
+        ip(&["-n", &inet.0, "addr", "add", a, "dev", "wan0", "nodad"]);
+    }
     ip(&["-n", &inet.0, "link", "set", "wan0", "up"]);
-    enable_forwarding(Some(&node.0)).expect("forwarding on the node");
-    apply_rules(Some(&node.0), &node_ruleset(pool)).expect("the node's rules");
+    enable_forwarding(Some(&node.0), pool6.is_some()).expect("forwarding on the node");
+    apply_rules(Some(&node.0), &node_ruleset(pool, pool6)).expect("the node's rules");
     (node, inet)
 }
 

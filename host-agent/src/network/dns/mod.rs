@@ -11,8 +11,9 @@
 //! out, so that the guest never connects ahead of its rule.
 //!
 //! Every other query is answered here without asking upstream: NXDOMAIN for
-//! a name not allowed, no records for an allowed name's AAAA (the guest
-//! link is IPv4-only) or another type, REFUSED for a message that is not
+//! a name not allowed, no records for an allowed name's AAAA when the VM
+//! has no IPv6 (with IPv6, AAAA is forwarded and learned like A) or
+//! another type, REFUSED for a message that is not
 //! one plain query. Denied queries are counted and sent on a bounded
 //! channel ([`DnsHandle::take_denied_events`]) for audit events; when it is
 //! full they are dropped and counted, the server never waits. Datagrams
@@ -68,6 +69,9 @@ pub struct DnsConfig {
     pub max_in_flight: usize,
     /// Denied queries queued for the audit at most.
     pub events_capacity: usize,
+    /// Whether the VM has IPv6: AAAA queries are forwarded and their
+    /// addresses learned (otherwise answered with no records).
+    pub ipv6: bool,
 }
 
 impl DnsConfig {
@@ -88,6 +92,7 @@ impl DnsConfig {
             upstream_timeout: Duration::from_secs(2),
             max_in_flight: 64,
             events_capacity: 256,
+            ipv6: false,
         }
     }
 }
@@ -165,6 +170,7 @@ impl DnsResolver {
             upstream_timeout: config.upstream_timeout,
             ceiling: config.ceiling,
             netns: config.netns,
+            ipv6: config.ipv6,
             in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
             tracker: Mutex::new(Tracker::default()),
         });

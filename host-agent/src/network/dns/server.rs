@@ -84,6 +84,8 @@ pub struct Shared {
     pub ceiling: Vec<Allow>,
     /// The VM's namespace.
     pub netns: String,
+    /// Whether AAAA queries are forwarded (the VM has IPv6).
+    pub ipv6: bool,
     /// Bound on forwarded queries in flight.
     pub in_flight: Arc<Semaphore>,
     /// What was learned, for which names.
@@ -172,7 +174,7 @@ impl Shared {
 
     /// Triage: the reply to send now, a query to forward, or nothing.
     fn triage(&self, bytes: &[u8]) -> Triage {
-        match wire::decide(bytes, &self.policy()) {
+        match wire::decide(bytes, &self.policy(), self.ipv6) {
             Decision::Drop => {
                 bump(&self.counters.malformed);
                 Triage::Nothing

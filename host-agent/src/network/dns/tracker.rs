@@ -3,7 +3,7 @@
 //! namespace's rules (which empties the sets) can put the rest back.
 
 use std::collections::{BTreeSet, HashMap};
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use super::names::{NamePolicy, Ports};
@@ -24,7 +24,7 @@ struct Tracked {
 /// The learned elements and the names that opened them.
 #[derive(Debug, Default)]
 pub struct Tracker {
-    entries: HashMap<(Ipv4Addr, LearnedTarget), Tracked>,
+    entries: HashMap<(IpAddr, LearnedTarget), Tracked>,
     /// Something was not tracked: the tracker no longer knows it all.
     incomplete: bool,
 }
@@ -123,6 +123,7 @@ mod tests {
     use super::*;
     use crate::network::dns::names::NameRule;
     use crate::network::rules::Proto;
+    use std::net::Ipv4Addr;
 
     fn policy(rules: &[(&str, &[u16])]) -> NamePolicy {
         let rules: Vec<NameRule> = rules
@@ -140,7 +141,7 @@ mod tests {
         let now = Instant::now();
         let mut t = Tracker::default();
         let l = |last: u8, target, ttl_secs| Learned {
-            addr: Ipv4Addr::new(203, 0, 113, last),
+            addr: Ipv4Addr::new(203, 0, 113, last).into(),
             target,
             ttl_secs,
         };
@@ -166,7 +167,7 @@ mod tests {
         let now = Instant::now();
         let mut t = Tracker::default();
         let e = Learned {
-            addr: Ipv4Addr::new(203, 0, 113, 1),
+            addr: Ipv4Addr::new(203, 0, 113, 1).into(),
             target: LearnedTarget::Any,
             ttl_secs: 60,
         };

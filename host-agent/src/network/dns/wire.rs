@@ -4,13 +4,13 @@
 //! addresses an answer opens.
 
 use std::collections::BTreeSet;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use hickory_proto::op::{Edns, Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::{DNSClass, Name, RData, RecordType};
 
 use super::names::{normalize_labels, NamePolicy, Ports};
-use crate::network::addressing::Cidr4;
+use crate::network::addressing::Cidr;
 use crate::network::rules::{Allow, Learned, LearnedTarget, Proto};
 
 /// Shortest time a learned address stays allowed, whatever the record's TTL
@@ -43,9 +43,9 @@ pub enum Decision {
         /// The reply.
         reply: Vec<u8>,
     },
-    /// An allowed name's AAAA: no records (the guest link is IPv4-only).
+    /// An allowed name's AAAA for a VM without IPv6: no records.
     NoData(Vec<u8>),
-    /// An allowed name's A or CNAME: forward.
+    /// An allowed name's A, CNAME or (with IPv6) AAAA: forward.
     Forward(Box<Forward>),
 }
 
@@ -81,8 +81,9 @@ fn policy_name(name: &Name) -> Option<String> {
     normalize_labels(name.iter())
 }
 
-/// Decides what to do with `bytes` from the guest under `policy`.
-pub fn decide(bytes: &[u8], policy: &NamePolicy) -> Decision {
+/// Decides what to do with `bytes` from the guest under `policy`; AAAA is
+/// forwarded only with `ipv6` (the VM has IPv6).
+pub fn decide(bytes: &[u8], policy: &NamePolicy, ipv6: bool) -> Decision {
     let Ok(request) = Message::from_vec(bytes) else {
         return Decision::Drop;
     };
@@ -106,9 +107,11 @@ pub fn decide(bytes: &[u8], policy: &NamePolicy) -> Decision {
         qtype: qtype.to_string(),
         reply: reply(&request, rcode),
     };
+    let forwarded =
+        matches!(qtype, RecordType::A | RecordType::CNAME) || (ipv6 && qtype == RecordType::AAAA);
     match (ports, qtype) {
         (None, _) => denied(ResponseCode::NXDomain),
-        (Some(ports), RecordType::A | RecordType::CNAME) => Decision::Forward(Box::new(Forward {
+        (Some(ports), _) if forwarded => Decision::Forward(Box::new(Forward {
             name: normalized.unwrap_or_default(),
             request,
             query,
@@ -168,9 +171,9 @@ pub fn udp_limit(request: &Message) -> usize {
     usize::from(request.max_payload()).min(usize::from(UPSTREAM_PAYLOAD))
 }
 
-/// The A records of `answer` for `name` (normalized), following CNAME
-/// chains within the answer, with their TTLs.
-pub fn addresses(answer: &Message, name: &str) -> Vec<(Ipv4Addr, u32)> {
+/// The A and AAAA records of `answer` for `name` (normalized), following
+/// CNAME chains within the answer, with their TTLs.
+pub fn addresses(answer: &Message, name: &str) -> Vec<(IpAddr, u32)> {
     let mut chain: BTreeSet<String> = BTreeSet::from([name.to_string()]);
     // Each pass adds the targets of CNAMEs whose owner is on the chain.
     for _ in 0..MAX_CHAIN {
@@ -194,7 +197,10 @@ pub fn addresses(answer: &Message, name: &str) -> Vec<(Ipv4Addr, u32)> {
         .iter()
         .filter_map(|r| match r.data() {
             RData::A(a) if policy_name(r.name()).is_some_and(|o| chain.contains(&o)) => {
-                Some((a.0, r.ttl()))
+                Some((IpAddr::V4(a.0), r.ttl()))
+            }
+            RData::AAAA(a) if policy_name(r.name()).is_some_and(|o| chain.contains(&o)) => {
+                Some((IpAddr::V6(a.0), r.ttl()))
             }
             _ => None,
         })
@@ -211,11 +217,11 @@ pub fn clamp_ttl(ttl: u32) -> u32 {
 /// element only where some ceiling entry covers it. For every port, the
 /// whole address if the ceiling allows it, else the ports the ceiling names
 /// for it.
-pub fn learned(addresses: &[(Ipv4Addr, u32)], ports: &Ports, ceiling: &[Allow]) -> Vec<Learned> {
+pub fn learned(addresses: &[(IpAddr, u32)], ports: &Ports, ceiling: &[Allow]) -> Vec<Learned> {
     let covered = |a: Allow| ceiling.iter().any(|c| c.covers(&a));
     let mut out = BTreeSet::new();
     for &(addr, ttl) in addresses {
-        let cidr = Cidr4 { addr, prefix: 32 };
+        let cidr = Cidr::host(addr);
         let mut targets = Vec::new();
         match ports {
             Ports::Any
@@ -279,8 +285,9 @@ pub fn learned(addresses: &[(Ipv4Addr, u32)], ports: &Ports, ceiling: &[Allow]) 
 mod tests {
     use super::*;
     use crate::network::dns::names::NameRule;
-    use hickory_proto::rr::rdata::{A, CNAME, TXT};
+    use hickory_proto::rr::rdata::{A, AAAA, CNAME, TXT};
     use hickory_proto::rr::Record;
+    use std::net::{Ipv4Addr, Ipv6Addr};
 
     fn name(s: &str) -> Name {
         Name::from_ascii(s).unwrap()
@@ -328,7 +335,7 @@ mod tests {
     #[test]
     fn allowed_a_queries_are_forwarded_and_others_answered_here() {
         let p = policy();
-        match decide(&query_bytes(1, "Allowed.Test.", RecordType::A), &p) {
+        match decide(&query_bytes(1, "Allowed.Test.", RecordType::A), &p, false) {
             Decision::Forward(f) => {
                 assert_eq!(f.name, "allowed.test");
                 assert_eq!(f.ports, Ports::Some([443].into()));
@@ -339,7 +346,7 @@ mod tests {
             name: asked,
             qtype,
             reply,
-        } = decide(&query_bytes(2, "evil.test", RecordType::A), &p)
+        } = decide(&query_bytes(2, "evil.test", RecordType::A), &p, false)
         else {
             panic!("denied");
         };
@@ -349,7 +356,8 @@ mod tests {
         assert_eq!(r.message_type(), MessageType::Response);
         assert_eq!(r.queries()[0].name(), &name("evil.test."));
         // AAAA of an allowed name: no records, not reported.
-        let Decision::NoData(reply) = decide(&query_bytes(3, "x.wild.test", RecordType::AAAA), &p)
+        let Decision::NoData(reply) =
+            decide(&query_bytes(3, "x.wild.test", RecordType::AAAA), &p, false)
         else {
             panic!("no data");
         };
@@ -357,14 +365,14 @@ mod tests {
         assert_eq!(r.response_code(), ResponseCode::NoError);
         assert!(r.answers().is_empty());
         // TXT of an allowed name: no records, reported.
-        let d = decide(&query_bytes(4, "allowed.test", RecordType::TXT), &p);
+        let d = decide(&query_bytes(4, "allowed.test", RecordType::TXT), &p, false);
         assert!(
             matches!(&d, Decision::Denied { qtype, .. } if qtype == "TXT"),
             "{d:?}"
         );
         // The apex of a wildcard is not allowed.
         assert!(matches!(
-            decide(&query_bytes(5, "wild.test", RecordType::A), &p),
+            decide(&query_bytes(5, "wild.test", RecordType::A), &p, false),
             Decision::Denied { .. }
         ));
     }
@@ -377,21 +385,21 @@ mod tests {
             b"\x00",
             b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff",
         ] {
-            assert!(matches!(decide(garbage, &p), Decision::Drop));
+            assert!(matches!(decide(garbage, &p, false), Decision::Drop));
         }
         // Two questions.
         let mut m = Message::new();
         m.set_id(9)
             .add_query(Query::query(name("allowed.test"), RecordType::A))
             .add_query(Query::query(name("evil.test"), RecordType::A));
-        let Decision::Refused(reply) = decide(&m.to_vec().unwrap(), &p) else {
+        let Decision::Refused(reply) = decide(&m.to_vec().unwrap(), &p, false) else {
             panic!("refused");
         };
         let r = Message::from_vec(&reply).unwrap();
         assert_eq!((r.id(), r.response_code()), (9, ResponseCode::Refused));
         // A response sent as a query.
         let resp = answer(vec![]).to_vec().unwrap();
-        assert!(matches!(decide(&resp, &p), Decision::Refused(_)));
+        assert!(matches!(decide(&resp, &p, false), Decision::Refused(_)));
     }
 
     #[test]
@@ -448,8 +456,8 @@ mod tests {
         assert_eq!(
             found,
             [
-                (Ipv4Addr::new(203, 0, 113, 10), 5),
-                (Ipv4Addr::new(203, 0, 113, 11), 86400)
+                (IpAddr::V4(Ipv4Addr::new(203, 0, 113, 10)), 5),
+                (IpAddr::V4(Ipv4Addr::new(203, 0, 113, 11)), 86400)
             ]
         );
         assert_eq!(clamp_ttl(5), MIN_TTL_SECS);
@@ -466,7 +474,7 @@ mod tests {
 
     fn allow(c: &str, proto: Option<Proto>, port: Option<u16>) -> Allow {
         Allow {
-            cidr: Cidr4::parse(c).unwrap(),
+            cidr: Cidr::parse(c).unwrap(),
             proto,
             port,
         }
@@ -474,8 +482,8 @@ mod tests {
 
     #[test]
     fn only_what_the_ceiling_covers_is_learned() {
-        let ip = Ipv4Addr::new(203, 0, 113, 10);
-        let outside = Ipv4Addr::new(198, 51, 100, 1);
+        let ip = IpAddr::V4(Ipv4Addr::new(203, 0, 113, 10));
+        let outside = IpAddr::V4(Ipv4Addr::new(198, 51, 100, 1));
         let addrs = [(ip, 10), (outside, 60), (ip, 120)];
         let ceiling = [
             allow("203.0.113.0/24", Some(Proto::Tcp), None),
@@ -513,5 +521,42 @@ mod tests {
             learned(&addrs, &ports, &[]).is_empty(),
             "no ceiling, nothing"
         );
+    }
+
+    #[test]
+    fn with_ipv6_aaaa_is_forwarded_and_its_addresses_learned() {
+        let p = policy();
+        match decide(&query_bytes(6, "allowed.test", RecordType::AAAA), &p, true) {
+            Decision::Forward(f) => assert_eq!(f.query.query_type(), RecordType::AAAA),
+            d => panic!("{d:?}"),
+        }
+        // A name not allowed is still NXDOMAIN, whatever the type.
+        assert!(matches!(
+            decide(&query_bytes(7, "evil.test", RecordType::AAAA), &p, true),
+            Decision::Denied { .. }
+        ));
+        let v6 = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 10);
+        let m = answer(vec![
+            cname("allowed.test.", "node.cdn.test."),
+            Record::from_rdata(name("node.cdn.test."), 90, RData::AAAA(AAAA(v6))),
+            Record::from_rdata(
+                name("other.test."),
+                90,
+                RData::AAAA(AAAA(Ipv6Addr::LOCALHOST)),
+            ),
+        ]);
+        let found = addresses(&m, "allowed.test");
+        assert_eq!(found, [(IpAddr::V6(v6), 90)]);
+        // Learned within the IPv6 ceiling only.
+        let l = learned(&found, &Ports::Any, &[allow("2001:db8::/32", None, None)]);
+        assert_eq!(
+            l,
+            [Learned {
+                addr: IpAddr::V6(v6),
+                target: LearnedTarget::Any,
+                ttl_secs: 90
+            }]
+        );
+        assert!(learned(&found, &Ports::Any, &[allow("0.0.0.0/0", None, None)]).is_empty());
     }
 }
