@@ -4,10 +4,14 @@
 //!   the kernel's own syntax; guest-init applies CLIENT/NETMASK to DEVICE
 //!   (default eth0), adds a default route via GATEWAY, takes HOSTNAME, and
 //!   writes DNS0 and DNS1 (when given) to `/etc/resolv.conf`.
+//! * `ip6=ADDRESS/PREFIX,GATEWAY,DEVICE` — a static IPv6 address (host-agent's
+//!   fixed guest address, the same in every clone) for DEVICE (default eth0),
+//!   with a default route via GATEWAY (optional); no router advertisements,
+//!   no duplicate address detection. The kernel has no such parameter.
 //! * `guest_init.hostname=NAME` — overrides the hostname.
 //! * `guest_init.port=PORT` — the vsock port (default 700; it must be below 1024).
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 /// An interface address from `ip=`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,6 +28,40 @@ pub struct IpConfig {
     pub dns: Vec<Ipv4Addr>,
 }
 
+/// A static IPv6 address from `ip6=`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ip6Config {
+    /// The guest's address.
+    pub addr: Ipv6Addr,
+    /// Its prefix length (1 to 128).
+    pub prefix: u8,
+    /// Default gateway.
+    pub gateway: Option<Ipv6Addr>,
+    /// Interface name.
+    pub device: String,
+}
+
+impl Ip6Config {
+    /// Parses the value of `ip6=`; `None` when the address or prefix is
+    /// not one (the parameter is then ignored, as a bad `ip=` is).
+    fn parse(v: &str) -> Option<Self> {
+        let mut f = v.split(',');
+        let (addr, prefix) = f.next()?.split_once('/')?;
+        let prefix: u8 = prefix.parse().ok().filter(|p| (1..=128).contains(p))?;
+        let gateway = match f.next().filter(|g| !g.is_empty()) {
+            Some(g) => Some(g.parse().ok()?),
+            None => None,
+        };
+        let device = f.next().filter(|d| !d.is_empty()).unwrap_or("eth0");
+        Some(Self {
+            addr: addr.parse().ok()?,
+            prefix,
+            gateway,
+            device: device.to_string(),
+        })
+    }
+}
+
 /// Parsed command line.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cmdline {
@@ -31,6 +69,8 @@ pub struct Cmdline {
     pub hostname: Option<String>,
     /// Static address for the network device.
     pub ip: Option<IpConfig>,
+    /// Static IPv6 address for the network device.
+    pub ip6: Option<Ip6Config>,
     /// vsock port to listen on.
     pub vsock_port: u32,
 }
@@ -46,6 +86,7 @@ impl Cmdline {
         let mut c = Self {
             hostname: None,
             ip: None,
+            ip6: None,
             vsock_port: proto::guest::DEFAULT_VSOCK_PORT,
         };
         let mut explicit_host = None;
@@ -71,6 +112,8 @@ impl Cmdline {
                 if let Some(h) = get(4) {
                     c.hostname = Some(h.to_string());
                 }
+            } else if let Some(v) = word.strip_prefix("ip6=") {
+                c.ip6 = Ip6Config::parse(v);
             } else if let Some(v) = word.strip_prefix("guest_init.hostname=") {
                 explicit_host = Some(v.to_string());
             } else if let Some(v) = word.strip_prefix("guest_init.port=") {
@@ -126,5 +169,35 @@ mod tests {
         assert_eq!(c.ip.unwrap().dns, vec![Ipv4Addr::new(10, 0, 0, 54)]);
         let c = Cmdline::parse("ip=10.0.0.2::10.0.0.1:255.255.255.0::eth0:off:resolver");
         assert!(c.ip.unwrap().dns.is_empty());
+    }
+
+    #[test]
+    fn parses_the_static_ipv6_address() {
+        // host-agent's parameter.
+        let c = Cmdline::parse("ip=172.16.0.2::172.16.0.1:255.255.255.252::eth0:off ip6=fd00:ac10::2/126,fd00:ac10::1,eth0");
+        let ip6 = c.ip6.unwrap();
+        assert_eq!(ip6.addr, "fd00:ac10::2".parse::<Ipv6Addr>().unwrap());
+        assert_eq!(ip6.prefix, 126);
+        assert_eq!(ip6.gateway, Some("fd00:ac10::1".parse().unwrap()));
+        assert_eq!(ip6.device, "eth0");
+        // Gateway and device are optional.
+        let c = Cmdline::parse("ip6=2001:db8::5/64");
+        assert_eq!(
+            c.ip6.as_ref().map(|i| (i.gateway, i.device.as_str())),
+            Some((None, "eth0"))
+        );
+        let c = Cmdline::parse("ip6=2001:db8::5/64,,eth1");
+        assert_eq!(c.ip6.unwrap().device, "eth1");
+        // Anything not an address with a prefix is no configuration.
+        for bad in [
+            "ip6=2001:db8::5",
+            "ip6=2001:db8::5/0",
+            "ip6=2001:db8::5/129",
+            "ip6=nope/64",
+            "ip6=2001:db8::5/64,gateway",
+            "ip6=",
+        ] {
+            assert_eq!(Cmdline::parse(bad).ip6, None, "{bad}");
+        }
     }
 }

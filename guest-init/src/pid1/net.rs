@@ -1,10 +1,11 @@
-//! Interface and route setup with ioctls (no `ip` binary needed).
+//! Interface and route setup with ioctls (no `ip` binary needed, and the
+//! few calls guest-init makes do not need a netlink library).
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 
-use super::cmdline::Cmdline;
+use super::cmdline::{Cmdline, Ip6Config};
 
 const SIOCGIFFLAGS: libc::c_ulong = 0x8913;
 const SIOCSIFFLAGS: libc::c_ulong = 0x8914;
@@ -49,9 +50,28 @@ struct RtEntry {
     irtt: u16,
 }
 
+/// `struct in6_rtmsg` (linux/ipv6_route.h; libc does not have it).
+#[repr(C)]
+struct RtMsg6 {
+    dst: libc::in6_addr,
+    src: libc::in6_addr,
+    gateway: libc::in6_addr,
+    kind: u32,
+    dst_len: u16,
+    src_len: u16,
+    metric: u32,
+    info: libc::c_ulong,
+    flags: u32,
+    ifindex: libc::c_int,
+}
+
 fn socket() -> std::io::Result<OwnedFd> {
+    socket_of(libc::AF_INET)
+}
+
+fn socket_of(family: libc::c_int) -> std::io::Result<OwnedFd> {
     // SAFETY: socket(2) with constant arguments; the result is checked.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    let fd = unsafe { libc::socket(family, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -146,6 +166,79 @@ pub fn add_default_route(gateway: Ipv4Addr) -> std::io::Result<()> {
     ioctl(&fd, SIOCADDRT, &mut rt)
 }
 
+fn in6(ip: Ipv6Addr) -> libc::in6_addr {
+    libc::in6_addr {
+        s6_addr: ip.octets(),
+    }
+}
+
+/// The index of interface `name`.
+fn ifindex(name: &str) -> std::io::Result<libc::c_int> {
+    let c = std::ffi::CString::new(name).map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("bad interface name {name:?}"),
+        )
+    })?;
+    // SAFETY: `c` is a NUL-terminated string that outlives the call.
+    let index = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if index == 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    libc::c_int::try_from(index)
+        .map_err(|_| std::io::Error::other(format!("interface index {index} out of range")))
+}
+
+/// Writes `value` to `/proc/sys/net/ipv6/conf/<dev>/<key>`.
+fn ipv6_conf(dev: &str, key: &str, value: &str) -> std::io::Result<()> {
+    std::fs::write(format!("/proc/sys/net/ipv6/conf/{dev}/{key}"), value)
+}
+
+/// Gives `name` the IPv6 address `addr/prefix`, usable at once: duplicate
+/// address detection, router advertisements and autoconfiguration are
+/// turned off on it first (the address is fixed and the link has no
+/// router that advertises).
+pub fn set_address6(name: &str, addr: Ipv6Addr, prefix: u8) -> std::io::Result<()> {
+    for key in ["accept_dad", "accept_ra", "autoconf"] {
+        ipv6_conf(name, key, "0")?;
+    }
+    let fd = socket_of(libc::AF_INET6)?;
+    let mut req = libc::in6_ifreq {
+        ifr6_addr: in6(addr),
+        ifr6_prefixlen: u32::from(prefix),
+        ifr6_ifindex: ifindex(name)?,
+    };
+    ioctl(&fd, SIOCSIFADDR, &mut req)
+}
+
+/// Adds a default IPv6 route via `gateway` on `name`.
+pub fn add_default_route6(name: &str, gateway: Ipv6Addr) -> std::io::Result<()> {
+    let fd = socket_of(libc::AF_INET6)?;
+    let mut rt = RtMsg6 {
+        dst: in6(Ipv6Addr::UNSPECIFIED),
+        src: in6(Ipv6Addr::UNSPECIFIED),
+        gateway: in6(gateway),
+        kind: 0,
+        dst_len: 0,
+        src_len: 0,
+        // The kernel's own default for a route added without one.
+        metric: 1024,
+        info: 0,
+        flags: u32::from(RTF_UP | RTF_GATEWAY),
+        ifindex: ifindex(name)?,
+    };
+    ioctl(&fd, SIOCADDRT, &mut rt)
+}
+
+/// Applies `ip6=`: the address on its (already up) device and the route.
+fn configure6(ip6: &Ip6Config) -> std::io::Result<()> {
+    set_address6(&ip6.device, ip6.addr, ip6.prefix)?;
+    match ip6.gateway {
+        Some(gw) => add_default_route6(&ip6.device, gw),
+        None => Ok(()),
+    }
+}
+
 /// Sets the hostname.
 pub fn set_hostname(name: &str) -> std::io::Result<()> {
     // SAFETY: the pointer and length describe `name`'s bytes.
@@ -174,16 +267,32 @@ pub fn write_resolv_conf(etc: &Path, servers: &[Ipv4Addr]) -> std::io::Result<()
 }
 
 /// Brings up lo, and the `ip=` device with its address and route, and writes
-/// the `ip=` DNS servers (if any) to `<root>/etc/resolv.conf`. Failures are
-/// logged; the guest still serves the session channel (over vsock).
+/// the `ip=` DNS servers (if any) to `<root>/etc/resolv.conf`; then the
+/// `ip6=` address and route, if given. Failures are logged; the guest still
+/// serves the session channel (over vsock).
 pub fn configure(cmd: &Cmdline, root: &Path) {
     if let Err(e) = link_up("lo") {
         tracing::warn!(error = %e, "cannot bring up lo");
     }
-    let Some(ip) = &cmd.ip else {
-        tracing::info!("no ip= on the kernel command line: only lo is configured");
+    match &cmd.ip {
+        Some(ip) => configure4(ip, root),
+        None => tracing::info!("no ip= on the kernel command line"),
+    }
+    let Some(ip6) = &cmd.ip6 else {
         return;
     };
+    if !Path::new("/proc/sys/net/ipv6").exists() {
+        tracing::warn!("ip6= given, but this kernel has no IPv6: skipped");
+        return;
+    }
+    match link_up(&ip6.device).and_then(|_| configure6(ip6)) {
+        Ok(()) => tracing::info!(device = %ip6.device, addr = %ip6.addr, "IPv6 configured"),
+        Err(e) => tracing::warn!(error = %e, device = %ip6.device, "IPv6 configuration failed"),
+    }
+}
+
+/// Applies `ip=`: address, link, route, resolv.conf.
+fn configure4(ip: &super::cmdline::IpConfig, root: &Path) {
     let r = set_address(&ip.device, ip.addr, ip.netmask)
         .and_then(|_| link_up(&ip.device))
         .and_then(|_| ip.gateway.map_or(Ok(()), add_default_route));
@@ -209,6 +318,9 @@ mod tests {
         assert_eq!(std::mem::size_of::<IfreqAddr>(), 40);
         #[cfg(target_pointer_width = "64")]
         assert_eq!(std::mem::size_of::<RtEntry>(), 120);
+        #[cfg(target_pointer_width = "64")]
+        assert_eq!(std::mem::size_of::<RtMsg6>(), 80);
+        assert_eq!(std::mem::size_of::<libc::in6_ifreq>(), 24);
     }
 
     #[test]
@@ -255,14 +367,49 @@ mod tests {
             .unwrap();
             add_default_route(Ipv4Addr::new(10, 9, 8, 1)).unwrap();
             let routes = std::fs::read_to_string("/proc/thread-self/net/route").unwrap();
-            Ok(routes)
+            // IPv6 as host-agent's ip6= asks it, on a veth eth0 made with
+            // `ip` (a child forked here is in this thread's namespace).
+            let dummy = std::process::Command::new("ip")
+                .args([
+                    "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
+                ])
+                .status();
+            if !dummy.is_ok_and(|s| s.success()) {
+                return Ok((routes, None));
+            }
+            link_up("eth1").unwrap();
+            link_up("eth0").unwrap();
+            set_address6("eth0", "fd00:ac10::2".parse().unwrap(), 126).unwrap();
+            add_default_route6("eth0", "fd00:ac10::1".parse().unwrap()).unwrap();
+            let addrs = std::fs::read_to_string("/proc/thread-self/net/if_inet6").unwrap();
+            let routes6 = std::fs::read_to_string("/proc/thread-self/net/ipv6_route").unwrap();
+            Ok((routes, Some((addrs, routes6))))
         })
         .join()
         .unwrap();
         match r {
-            Ok(routes) => {
+            Ok((routes, six)) => {
                 // Default route: destination 00000000 with gateway 10.9.8.1 (little-endian hex 0108090A).
+                let Some((addrs, routes6)) = six else {
+                    println!("SKIPPED the IPv6 part: `ip link add eth0 type veth` failed");
+                    return;
+                };
                 assert!(routes.lines().any(|l| l.contains("00000000\t0108090A")), "{routes}");
+                // The address, prefix 126 (0x7e), not tentative (no DAD).
+                let line = addrs
+                    .lines()
+                    .find(|l| l.starts_with("fd00ac10000000000000000000000002"))
+                    .unwrap_or_else(|| panic!("no fd00:ac10::2 in {addrs}"));
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                assert_eq!(fields[2], "7e", "{line}");
+                let flags = u32::from_str_radix(fields[4], 16).unwrap();
+                assert_eq!(flags & 0x40, 0, "tentative: {line}");
+                // The default route via fd00:ac10::1.
+                assert!(
+                    routes6.lines().any(|l| l.starts_with("00000000000000000000000000000000 00 ")
+                        && l.contains("fd00ac10000000000000000000000001")),
+                    "{routes6}"
+                );
             }
             Err(e) => println!("SKIPPED configures_an_interface_in_a_network_namespace: cannot create a network namespace: {e}"),
         }

@@ -9,7 +9,7 @@ use vmm_api::command::{DiskSpec, RunSpec, Serial};
 use super::*;
 use crate::images::resolve_files;
 use crate::launch::{guest_nic, GOLDEN_DISK, NETWORK_MARKER};
-use crate::network::addressing::guest_kernel_ip_param;
+use crate::network::addressing::{guest_kernel_ip6_param, guest_kernel_ip_param};
 
 /// The `vmm run` that boots `image` for its golden snapshot in `build`
 /// (the vsock device, disk and control socket are added by the caller).
@@ -83,16 +83,22 @@ impl Manager {
             };
             // On a node with a network, the image boots with a virtio-net
             // device on a tap of its own namespace, configured at boot with
-            // the address every clone keeps; the namespace goes after the build.
+            // the addresses every clone keeps (IPv6 too: whether it is
+            // forwarded is the node's, so one snapshot serves either); the
+            // namespace goes after the build.
             let node = mgr.network.clone();
             let build_id = format!("build{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
             if node.is_some() {
                 boot.devices.net = Some(guest_nic());
                 let cmdline = boot.cmdline.take().unwrap_or_default();
                 boot.cmdline = Some(
-                    format!("{cmdline} {}", guest_kernel_ip_param())
-                        .trim()
-                        .to_string(),
+                    format!(
+                        "{cmdline} {} {}",
+                        guest_kernel_ip_param(),
+                        guest_kernel_ip6_param()
+                    )
+                    .trim()
+                    .to_string(),
                 );
             }
             let job = Capture {
