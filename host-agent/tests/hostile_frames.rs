@@ -7,7 +7,10 @@
 //! datagram. The legitimate one must arrive, masqueraded; nothing else may
 //! arrive anywhere: not at the internet's servers, the node, the metadata
 //! address, another VM or the namespace; the namespace's neighbour table
-//! and IPv6 state must not take the guest's claims.
+//! and IPv6 state must not take the guest's claims. Run twice: on a VM
+//! network without IPv6 (the namespace has none) and on one with an IPv6
+//! slot, where the guest also claims the IPv6 gateway's address, sends to
+//! the IPv6 metadata address, and has an IPv6 positive control.
 //!
 //! Topology as in `tests/network.rs`: a "node" namespace (uplink
 //! 203.0.113.1, the metadata address 169.254.169.254 on its loopback), an
@@ -21,17 +24,18 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::net::{Ipv4Addr, SocketAddr};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use common::capture::{capture, tag, Captured};
 use common::netns::{
-    attach_guest, in_ns, ip, link_mac, missing_tools, node_and_internet, udp_sink, Cleanup, UdpSink,
+    attach_guest, ip, link_mac, missing_tools, node_and_internet, udp_sink, Cleanup, UdpSink,
 };
-use host_agent::network::addressing::{AddressPool, Cidr, GUEST_IP, GUEST_MAC, TAP_NAME};
+use host_agent::network::addressing::{
+    AddressPool, Cidr, GATEWAY_IP6, GUEST_IP, GUEST_IP6, GUEST_MAC, TAP_NAME,
+};
 use host_agent::network::namespace::{VmNetwork, NETNS_PREFIX};
 use host_agent::network::node::node_addresses;
 use host_agent::network::rules::{Allow, EgressPolicy, Proto};
@@ -43,156 +47,12 @@ const PROBE_PORT: u16 = 7777;
 const NODE: &str = "203.0.113.1";
 const INET_PEER: &str = "203.0.113.2";
 const V6_SERVER: &str = "2001:db8:ffff::3";
+/// The node's IPv6 uplink address (see `node_and_internet`).
+const NODE6: &str = "2001:db8:113::1";
+const METADATA6: &str = "fd00:ec2::254";
 const METADATA: &str = "169.254.169.254";
 /// The MAC the guest forges in its ARP poisoning (see net_hostile.c).
 const FORGED_MAC: &str = "06:66:66:66:66:66";
-
-/// The tag the guest put in a datagram (`hostile:<name>`), if any.
-fn tag(payload: &[u8]) -> Option<String> {
-    let at = payload.windows(8).position(|w| w == b"hostile:")?;
-    let tag: Vec<u8> = payload[at..]
-        .iter()
-        .copied()
-        .take_while(|b| b.is_ascii_graphic())
-        .collect();
-    Some(String::from_utf8_lossy(&tag).into_owned())
-}
-
-/// A packet the node received on a VM's veth.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Captured {
-    Ipv4 {
-        src: Ipv4Addr,
-        dst: Ipv4Addr,
-        proto: u8,
-        fragment: bool,
-        tag: Option<String>,
-    },
-    Ipv6 {
-        len: usize,
-    },
-}
-
-/// Packets arriving at interface `dev` of namespace `ns` (not those it
-/// sends), IPv4 and IPv6, through a packet socket; stops when dropped.
-struct Capture {
-    rx: mpsc::Receiver<Captured>,
-    stop: Arc<AtomicBool>,
-}
-
-impl Drop for Capture {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
-
-fn parse_ipv4(p: &[u8]) -> Option<Captured> {
-    let ihl = usize::from(p.first()? & 0x0f) * 4;
-    if ihl < 20 || p.len() < ihl {
-        return None;
-    }
-    let frag = u16::from_be_bytes([p[6], p[7]]);
-    Some(Captured::Ipv4 {
-        src: Ipv4Addr::new(p[12], p[13], p[14], p[15]),
-        dst: Ipv4Addr::new(p[16], p[17], p[18], p[19]),
-        proto: p[9],
-        fragment: frag & 0x3fff != 0,
-        tag: tag(&p[ihl..]),
-    })
-}
-
-fn capture(ns: &str, dev: &str) -> Capture {
-    let (ready_tx, ready_rx) = mpsc::channel();
-    let (tx, rx) = mpsc::channel();
-    let stop = Arc::new(AtomicBool::new(false));
-    let stopped = stop.clone();
-    let dev = std::ffi::CString::new(dev).expect("an interface name");
-    in_ns(ns, move || {
-        let all = (libc::ETH_P_ALL as u16).to_be();
-        // SAFETY: plain socket(2); the descriptor is owned right below.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_PACKET,
-                libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-                i32::from(all),
-            )
-        };
-        assert!(
-            fd >= 0,
-            "packet socket: {}",
-            std::io::Error::last_os_error()
-        );
-        // SAFETY: fd was just created and nothing else owns it.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: a NUL-terminated name.
-        let ifindex = unsafe { libc::if_nametoindex(dev.as_ptr()) };
-        assert!(ifindex > 0, "no interface {dev:?}");
-        // SAFETY: sockaddr_ll is plain data; all zeros is a valid value.
-        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = all;
-        sll.sll_ifindex = ifindex as i32;
-        // SAFETY: binds to a sockaddr_ll of the size given.
-        let rc = unsafe {
-            libc::bind(
-                fd.as_raw_fd(),
-                std::ptr::addr_of!(sll).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
-            )
-        };
-        assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
-        let timeout = libc::timeval {
-            tv_sec: 0,
-            tv_usec: 100_000,
-        };
-        // SAFETY: SO_RCVTIMEO reads one timeval of the size given.
-        let rc = unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                std::ptr::addr_of!(timeout).cast(),
-                std::mem::size_of::<libc::timeval>() as u32,
-            )
-        };
-        assert_eq!(rc, 0, "SO_RCVTIMEO: {}", std::io::Error::last_os_error());
-        ready_tx.send(()).expect("ready");
-        let mut buf = vec![0u8; 65536];
-        while !stopped.load(Ordering::Relaxed) {
-            // SAFETY: as above.
-            let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-            let mut len = std::mem::size_of::<libc::sockaddr_ll>() as u32;
-            // SAFETY: recvfrom writes at most buf.len() bytes into buf and at
-            // most `len` bytes into `from`.
-            let n = unsafe {
-                libc::recvfrom(
-                    fd.as_raw_fd(),
-                    buf.as_mut_ptr().cast(),
-                    buf.len(),
-                    0,
-                    std::ptr::addr_of_mut!(from).cast(),
-                    &mut len,
-                )
-            };
-            let Ok(n) = usize::try_from(n) else { continue };
-            if from.sll_pkttype == libc::PACKET_OUTGOING {
-                continue;
-            }
-            let packet = match u16::from_be(from.sll_protocol) {
-                0x0800 => parse_ipv4(&buf[..n]),
-                0x86dd => Some(Captured::Ipv6 { len: n }),
-                _ => None,
-            };
-            if let Some(p) = packet {
-                if tx.send(p).is_err() {
-                    return;
-                }
-            }
-        }
-    });
-    ready_rx.recv().expect("capture up");
-    Capture { rx, stop }
-}
 
 /// `ip args...`'s output (it must succeed).
 fn ip_out(args: &[&str]) -> String {
@@ -280,12 +140,14 @@ fn can_run() -> bool {
     true
 }
 
-/// Builds the networks (names ending in `t`), runs the hostile guest in
-/// the vmm on the VM's tap and checks where its frames went.
-fn run_hostile_guest(t: &str) -> Outcome {
+/// Builds the networks (names ending in `t`; with an IPv6 pool when
+/// `ipv6`), runs the hostile guest in the vmm on the VM's tap and checks
+/// where its frames went.
+fn run_hostile_guest(t: &str, ipv6: bool) -> Outcome {
     let tag_id = format!("{}{t}", std::process::id());
     let pool_block = Cidr::parse("10.203.0.0/16").unwrap();
-    let (node, inet) = node_and_internet(&format!("hf{tag_id}"), pool_block, None);
+    let pool6 = ipv6.then(|| Cidr::parse("fd00:203::/112").unwrap());
+    let (node, inet) = node_and_internet(&format!("hf{tag_id}"), pool_block, pool6);
     // The metadata service lives on the node.
     ip(&[
         "-n",
@@ -307,15 +169,36 @@ fn run_hostile_guest(t: &str) -> Outcome {
         "nodad",
     ]);
 
-    let mut pool = AddressPool::new(pool_block, None).unwrap();
-    let policy = EgressPolicy::new(
-        vec![Allow {
-            cidr: Cidr::parse(ALLOWED).unwrap(),
+    // The IPv6 metadata address lives on the node too.
+    ip(&[
+        "-n",
+        &node.0,
+        "addr",
+        "add",
+        &format!("{METADATA6}/128"),
+        "dev",
+        "lo",
+        "nodad",
+    ]);
+
+    let mut pool = AddressPool::new(pool_block, pool6).unwrap();
+    let mut allow = vec![Allow {
+        cidr: Cidr::parse(ALLOWED).unwrap(),
+        proto: Some(Proto::Udp),
+        port: Some(ALLOWED_PORT),
+    }];
+    if ipv6 {
+        allow.push(Allow {
+            cidr: Cidr::parse(V6_SERVER).unwrap(),
             proto: Some(Proto::Udp),
             port: Some(ALLOWED_PORT),
-        }],
+        });
+    }
+    let pools: Vec<Cidr> = std::iter::once(pool_block).chain(pool6).collect();
+    let policy = EgressPolicy::new(
+        allow,
         &node_addresses(Some(&node.0)).unwrap(),
-        &[pool_block],
+        &pools,
         vec![],
     );
     assert!(
@@ -343,14 +226,17 @@ fn run_hostile_guest(t: &str) -> Outcome {
     // Everywhere a packet could land.
     let sock = |a: &str, port: u16| -> SocketAddr { SocketAddr::new(a.parse().unwrap(), port) };
     let allowed = udp_sink(&inet.0, sock(ALLOWED, ALLOWED_PORT));
+    // With IPv6 the internet's IPv6 server is allowed: only the IPv6
+    // control may arrive there.
+    let v6_server = udp_sink(&inet.0, sock(V6_SERVER, ALLOWED_PORT));
     let mut sinks: Vec<(String, UdpSink)> = vec![
+        (
+            "the IPv6 metadata address".into(),
+            udp_sink(&node.0, sock(METADATA6, ALLOWED_PORT)),
+        ),
         (
             format!("the allowed address's port {DENIED_PORT} (not allowed)"),
             udp_sink(&inet.0, sock(ALLOWED, DENIED_PORT)),
-        ),
-        (
-            "the internet's IPv6 server".into(),
-            udp_sink(&inet.0, sock(V6_SERVER, ALLOWED_PORT)),
         ),
         (
             format!("the node (any of its addresses, {METADATA} too)"),
@@ -379,8 +265,12 @@ fn run_hostile_guest(t: &str) -> Outcome {
     let cmdline = format!(
         "console=ttyS0 gw_mac={gw_mac} allowed={ALLOWED} allowed_port={ALLOWED_PORT} \
          denied_port={DENIED_PORT} probe_port={PROBE_PORT} node={NODE} node_veth={} vm_ip={} \
-         other_vm={} inet_peer={INET_PEER} v6=20010db8ffff00000000000000000003 hold=1",
-        vm.slot.host_ip, vm.slot.vm_ip, other.slot.vm_ip
+         other_vm={} inet_peer={INET_PEER} v6=20010db8ffff00000000000000000003 v6_routed={} \
+         hold=1",
+        vm.slot.host_ip,
+        vm.slot.vm_ip,
+        other.slot.vm_ip,
+        u8::from(ipv6)
     );
     let denied_before = vm.denied_packets().unwrap();
     let kernel = test_harness::guests::path("net_hostile");
@@ -432,6 +322,7 @@ fn run_hostile_guest(t: &str) -> Outcome {
         .collect();
     assert_eq!(names.len(), total, "{}", serial.join("\n"));
     assert_eq!(names.last(), Some(&"control"), "the control goes last");
+    assert_eq!(names.contains(&"control6"), ipv6, "{names:?}");
     println!("the guest sent {total} frames: {names:?}");
 
     // The positive control arrives (generously waited for), masqueraded
@@ -486,6 +377,23 @@ fn run_hostile_guest(t: &str) -> Outcome {
         failures.push(format!("the control arrived {controls} times"));
     }
 
+    // The IPv6 server got the IPv6 control (masqueraded behind the node's
+    // IPv6 address) with IPv6, and nothing at all without.
+    let mut at_v6 = Vec::new();
+    if ipv6 {
+        match v6_server.rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(got) => at_v6.push(got),
+            Err(_) => failures.push("the IPv6 control never arrived".into()),
+        }
+    }
+    at_v6.extend(v6_server.drain(Duration::from_millis(50)));
+    for (payload, from) in &at_v6 {
+        let t = tag(payload);
+        if !(ipv6 && t.as_deref() == Some("hostile:control6") && from.ip().to_string() == NODE6) {
+            failures.push(format!("{t:?} arrived at {V6_SERVER} from {from}"));
+        }
+    }
+
     // Nothing arrived anywhere else.
     for (where_, sink) in sinks.iter_mut() {
         for (payload, from) in sink.drain(Duration::from_millis(50)) {
@@ -529,8 +437,28 @@ fn run_hostile_guest(t: &str) -> Outcome {
                     )),
                 }
             }
-            Captured::Ipv6 { len } => {
-                failures.push(format!("an IPv6 packet ({len} bytes) left the namespace"))
+            Captured::Ipv6 {
+                src,
+                dst,
+                next,
+                tag,
+            } => {
+                let vm6 = vm.slot.v6.map(|s| s.vm_ip);
+                // Its own addresses, link-local, or none yet (duplicate
+                // address detection of its link-local address).
+                let from_ns =
+                    Some(*src) == vm6 || src.segments()[0] == 0xfe80 || src.is_unspecified();
+                let ok = match tag.as_deref() {
+                    // The namespace's own neighbour discovery and MLD.
+                    None => ipv6 && from_ns && matches!(next, 0 | 58),
+                    Some("hostile:control6") => ipv6 && Some(*src) == vm6 && *next == 17,
+                    Some(_) => false,
+                };
+                if !ok {
+                    failures.push(format!(
+                        "an IPv6 packet left the namespace: {src} -> {dst}, next header {next}, {tag:?}"
+                    ));
+                }
             }
         }
     }
@@ -550,6 +478,11 @@ fn run_hostile_guest(t: &str) -> Outcome {
     // gateway-port, ns-addr, dhcp-discover (input); frag-denied (forward,
     // reassembled).
     let mut expected = 9;
+    if ipv6 {
+        // The router advertisement (input), the forged IPv6 source and the
+        // IPv6 metadata address (forward).
+        expected += 3;
+    }
     if rp_filter(&vm.netns, TAP_NAME) == 0 {
         // forged-guestnet, forged-inet: the anti-spoofing rule.
         expected += 2;
@@ -568,13 +501,13 @@ fn run_hostile_guest(t: &str) -> Outcome {
     for line in neigh.lines() {
         let addr = line.split_whitespace().next().unwrap_or("");
         let has_guest_mac = guest_macs.iter().any(|m| line.contains(m));
-        if addr == "172.16.0.1" {
+        if addr == "172.16.0.1" || addr == GATEWAY_IP6.to_string() {
             claims.push(format!("the gateway's own address got an entry: {line}"));
         }
         if has_guest_mac && !line.contains(&format!("dev {TAP_NAME} ")) {
             claims.push(format!("a guest MAC off the tap: {line}"));
         }
-        if has_guest_mac && addr != GUEST_IP.to_string() {
+        if has_guest_mac && addr != GUEST_IP.to_string() && addr != GUEST_IP6.to_string() {
             claims.push(format!(
                 "the namespace believes the guest's MAC is {addr}: {line}"
             ));
@@ -587,14 +520,32 @@ fn run_hostile_guest(t: &str) -> Outcome {
         }
     }
 
-    // No IPv6 learned from the router advertisement.
+    // No IPv6 learned from the router advertisement: without IPv6 none at
+    // all; with it, no route or address of the advertised prefix and the
+    // default route still out the veth.
     let routes6 = ip_out(&["-6", "-n", &vm.netns, "route", "show"]);
-    if !routes6.trim().is_empty() {
-        claims.push(format!("IPv6 routes in the namespace: {routes6}"));
-    }
     let addrs6 = ip_out(&["-6", "-n", &vm.netns, "addr", "show"]);
-    if addrs6.contains("scope global") || addrs6.contains("2001:db8") {
-        claims.push(format!("IPv6 addresses in the namespace: {addrs6}"));
+    match vm.slot.v6 {
+        None => {
+            if !routes6.trim().is_empty() {
+                claims.push(format!("IPv6 routes in the namespace: {routes6}"));
+            }
+            if addrs6.contains("scope global") || addrs6.contains("2001:db8") {
+                claims.push(format!("IPv6 addresses in the namespace: {addrs6}"));
+            }
+        }
+        Some(v6) => {
+            if routes6.contains("2001:db8:1:") || routes6.contains("via fe80") {
+                claims.push(format!("IPv6 routes from the guest: {routes6}"));
+            }
+            let default = format!("default via {} dev {} ", v6.host_ip, vm.veth_vm);
+            if !routes6.contains(&default) {
+                claims.push(format!("the IPv6 default route moved: {routes6}"));
+            }
+            if addrs6.contains("2001:db8:1:") {
+                claims.push(format!("an IPv6 address from the guest's prefix: {addrs6}"));
+            }
+        }
     }
 
     println!("denied counter grew by {denied}; neighbours:\n{neigh}");
@@ -615,7 +566,7 @@ fn raw_frames_from_a_hostile_guest_get_no_further_than_the_rules_allow() {
     if !can_run() {
         return;
     }
-    let out = run_hostile_guest("r");
+    let out = run_hostile_guest("r", false);
     assert!(
         out.rules.is_empty(),
         "the hostile guest got past the rules:\n{}\nserial:\n{}",
@@ -637,11 +588,29 @@ fn arp_and_ipv6_claims_of_a_hostile_guest_are_not_believed() {
     if !can_run() {
         return;
     }
-    let out = run_hostile_guest("c");
+    let out = run_hostile_guest("c", false);
     assert!(
         out.claims.is_empty(),
         "the VM's namespace believed the hostile guest:\n{}\nserial:\n{}",
         out.claims.join("\n"),
+        out.serial.join("\n")
+    );
+}
+
+/// The same guest on a VM network with IPv6: its IPv6 frames meet the same
+/// rules (forged source, metadata address, router advertisement and
+/// neighbour claims dropped or ignored), its IPv6 control arrives.
+#[test]
+fn a_hostile_guest_on_a_network_with_ipv6_gets_no_further_either() {
+    if !can_run() {
+        return;
+    }
+    let out = run_hostile_guest("6", true);
+    let all: Vec<String> = out.rules.iter().chain(&out.claims).cloned().collect();
+    assert!(
+        all.is_empty(),
+        "the hostile guest got past the IPv6 rules:\n{}\nserial:\n{}",
+        all.join("\n"),
         out.serial.join("\n")
     );
 }

@@ -6,6 +6,7 @@
 // Each test file uses a part of this module.
 #![allow(dead_code, unused_imports)]
 
+pub mod capture;
 pub mod fake_guest;
 pub mod netns;
 pub mod networked;

@@ -16,6 +16,12 @@
  *   other_vm=A      another VM's pool address
  *   inet_peer=A     an address of the internet side (a forged source)
  *   v6=HEX          an IPv6 destination, 32 hex digits
+ *   v6_routed=1     the namespace routes IPv6 (its guest is fd00:ac10::2
+ *                   behind fd00:ac10::1): also send an IPv6 neighbour
+ *                   advertisement claiming the gateway's address, a
+ *                   datagram from the guest's address to the IPv6 metadata
+ *                   address, and, last, an IPv6 positive control from the
+ *                   guest's address to v6 at allowed_port
  *   hold=1          spin at the end instead of resetting
  * Prints "hostile: sent <name>" per frame and "hostile: sent=N" at the end. */
 #include "virtio.h"
@@ -40,6 +46,9 @@ static const u8 forged_mac[6] = {0x06, 0x66, 0x66, 0x66, 0x66, 0x66};
 static u32 allowed, node, node_veth, vm_ip, other_vm, inet_peer;
 static u16 allowed_port, denied_port, probe_port;
 static u8 v6dst[16];
+static const u8 guest6[16] = {0xfd, 0x00, 0xac, 0x10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2};
+static const u8 gateway6[16] = {0xfd, 0x00, 0xac, 0x10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+static const u8 metadata6[16] = {0xfd, 0x00, 0x0e, 0xc2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x02, 0x54};
 
 /* ---- command line ---- */
 
@@ -272,12 +281,34 @@ static void router_advertisement(void) {
     send("ipv6-ra");
 }
 
+/* A UDP-in-IPv6 datagram from `src` to `dst`, tagged, to the gateway's MAC. */
+static void udp6_from(const u8 *src, const u8 *dst, u16 sport, const char *tag, const char *name) {
+    u8 *l3 = eth(gw_mac, mac, 0x86dd);
+    u32 l4 = udp(l3 + 40, sport, allowed_port, tag, 0);
+    ip6(l3, src, dst, 17, 64, l4, 6);
+    send(name);
+}
+
 static void udp6(void) {
     static const u8 src[16] = {0x20, 0x01, 0x0d, 0xb8, 0, 0x01, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2};
-    u8 *l3 = eth(gw_mac, mac, 0x86dd);
-    u32 l4 = udp(l3 + 40, 40000, allowed_port, "hostile:ipv6-udp", 0);
-    ip6(l3, src, v6dst, 17, 64, l4, 6);
-    send("ipv6-udp");
+    udp6_from(src, v6dst, 40000, "hostile:ipv6-udp", "ipv6-udp");
+}
+
+/* An unsolicited, overriding neighbour advertisement from the guest's
+ * address claiming the gateway's address for the forged MAC. */
+static void neighbour_advert_gateway(void) {
+    static const u8 all_nodes_mac[6] = {0x33, 0x33, 0, 0, 0, 1};
+    static const u8 all_nodes[16] = {0xff, 0x02, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+    u8 *l3 = eth(all_nodes_mac, mac, 0x86dd);
+    u8 *na = l3 + 40;
+    for (u32 i = 0; i < 32; i++) na[i] = 0;
+    na[0] = 136;            /* neighbour advertisement */
+    na[4] = 0x20;           /* override */
+    copy(na + 8, gateway6, 16);
+    na[24] = 2; na[25] = 1; /* target link-layer address */
+    copy(na + 26, forged_mac, 6);
+    ip6(l3, guest6, all_nodes, 58, 255, 32, 2);
+    send("ipv6-na-gateway");
 }
 
 static void dhcp_discover(void) {
@@ -403,13 +434,22 @@ void guest_main(const u8 *zp) {
     arp(gw_mac, forged_mac, 2, node_veth, gw_mac, GATEWAY_IP, "arp-poison-upstream");
     arp(gw_mac, forged_mac, 2, allowed, gw_mac, GATEWAY_IP, "arp-poison-allowed");
     arp(bcast, forged_mac, 1, node_veth, zero, GATEWAY_IP, "arp-request-as-upstream");
-    /* IPv6: a router advertisement with a prefix, a datagram out. */
+    /* IPv6: a router advertisement with a prefix, a datagram out from a
+     * forged source; where the namespace routes IPv6, a neighbour claim and
+     * the metadata address from the guest's own address. */
     router_advertisement();
     udp6();
+    u64 v6_routed = 0;
+    cmdline_u64(cmdline, "v6_routed", &v6_routed);
+    if (v6_routed) {
+        neighbour_advert_gateway();
+        udp6_from(guest6, metadata6, 40030, "hostile:ipv6-metadata", "ipv6-metadata");
+    }
     /* IPv4 options and fragments. */
     source_routed();
     fragments();
-    /* Last, the positive control. */
+    /* Last, the positive controls. */
+    if (v6_routed) udp6_from(guest6, v6dst, 40098, "hostile:control6", "control6");
     udp4(GUEST_IP, allowed, 40099, allowed_port, "hostile:control");
     send("control");
 
