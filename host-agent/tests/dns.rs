@@ -11,13 +11,13 @@
 //! Needs root, iproute2 and nftables; says so and skips without them.
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hickory_proto::op::{Message, MessageType, ResponseCode};
-use hickory_proto::rr::rdata::{A, CNAME};
+use hickory_proto::rr::rdata::{A, AAAA, CNAME};
 use hickory_proto::rr::{Name, RData, Record, RecordType};
 
 mod common;
@@ -34,7 +34,8 @@ use host_agent::network::rules::{Allow, EgressPolicy, Proto};
 /// Queries received, by lowercase name.
 type Seen = Arc<Mutex<HashMap<String, u32>>>;
 
-/// The upstream: A records for a few names, NXDOMAIN for the rest.
+/// The upstream: A records for a few names (and an AAAA record for
+/// `allowed.test`), NXDOMAIN for the rest.
 fn upstream_server() -> (SocketAddr, Seen) {
     let sock = UdpSocket::bind("127.0.0.1:0").expect("bind the upstream");
     let addr = sock.local_addr().unwrap();
@@ -59,6 +60,13 @@ fn upstream_server() -> (SocketAddr, Seen) {
                 )
             };
             let answers = match asked.as_str() {
+                "allowed.test." if query.query_type() == RecordType::AAAA => {
+                    vec![Record::from_rdata(
+                        Name::from_ascii("allowed.test.").unwrap(),
+                        60,
+                        RData::AAAA(AAAA("2001:db8:113::3".parse::<Ipv6Addr>().unwrap())),
+                    )]
+                }
                 "allowed.test." => vec![a("allowed.test.", [203, 0, 113, 3])],
                 "second.test." => vec![a("second.test.", [203, 0, 113, 4])],
                 "alias.test." => vec![
@@ -121,9 +129,13 @@ fn addresses(m: &Message) -> Vec<Ipv4Addr> {
 }
 
 fn learned_sets(netns: &str) -> String {
+    learned_sets_of(netns, "ip")
+}
+
+fn learned_sets_of(netns: &str, family: &str) -> String {
     let out = Command::new("ip")
         .args([
-            "netns", "exec", netns, "nft", "list", "table", "ip", "agentvm",
+            "netns", "exec", netns, "nft", "list", "table", family, "agentvm",
         ])
         .output()
         .unwrap();
@@ -311,6 +323,80 @@ fn the_resolver_answers_allowed_names_and_opens_their_addresses_only() {
         .expect("the port is free again");
     drop(again);
 
+    drop(guest);
+    vm.remove();
+}
+
+#[test]
+fn with_ipv6_aaaa_answers_open_their_ipv6_addresses() {
+    if let Some(why) = missing() {
+        println!("skipped: {why}");
+        return;
+    }
+    let tag = std::process::id();
+    let pool_block = Cidr::parse("10.205.0.0/16").unwrap();
+    let pool6 = Cidr::parse("fd00:205::/112").unwrap();
+    let (node, inet) = node_and_internet(&format!("d6{tag}"), pool_block, Some(pool6));
+    echo_servers(&inet.0, &["[2001:db8:113::3]:8080"]);
+    let mut pool = AddressPool::new(pool_block, Some(pool6)).unwrap();
+    let policy = EgressPolicy::new(
+        vec![],
+        &[Cidr::parse("203.0.113.1").unwrap()],
+        &[pool_block, pool6],
+        vec![],
+    );
+    let vm = VmNetwork::plan(
+        "agentvm6d-",
+        &format!("dns{tag}"),
+        pool.allocate().unwrap(),
+        Some(node.0.clone()),
+    );
+    vm.create(&policy, None).expect("create the VM's network");
+    let _cleanup = Cleanup(vec![vm.netns.clone()]);
+    let guest = attach_guest(&vm.netns, &format!("d6g{tag}"));
+    let g = guest.0.as_str();
+
+    let (upstream, _seen) = upstream_server();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ceiling = vec![Allow {
+        cidr: Cidr::parse("2001:db8::/32").unwrap(),
+        proto: Some(Proto::Tcp),
+        port: None,
+    }];
+    let mut config = DnsConfig::new(
+        vm.netns.clone(),
+        vec![rule("allowed.test", &[8080])],
+        vec![upstream],
+        ceiling,
+    );
+    config.ipv6 = true;
+    let dns = rt
+        .block_on(DnsResolver::start(config))
+        .expect("start the resolver");
+
+    let server: SocketAddr = "[2001:db8:113::3]:8080".parse().unwrap();
+    assert_eq!(echo_from(g, server), Err(std::io::ErrorKind::TimedOut));
+    let m = ask_udp(g, "allowed.test", RecordType::AAAA).expect("an answer");
+    let six: Vec<Ipv6Addr> = m
+        .answers()
+        .iter()
+        .filter_map(|r| match r.data() {
+            RData::AAAA(a) => Some(a.0),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(six, ["2001:db8:113::3".parse::<Ipv6Addr>().unwrap()]);
+    assert_eq!(echo_from(g, server), Ok(()), "the AAAA answer opened it");
+    let sets = learned_sets_of(&vm.netns, "ip6");
+    assert!(
+        sets.contains("2001:db8:113::3 . tcp . 8080 timeout 1m"),
+        "{sets}"
+    );
+    // The A answer is outside this IPv6-only ceiling: answered, not opened.
+    let m = ask_udp(g, "allowed.test", RecordType::A).expect("an answer");
+    assert_eq!(addresses(&m), [Ipv4Addr::new(203, 0, 113, 3)]);
+    assert!(!learned_sets(&vm.netns).contains("203.0.113.3"));
+    rt.block_on(dns.stop());
     drop(guest);
     vm.remove();
 }
