@@ -275,3 +275,114 @@ fn clones_share_an_ipv6_guest_address_and_its_egress_is_enforced_on_the_host_sid
     let veths = String::from_utf8_lossy(&veths.stdout);
     assert!(!veths.contains("avh"), "node-side veths left: {veths}");
 }
+
+/// host-agent on a node whose `network.pool` names an IPv6 block too: a
+/// session's VM gets its /126 beside its /30 (in its namespace, its row's
+/// addresses, GetSession and a `network_attached` event), its IPv6
+/// allowlist is loaded, a live change reaches the ip6 table, and it all
+/// goes at Stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_on_a_node_with_an_ipv6_pool_gets_ipv6() {
+    use common::netns::PrefixCleanup;
+    use common::networked::{build_net_image, can_run, namespaces, wait_no_namespaces};
+    use common::{Agent, S};
+    use proto::hostagent as pb;
+
+    if !can_run() {
+        return;
+    }
+    let tag = std::process::id();
+    let prefix = format!("av6s{tag}-");
+    let _cleanup = PrefixCleanup(prefix.clone());
+    let node = Ns::new(format!("s6n{tag}"));
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.json");
+    std::fs::write(
+        &cfg,
+        serde_json::json!({
+            "network": {
+                "pool": ["10.206.0.0/29", "fd00:206::/112"],
+                "node_netns": node.0,
+                "netns_prefix": prefix,
+                "allow": ["0.0.0.0/0 tcp 443", "2001:db8::/32 tcp 443"],
+                "dns_upstreams": ["127.0.0.1:9"],
+            }
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let agent = Agent::start(&["--config", cfg.to_str().unwrap()]);
+    build_net_image(&agent).await;
+    let s = agent.create("net", "").await;
+    agent.wait_state(&s.session_id, S::Running).await;
+
+    let ours = namespaces(&prefix);
+    assert_eq!(ours.len(), 1, "{ours:?}");
+    let show = |args: &[&str]| {
+        let out = std::process::Command::new("ip")
+            .args(["-n", &ours[0]])
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let addrs = show(&["-6", "addr", "show"]);
+    assert!(addrs.contains("inet6 fd00:206::2/126"), "{addrs}");
+    assert!(addrs.contains("inet6 fd00:ac10::1/126"), "{addrs}");
+    assert!(
+        show(&["-6", "route", "show"]).contains("default via fd00:206::1"),
+        "the namespace routes IPv6 to the node"
+    );
+    let ip6_set = |name: &str| {
+        let out = std::process::Command::new("ip")
+            .args([
+                "netns", "exec", &ours[0], "nft", "list", "set", "ip6", "agentvm", name,
+            ])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(
+        ip6_set("allow_port").contains("2001:db8::/32 . 443"),
+        "the node's IPv6 allowlist is loaded: {}",
+        ip6_set("allow_port")
+    );
+
+    // Reported: GetSession's network and an event with both addresses.
+    let got = agent.get(&s.session_id).await;
+    let net = got.network.expect("the session's network");
+    assert_eq!(
+        (net.vm_address.as_str(), net.vm_address6.as_str()),
+        ("10.206.0.2", "fd00:206::2")
+    );
+    let events = agent.session_events(&s.session_id).await;
+    let attached = events
+        .iter()
+        .find(|e| e.reason == "network_attached")
+        .expect("a network_attached event");
+    assert!(
+        attached.detail.contains("10.206.0.2, fd00:206::2"),
+        "{attached:?}"
+    );
+
+    // A live change reaches the ip6 table.
+    let mut sessions = agent.sessions().await;
+    sessions
+        .update_session_network(pb::UpdateSessionNetworkRequest {
+            session_id: s.session_id.clone(),
+            allow: vec!["2001:db8:1::/48".into()],
+            deny: vec![],
+        })
+        .await
+        .expect("update the network");
+    assert!(
+        ip6_set("allow_any").contains("2001:db8:1::/48"),
+        "{}",
+        ip6_set("allow_any")
+    );
+    assert!(!ip6_set("allow_port").contains("2001:db8::/32"));
+
+    agent.stop(&s.session_id).await;
+    wait_no_namespaces(&prefix);
+    drop(agent);
+}

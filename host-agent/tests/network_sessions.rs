@@ -159,7 +159,12 @@ async fn a_networked_session_runs_in_its_own_namespace_until_it_ends() {
         serde_json::json!(["203.0.113.66/32", "203.0.113.67/32"]),
         "deny blocks are added, never dropped"
     );
-    for (allow, says) in [("300.1.1.1", "not an IPv4"), ("1.2.3.4 icmp", "tcp or udp")] {
+    for (allow, says) in [
+        ("300.1.1.1", "not an IP address"),
+        ("1.2.3.4 icmp", "tcp or udp"),
+        // This node has no IPv6 pool.
+        ("2001:db8::/32", "gives VMs no IPv6"),
+    ] {
         let e = sessions
             .update_session_network(pb::UpdateSessionNetworkRequest {
                 session_id: s.session_id.clone(),

@@ -298,6 +298,7 @@ fn state_pb(id: &str, s: crate::sessions::NetworkState) -> pb::SessionNetwork {
         allow: s.allow,
         deny: s.deny,
         vm_address: s.vm_address,
+        vm_address6: s.vm_address6.unwrap_or_default(),
         hosts: s.hosts,
         exposed_ports: s.exposed.iter().map(exposed_pb).collect(),
     }

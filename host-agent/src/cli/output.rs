@@ -218,7 +218,14 @@ impl Record for pb::SessionNetwork {
         let exposed: Vec<String> = self.exposed_ports.iter().map(exposed_cell).collect();
         vec![
             self.session_id.clone(),
-            or_dash(&self.vm_address),
+            or_dash(
+                &[self.vm_address.as_str(), self.vm_address6.as_str()]
+                    .iter()
+                    .filter(|a| !a.is_empty())
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ),
             or_dash(&self.allow.join(", ")),
             or_dash(&self.deny.join(", ")),
             or_dash(&self.hosts.join(", ")),
@@ -229,6 +236,7 @@ impl Record for pb::SessionNetwork {
         json!({
             "session_id": self.session_id,
             "vm_address": self.vm_address,
+            "vm_address6": self.vm_address6,
             "allow": self.allow,
             "deny": self.deny,
             "hosts": self.hosts,
@@ -373,12 +381,13 @@ mod tests {
                 protocol: "tcp".into(),
                 host_address: "127.0.0.1:41234".into(),
             }],
+            vm_address6: "fd00:200::2".into(),
         };
         assert_eq!(
             n.cells(),
             [
                 "s1",
-                "10.200.0.2",
+                "10.200.0.2, fd00:200::2",
                 "203.0.113.0/24 tcp 443, 198.51.100.0/24",
                 "-",
                 "crates.io",

@@ -275,8 +275,10 @@ impl Manager {
                 // restore that follows replaces it, or the session's end
                 // releases it.
                 let vm = net.into_vm();
-                sess.lock().network = Some(vm.clone());
-                self.hand_over_network(sess, dir, &node, vm, &egress).await
+                match self.attach_network(sess, vm.clone()) {
+                    Ok(()) => self.hand_over_network(sess, dir, &node, vm, &egress).await,
+                    Err(e) => Err(e),
+                }
             }
             None => Err(Error::Network(
                 "the warm VM was restored without a network".into(),
@@ -474,7 +476,7 @@ impl Manager {
         .await
         .map_err(|e| Error::Network(format!("the network task failed: {e}")))??;
         let netns = vm.netns.clone();
-        sess.lock().network = Some(vm);
+        self.attach_network(sess, vm)?;
         self.start_resolver(sess).await?;
         Ok(Some(netns))
     }

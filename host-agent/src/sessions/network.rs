@@ -72,6 +72,8 @@ pub struct NetworkState {
     pub deny: Vec<String>,
     /// The node-side address the guest is NATed to.
     pub vm_address: String,
+    /// The node-side IPv6 address, if the VM has IPv6.
+    pub vm_address6: Option<String>,
     /// Host names its resolver answers.
     pub hosts: Vec<String>,
     /// Its exposed ports.
@@ -157,6 +159,27 @@ impl Manager {
             detail.push_str(&format!("; skipped: [{}]", egress.skipped.join("; ")));
         }
         self.note(sess, "network_granted", &detail)
+    }
+
+    /// Makes `vm` session `sess`'s network: recorded with the session (its
+    /// addresses in its row, kept) and said in its events
+    /// (`network_attached`, with the addresses and the namespace).
+    pub(super) fn attach_network(&self, sess: &Session, vm: VmNetwork) -> Result<()> {
+        let addresses: Vec<String> = std::iter::once(vm.slot.vm_ip.to_string())
+            .chain(vm.slot.v6.map(|v6| v6.vm_ip.to_string()))
+            .collect();
+        let detail = format!(
+            "addresses: {}; namespace: {}",
+            addresses.join(", "),
+            vm.netns
+        );
+        {
+            let mut i = sess.lock();
+            i.network = Some(vm);
+            i.row.vm_addresses = addresses.join(",");
+            self.store.put_session(&i.row)?;
+        }
+        self.note(sess, "network_attached", &detail)
     }
 
     /// The policy kept in `dir` by an earlier run, if any.

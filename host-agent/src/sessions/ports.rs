@@ -86,6 +86,7 @@ impl Manager {
             allow: i.net_allow.iter().map(ToString::to_string).collect(),
             deny: i.net_deny.iter().map(ToString::to_string).collect(),
             vm_address: vm.slot.vm_ip.to_string(),
+            vm_address6: vm.slot.v6.map(|v6| v6.vm_ip.to_string()),
             hosts: i.net_hosts.iter().map(|h| h.host.clone()).collect(),
             exposed: i.exposed.values().map(Exposed::of).collect(),
         }))

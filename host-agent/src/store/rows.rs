@@ -87,6 +87,10 @@ pub struct SessionRow {
     /// The session's device rate limits in force (the image's with the
     /// session's overrides), encoded by [`crate::io_limits::IoLimits`].
     pub io_limits: String,
+    /// The node-side addresses its guest is NATed to (the VM's IPv4 pool
+    /// address, then its IPv6 one when it has one), comma-separated; empty
+    /// without a network.
+    pub vm_addresses: String,
 }
 
 /// One lifecycle event.

@@ -19,7 +19,7 @@ CREATE TABLE IF NOT EXISTS sessions(
   branch TEXT NOT NULL, head_commit TEXT NOT NULL, last_activity INTEGER NOT NULL,
   repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL,
   owner TEXT NOT NULL DEFAULT 'legacy', jail_uid INTEGER NOT NULL DEFAULT 0,
-  io_limits TEXT NOT NULL DEFAULT '');
+  io_limits TEXT NOT NULL DEFAULT '', vm_addresses TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS events(
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
   at INTEGER NOT NULL, from_state INTEGER NOT NULL, to_state INTEGER NOT NULL,
@@ -96,6 +96,11 @@ pub(super) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
                 "ALTER TABLE {table} ADD COLUMN io_limits TEXT NOT NULL DEFAULT '';"
             ))?;
         }
+    }
+    if !has_column(conn, "sessions", "vm_addresses")? {
+        conn.execute_batch(
+            "ALTER TABLE sessions ADD COLUMN vm_addresses TEXT NOT NULL DEFAULT '';",
+        )?;
     }
     Ok(())
 }

@@ -155,18 +155,19 @@ fn a_sessions_jail_uid_is_kept_and_old_databases_gain_the_column() {
     }
     let store = Store::open(&path).unwrap();
     assert_eq!(store.session("old").unwrap().unwrap().jail_uid, 0);
+    assert_eq!(store.session("old").unwrap().unwrap().vm_addresses, "");
     let row = SessionRow {
         id: "new".into(),
         jail_uid: 2_000_000_007,
+        vm_addresses: "10.200.0.2,fd00:200::2".into(),
         ..Default::default()
     };
     store.put_session(&row).unwrap();
     drop(store);
     let store = Store::open(&path).unwrap();
-    assert_eq!(
-        store.session("new").unwrap().unwrap().jail_uid,
-        2_000_000_007
-    );
+    let new = store.session("new").unwrap().unwrap();
+    assert_eq!(new.jail_uid, 2_000_000_007);
+    assert_eq!(new.vm_addresses, "10.200.0.2,fd00:200::2");
 }
 
 #[test]
