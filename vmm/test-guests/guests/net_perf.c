@@ -5,10 +5,11 @@
  * (Firecracker's, or the vmm's with --acpi off) or from the ACPI DSDT.
  *
  * Command line:
- *   mode=tx    sends count=N frames of size=S bytes (Ethernet header
- *              included, 60 to 1514; default 1000 frames of 1514 bytes),
- *              keeping the transmit ring full (every descriptor points at
- *              the same frame, so nothing is copied per frame); prints
+ *   mode=tx    waits for a frame of kind 'G' (go), then sends count=N
+ *              frames of size=S bytes (Ethernet header included, 60 to
+ *              1514; default 1000 frames of 1514 bytes), keeping the
+ *              transmit ring full (every descriptor points at the same
+ *              frame, so nothing is copied per frame); prints
  *              "net_perf: tx done frames=N" when the device has used them all
  *   mode=rx    posts a receive buffer per ring slot and counts the frames
  *              of kind 'D' until count=N arrived, reposting buffers as they
@@ -19,11 +20,10 @@
  *              (from the buffer it arrived in, its virtio-net header
  *              cleared), until the VM is killed
  * "net_perf: ready mode=M queue=Q" is printed once the rings are set up
- * (and, for rx and echo, the receive buffers posted); tx and rx reset the
- * VM at the end.
+ * and the receive buffers posted; tx and rx reset the VM at the end.
  *
- * Frames: Ethernet type 0x88b5; byte 14 says what the frame is: 'T' guest
- * data (tx), 'D' host data (rx), 'A' ack, 'P' ping (echo). An ack holds the
+ * Frames: Ethernet type 0x88b5; byte 14 says what the frame is: 'G' go
+ * and 'T' guest data (tx), 'D' host data and 'A' ack (rx), 'P' ping (echo). An ack holds the
  * frames counted at byte 16 and their bytes (Ethernet header included,
  * virtio-net header not) at byte 24, each a little-endian u64. */
 #include "virtio.h"
@@ -145,6 +145,26 @@ static int ours(const u8 *eth, u32 len, u8 kind) {
     return len >= 15 && eth[12] == 0x88 && eth[13] == 0xb5 && (kind == 0 || eth[14] == kind);
 }
 
+/* Waits for a frame of kind 'G', reposting every buffer used. */
+static void wait_go(void) {
+    for (;;) {
+        u16 used = rxq.used.idx;
+        if (used == rx_last) continue;
+        barrier();
+        int go = 0;
+        while (rx_last != used) {
+            u32 id = rxq.used.ring[rx_last & (q - 1)].id;
+            u32 len = rxq.used.ring[rx_last & (q - 1)].len;
+            rx_last = (u16)(rx_last + 1);
+            if (id >= q) continue;
+            if (len > HDR && len <= BUF && ours(rxbuf[id] + HDR, len - HDR, 'G')) go = 1;
+            offer(&rxq, &rx_avail, (u16)id);
+        }
+        publish(&rxq, rx_avail, 0);
+        if (go) return;
+    }
+}
+
 static void tx_mode(u64 count, u32 size) {
     eth_header(txframe + HDR, 'T');
     u16 free[NQ];
@@ -157,6 +177,7 @@ static void tx_mode(u64 count, u32 size) {
         free[nfree++] = (u16)i;
     }
     kv_dec("net_perf: ready mode=tx queue", q);
+    wait_go();
     u64 offered = 0, done = 0;
     while (done < count) {
         u16 used = txq.used.idx;
@@ -307,11 +328,7 @@ void guest_main(const u8 *zp) {
     ring_setup(1, &txq, q);
     if (!(virtio_driver_ok(base) & S_DRIVER_OK)) fail("driver not ok");
 
-    if (is_word(mode, "tx")) {
-        tx_mode(count, (u32)size);
-        reset();
-    }
-    /* rx and echo: a buffer in every receive slot. */
+    /* A buffer in every receive slot. */
     for (u32 i = 0; i < q; i++) {
         rxq.desc[i].addr = (u64)rxbuf[i];
         rxq.desc[i].len = BUF;
@@ -320,6 +337,10 @@ void guest_main(const u8 *zp) {
         offer(&rxq, &rx_avail, (u16)i);
     }
     publish(&rxq, rx_avail, 0);
+    if (is_word(mode, "tx")) {
+        tx_mode(count, (u32)size);
+        reset();
+    }
     if (is_word(mode, "rx")) {
         rx_mode(count);
         reset();
