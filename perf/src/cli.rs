@@ -22,7 +22,8 @@ pub struct Cli {
     pub vs_firecracker: Option<PathBuf>,
     /// Measured runs per metric (after warm-up) [default: per scenario:
     /// cold-boot 20, restore 30, creation-rate 5 rounds, memory-overhead 5,
-    /// snapshot-write 10].
+    /// snapshot-write 10, net-throughput 10, net-latency 10 rounds,
+    /// network-setup 20].
     #[arg(long, value_name = "N")]
     pub runs: Option<u32>,
     /// Warm-up runs discarded before measuring [default: 2, 1 with --quick].
@@ -51,6 +52,13 @@ pub struct Cli {
     /// Passed to `vmm restore --memory-backend`.
     #[arg(long, value_name = "BACKEND", value_parser = ["file", "uffd"])]
     pub memory_backend: Option<String>,
+    /// Frames per net-throughput run [default: 20000; 2000 with --quick].
+    #[arg(long, value_name = "N")]
+    pub net_frames: Option<u64>,
+    /// Round trips per frame size per net-latency round [default: 200; 50
+    /// with --quick].
+    #[arg(long, value_name = "N")]
+    pub net_pings: Option<u64>,
     /// Seconds one step (a boot, a restore, a snapshot) may take before the run fails.
     #[arg(long, value_name = "SECS", default_value_t = 120)]
     pub timeout_secs: u64,
@@ -74,6 +82,12 @@ pub enum ScenarioArg {
     MemoryOverhead,
     /// Full and diff (1 %, 10 % dirty) snapshot write time.
     SnapshotWrite,
+    /// Frames/s and MiB/s through virtio-net, each way, 1514- and 64-byte frames.
+    NetThroughput,
+    /// Round trip of a frame host -> guest -> host through virtio-net.
+    NetLatency,
+    /// One VM's network made cold, handed over warm, removed (host-agent).
+    NetworkSetup,
     /// Every scenario, in the order above.
     All,
 }
@@ -87,6 +101,9 @@ impl ScenarioArg {
             ScenarioArg::CreationRate => "creation-rate",
             ScenarioArg::MemoryOverhead => "memory-overhead",
             ScenarioArg::SnapshotWrite => "snapshot-write",
+            ScenarioArg::NetThroughput => "net-throughput",
+            ScenarioArg::NetLatency => "net-latency",
+            ScenarioArg::NetworkSetup => "network-setup",
             ScenarioArg::All => "all",
         }
     }

@@ -117,6 +117,24 @@ pub enum PerfError {
         #[source]
         source: std::io::Error,
     },
+    /// A network operation of the network scenarios failed (namespace,
+    /// tap, raw socket).
+    #[error("network: {action}: {source}")]
+    Network {
+        /// What was being done.
+        action: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Frames did not go through as the network scenarios expect (lost,
+    /// cut, or not answered in time).
+    #[error("network measurement: {0}")]
+    Net(String),
+    /// host-agent's network code (making, updating or removing a VM's
+    /// network) failed.
+    #[error("host-agent network: {0}")]
+    HostNetwork(#[source] host_agent::error::Error),
     /// Results could not be serialized.
     #[error("cannot serialize results: {0}")]
     Json(#[from] serde_json::Error),

@@ -15,6 +15,8 @@ pub const COUNTER: &str = "counter";
 pub const COUNTER_CMDLINE: &str = "interval=1";
 /// Dirties `permille=N` thousandths of its pages per pass, printing `pass=K`.
 pub const DIRTIER: &str = "dirtier";
+/// Moves frames through virtio-net (`mode=tx|rx|echo`): the network guest.
+pub const NET_PERF: &str = "net_perf";
 
 /// Path of the built test guest `name`.
 pub fn path(name: &str) -> Result<PathBuf> {

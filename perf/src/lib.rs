@@ -1,7 +1,8 @@
 //! `perf`: the benchmark harness operators run to measure the vmm's cold
-//! start, restore latency, creation rate, memory overhead and snapshot
-//! write, optionally side by side with a Firecracker binary. See README.md
-//! for the methodology.
+//! start, restore latency, creation rate, memory overhead, snapshot write
+//! and network (virtio-net throughput and latency, per-VM network setup),
+//! optionally side by side with a Firecracker binary. See README.md for the
+//! methodology.
 
 #![warn(missing_docs)]
 
@@ -10,6 +11,7 @@ pub mod cli;
 pub mod error;
 pub mod guests;
 pub mod machine;
+pub mod netns;
 pub mod process;
 pub mod report;
 pub mod results;
@@ -113,6 +115,8 @@ pub fn run(cli: Cli) -> Result<Outcome> {
         kernel: cli.kernel.as_ref().map(|k| k.display().to_string()),
         memory_backend: cli.memory_backend.clone(),
         timeout_s: cli.timeout_secs,
+        net_frames: cli.net_frames,
+        net_pings: cli.net_pings,
     };
     let mut backends: Vec<Box<dyn Backend>> =
         vec![Box::new(VmmBackend::new(vmm, cli.memory_backend.clone()))];

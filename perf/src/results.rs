@@ -52,6 +52,12 @@ pub struct Settings {
     pub memory_backend: Option<String>,
     /// Per-step timeout, seconds.
     pub timeout_s: u64,
+    /// `--net-frames`: frames per net-throughput run, when given.
+    #[serde(default)]
+    pub net_frames: Option<u64>,
+    /// `--net-pings`: round trips per frame size per net-latency round, when given.
+    #[serde(default)]
+    pub net_pings: Option<u64>,
 }
 
 /// How a scenario ended.

@@ -1,5 +1,7 @@
 //! Every scenario once, tiny, under real KVM with the workspace's vmm: the
-//! snapshot and restore interface is exercised for real. Nothing about speed.
+//! snapshot and restore interface is exercised for real, and so are the
+//! network scenarios where this host lets them run (root, /dev/net/tun;
+//! tests/net.rs checks their metrics). Nothing about speed.
 
 mod common;
 
@@ -19,6 +21,10 @@ fn every_scenario_runs_once_with_the_real_vmm() {
             "--mem-sizes",
             "64",
             "--concurrency",
+            "2",
+            "--net-frames",
+            "64",
+            "--net-pings",
             "2",
             "--out",
         ])
@@ -44,12 +50,27 @@ fn every_scenario_runs_once_with_the_real_vmm() {
             "restore",
             "creation-rate",
             "memory-overhead",
-            "snapshot-write"
+            "snapshot-write",
+            "net-throughput",
+            "net-latency",
+            "network-setup"
         ]
     );
     let has_restore = scenarios[1]["status"] == "ok";
     for s in scenarios {
-        if has_restore || s["name"] == "cold-boot" || s["name"] == "memory-overhead" {
+        if s["name"].as_str().unwrap().starts_with("net") {
+            // Needs root and /dev/net/tun; says why when it is skipped.
+            if s["status"] == "skipped" {
+                println!("{}: {}", s["name"], s["reason"]);
+                assert!(
+                    s["reason"].as_str().unwrap().starts_with("skipped: "),
+                    "{s:#}"
+                );
+            } else {
+                assert_eq!(s["status"], "ok", "{s:#}");
+                assert!(!s["metrics"].as_array().unwrap().is_empty(), "{s:#}");
+            }
+        } else if has_restore || s["name"] == "cold-boot" || s["name"] == "memory-overhead" {
             assert_eq!(s["status"], "ok", "{s:#}");
         } else {
             assert_eq!(s["reason"], "skipped: vmm has no restore", "{s:#}");

@@ -2,7 +2,8 @@
 //! driven end to end through the snapshot/restore interface of issue 3
 //! (`vmm restore --snapshot DIR`, control op `snapshot`) and through
 //! Firecracker's API, against tests/support/fake_vmm.py: a stand-in that
-//! speaks both interfaces but runs no guest. This checks the harness's
+//! speaks both interfaces but runs no guest (for the network scenarios it
+//! plays the net_perf guest's part on the tap itself). This checks the harness's
 //! logic and reports, not any VMM; nothing about speed is asserted.
 
 mod common;
@@ -65,6 +66,10 @@ fn restore_scenarios_run_against_the_snapshot_interface_and_compare() {
             "64",
             "--concurrency",
             "2",
+            "--net-frames",
+            "64",
+            "--net-pings",
+            "2",
             "--vmm",
             vmm.to_str().unwrap(),
             "--vs-firecracker",
@@ -93,6 +98,33 @@ fn restore_scenarios_run_against_the_snapshot_interface_and_compare() {
             "{:#}",
             scenario(&json, name)
         );
+    }
+    // The network scenarios: the fake plays the net_perf guest on the tap
+    // perf hands it (`--net`, `PUT /network-interfaces/eth0`); without root
+    // or /dev/net/tun they are skipped, saying why.
+    let net = scenario(&json, "net-throughput");
+    if net["status"] == "skipped" {
+        println!("net-throughput: {}", net["reason"]);
+    } else {
+        assert_eq!(net["status"], "ok", "{net:#}");
+        assert_eq!(scenario(&json, "net-latency")["status"], "ok");
+        for id in [
+            "net-throughput.tx.1514b.frames",
+            "net-throughput.rx.64b.mib",
+            "net-latency.rtt.64b",
+        ] {
+            let scenario_name = &id[..id.find('.').unwrap()];
+            let m = common::metric(&json, scenario_name, id);
+            assert!(!m["samples"].as_array().unwrap().is_empty(), "{m:#}");
+            assert!(
+                json["comparisons"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|c| c["id"] == id),
+                "no vmm/Firecracker ratio for {id}"
+            );
+        }
     }
     for id in [
         "restore.latency.mem64",
@@ -150,6 +182,10 @@ fn without_restore_the_restore_scenarios_are_skipped_not_failed() {
             "0",
             "--mem-sizes",
             "64",
+            "--net-frames",
+            "64",
+            "--net-pings",
+            "2",
             "--vmm",
             vmm.to_str().unwrap(),
         ],

@@ -1,5 +1,6 @@
 //! Firecracker, driven through its API socket: `PUT /boot-source`,
-//! `/machine-config`, `/actions` (InstanceStart), `PATCH /vm` (pause and
+//! `/machine-config`, `/network-interfaces/eth0` (a tap by name), `/actions`
+//! (InstanceStart), `PATCH /vm` (pause and
 //! resume), `PUT /snapshot/create` and `/snapshot/load`. The binary is the
 //! operator's; nothing of Firecracker lives in this repository.
 
@@ -95,6 +96,14 @@ impl Backend for FirecrackerBackend {
             "track_dirty_pages": spec.control,
         });
         http::request(&api, "PUT", "/machine-config", &machine.to_string())?;
+        if let Some(net) = &spec.net {
+            let iface = json!({
+                "iface_id": "eth0",
+                "host_dev_name": net.tap,
+                "guest_mac": net.mac_text(),
+            });
+            http::request(&api, "PUT", "/network-interfaces/eth0", &iface.to_string())?;
+        }
         let start = json!({"action_type": "InstanceStart"}).to_string();
         match http::request(&api, "PUT", "/actions", &start) {
             Ok(()) => {}

@@ -53,6 +53,29 @@ pub struct BootSpec {
     /// Ask the VMM to log the setup steps it times itself (our vmm: the
     /// ACPI tables and the MP table, JSON on stderr; Firecracker: nothing).
     pub setup_timings: bool,
+    /// A virtio-net device on an existing tap (our vmm: `--net`;
+    /// Firecracker: `PUT /network-interfaces/eth0`).
+    pub net: Option<NetDevice>,
+}
+
+/// A virtio-net device for the guest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetDevice {
+    /// The tap the VMM attaches to, by name, in its network namespace.
+    pub tap: String,
+    /// The MAC offered to the guest.
+    pub mac: [u8; 6],
+}
+
+impl NetDevice {
+    /// The MAC as `02:00:00:00:00:07`.
+    pub fn mac_text(&self) -> String {
+        self.mac
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<Vec<_>>()
+            .join(":")
+    }
 }
 
 /// Where a VM's control endpoint is.

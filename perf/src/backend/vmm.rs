@@ -6,9 +6,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use vmm_api::command::{Globals, Serial};
+use vmm_api::command::{Globals, NetSpec, Serial};
 use vmm_api::{Client, RestoreSpec, RunSpec};
 
+#[cfg(test)]
+use super::NetDevice;
 use super::{Backend, BootSpec, Handle, SnapshotKind, Subject, Vm};
 use crate::error::{PerfError, Result};
 use crate::process::VmProcess;
@@ -140,6 +142,11 @@ fn run_args(spec: &BootSpec, control_socket: Option<PathBuf>) -> Vec<String> {
     run.vcpus = 1;
     run.devices.serial = Serial::Stdout;
     run.devices.control_socket = control_socket;
+    run.devices.net = spec.net.as_ref().map(|net| {
+        let mut device = NetSpec::tap(net.tap.clone());
+        device.mac = Some(net.mac);
+        device
+    });
     if spec.setup_timings {
         // Only the timing events are logged at info: two short JSON lines.
         run.globals = Globals {
@@ -193,6 +200,7 @@ mod tests {
             mem_mib: 64,
             control: true,
             setup_timings: false,
+            net: None,
         };
         assert_eq!(
             run_args(&spec, Some("/w/control.sock".into())).join(" "),
@@ -204,6 +212,16 @@ mod tests {
             run_args(&spec, None).join(" "),
             "--log-format json --log-level warn,vmm::acpi=info,vmm::mptable=info \
              run --kernel /g/hello --cmdline console=ttyS0 --mem-mib 64 --vcpus 1 --serial stdout"
+        );
+        spec.setup_timings = false;
+        spec.net = Some(NetDevice {
+            tap: "perf0".into(),
+            mac: [2, 0, 0, 0, 0, 7],
+        });
+        assert_eq!(
+            run_args(&spec, None).join(" "),
+            "run --kernel /g/hello --cmdline console=ttyS0 --mem-mib 64 --vcpus 1 \
+             --serial stdout --net perf0,mac=02:00:00:00:00:07"
         );
         assert_eq!(
             restore_args(

@@ -82,6 +82,7 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
                 mem_mib,
                 control: false,
                 setup_timings: false,
+                net: None,
             };
             ctx.repeat(runs(ctx), |warmup| {
                 let dir = ctx.scratch()?;

@@ -5,6 +5,10 @@
 pub mod cold_boot;
 pub mod creation_rate;
 pub mod memory_overhead;
+pub mod net_guest;
+pub mod net_latency;
+pub mod net_setup;
+pub mod net_throughput;
 pub mod prepare;
 pub mod restore;
 pub mod snapshot_write;
@@ -48,6 +52,21 @@ pub const ALL: &[Scenario] = &[
         name: snapshot_write::NAME,
         plan: snapshot_write::plan,
         run: snapshot_write::run,
+    },
+    Scenario {
+        name: net_throughput::NAME,
+        plan: net_throughput::plan,
+        run: net_throughput::run,
+    },
+    Scenario {
+        name: net_latency::NAME,
+        plan: net_latency::plan,
+        run: net_latency::run,
+    },
+    Scenario {
+        name: net_setup::NAME,
+        plan: net_setup::plan,
+        run: net_setup::run,
     },
 ];
 

@@ -34,6 +34,7 @@ pub fn counter_snapshot(
         mem_mib,
         control: true,
         setup_timings: false,
+        net: None,
     };
     let mut vm = backend.boot(&spec, vm_dir.path(), ctx.timeout())?;
     let (_, end) = vm.process.wait_for("count=", 0, ctx.timeout())?;

@@ -84,6 +84,7 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
                     mem_mib,
                     control: true,
                     setup_timings: false,
+                    net: None,
                 };
                 let vm_dir = ctx.scratch()?;
                 let mut vm = backend.boot(&spec, vm_dir.path(), ctx.timeout())?;

@@ -6,22 +6,84 @@ when given --api-sock, Firecracker's HTTP API. It runs no guest: it prints
 what the test guests print (hello line, count=N, pass=K) and keeps an
 anonymous mapping of the guest's memory size. Timings mean nothing.
 
+With a tap (`--net TAP,...`, or Firecracker's `PUT /network-interfaces/eth0`)
+and the net_perf guest, it plays that guest's part on the tap itself (modes
+tx, rx and echo; see vmm/test-guests/guests/net_perf.c for the frames).
+
 FAKE_NO_RESTORE=1 makes it a vmm without the restore subcommand."""
 
+import fcntl
 import json
 import mmap
 import os
 import socket
 import socketserver
+import struct
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
 
 
+TUNSETIFF = 0x400454CA
+IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
+ETHERTYPE = b"\x88\xb5"
+
+
+def cmdline_value(cmdline, key, default=None):
+    for word in cmdline.split():
+        if word.startswith(key + "="):
+            return word[len(key) + 1:]
+    return default
+
+
+def net_perf(tap, cmdline, out):
+    """The net_perf guest's part, on tap `tap` (no virtio-net header)."""
+    fd = os.open("/dev/net/tun", os.O_RDWR)
+    fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", tap.encode(), IFF_TAP | IFF_NO_PI))
+    mode = cmdline_value(cmdline, "mode")
+    count = int(cmdline_value(cmdline, "count", "1000"))
+    size = int(cmdline_value(cmdline, "size", "1514"))
+    mac = b"\x02\x00\x00\x00\x00\x07"
+
+    def frame(kind, length, extra=b""):
+        head = b"\xff" * 6 + mac + ETHERTYPE + kind + b"\x00" + extra
+        return head + b"\x00" * (length - len(head))
+
+    def frames():
+        while True:
+            f = os.read(fd, 65536)
+            if len(f) >= 15 and f[12:14] == ETHERTYPE:
+                yield f
+
+    out(f"net_perf: ready mode={mode} queue=256\n")
+    if mode == "tx":
+        next(f for f in frames() if f[14:15] == b"G")
+        data = frame(b"T", size)
+        for _ in range(count):
+            os.write(fd, data)
+        out(f"net_perf: tx done frames={count}\n")
+    elif mode == "rx":
+        got = nbytes = since = 0
+        for f in frames():
+            if f[14:15] == b"D":
+                got, nbytes, since = got + 1, nbytes + len(f), since + 1
+            if since and (since >= 64 or got == count):
+                os.write(fd, frame(b"A", 64, struct.pack("<QQ", got, nbytes)))
+                since = 0
+            if got == count:
+                break
+        out(f"net_perf: rx done frames={got} bytes={nbytes}\n")
+    elif mode == "echo":
+        for f in frames():
+            os.write(fd, f)
+    os._exit(0)
+
+
 class Guest:
-    def __init__(self, kind, mem_mib, cmdline, count=0, passes=0):
+    def __init__(self, kind, mem_mib, cmdline, count=0, passes=0, tap=None):
         self.kind = kind
+        self.tap = tap
         self.mem_mib = mem_mib
         self.cmdline = cmdline
         self.count = count
@@ -38,6 +100,8 @@ class Guest:
 
     def run(self):
         self.running.wait()
+        if self.kind == "net_perf" and self.tap:
+            net_perf(self.tap, self.cmdline, self.out)
         if self.kind == "hello":
             self.out("Hello from the hello test guest!\n")
             os._exit(0)
@@ -141,8 +205,9 @@ def vmm_main(args):
         print(f"usage: vmm {cmd}")
         return
     if cmd == "run":
+        net = arg(args, "--net")
         guest = Guest(guest_kind(arg(args, "--kernel")), int(arg(args, "--mem-mib", "128")),
-                      arg(args, "--cmdline", ""))
+                      arg(args, "--cmdline", ""), tap=net.split(",")[0] if net else None)
     elif cmd == "restore":
         guest = Guest.load(arg(args, "--snapshot"))
     else:
@@ -164,7 +229,7 @@ def firecracker_main(args):
     if "--version" in args:
         print("Firecracker v0.0.0-fake")
         return
-    state = {"guest": None, "boot": {}, "machine": {}}
+    state = {"guest": None, "boot": {}, "machine": {}, "net": None}
 
     class Api(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -186,10 +251,12 @@ def firecracker_main(args):
                 state["boot"] = body
             elif self.path == "/machine-config":
                 state["machine"] = body
+            elif self.path == "/network-interfaces/eth0":
+                state["net"] = body["host_dev_name"]
             elif self.path == "/actions" and body.get("action_type") == "InstanceStart":
                 g = state["guest"] = Guest(guest_kind(state["boot"]["kernel_image_path"]),
                                            state["machine"]["mem_size_mib"],
-                                           state["boot"].get("boot_args", ""))
+                                           state["boot"].get("boot_args", ""), tap=state["net"])
                 threading.Thread(target=g.run, daemon=True).start()
                 g.running.set()
             elif self.path == "/vm" and g:
