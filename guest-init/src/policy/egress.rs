@@ -247,6 +247,13 @@ pub fn nft_ruleset(plan: &EgressPlan) -> String {
     let _ = writeln!(s, "  chain output {{");
     let _ = writeln!(s, "    type filter hook output priority 0; policy drop;");
     let _ = writeln!(s, "    ct state established,related accept");
+    // IPv6 neighbour discovery on the link itself (hop limit 255): without
+    // it the guest cannot resolve its IPv6 gateway, and every IPv6
+    // destination is "no route to host" (ARP, for IPv4, is not filtered here).
+    let _ = writeln!(
+        s,
+        "    icmpv6 type {{ nd-neighbor-solicit, nd-neighbor-advert }} ip6 hoplimit 255 accept"
+    );
     for a in &plan.allowed {
         let fam = a.cidr.family();
         if a.ports.is_empty() {
@@ -445,5 +452,16 @@ mod tests {
         let out =
             "table inet guest_egress {\n\tcounter denied {\n\t\tpackets 3 bytes 180\n\t}\n}\n";
         assert_eq!(parse_denied_packets(out), Some(3));
+    }
+
+    #[test]
+    fn neighbour_discovery_leaves_the_guest() {
+        let p = plan(&[], |_| vec![]).unwrap();
+        let rules = nft_ruleset(&p);
+        let nd = rules
+            .find("nd-neighbor-solicit, nd-neighbor-advert }")
+            .expect("neighbour discovery is let out");
+        assert!(nd < rules.find("drop").unwrap(), "{rules}");
+        assert!(!rules.contains("nd-router-advert"), "{rules}");
     }
 }
