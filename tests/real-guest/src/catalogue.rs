@@ -71,6 +71,7 @@ pub const GROUPS: &[Group] = &[
             "net-ip-denied",
             "net-expose",
             "net-clones",
+            "net-ipv6",
             "net-throughput",
         ],
         limit: Duration::from_secs(40 * 60),

@@ -76,6 +76,7 @@ pub fn run(ctx: &mut Ctx, name: &str) -> Check {
         "net-expose" => network::expose(ctx, name),
         "net-clones" => network::clones(ctx, name),
         "net-throughput" => network::throughput(ctx, name),
+        "net-ipv6" => network::ipv6(ctx, name),
         other => Err(format!("the runner has no scenario {other}")),
     }
 }

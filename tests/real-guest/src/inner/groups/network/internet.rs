@@ -8,19 +8,23 @@
 //!                      route 203.0.113.0/24 via .1        198.51.100.1/24 (allowed, named)
 //!                                                         198.51.100.2/24 (never granted)
 //!                                                         203.0.113.1/24  (granted, outside the node's allowlist)
+//!                      rg-up 2001:db8:100::fe/64          2001:db8:100::1/64 (allowed, named: AAAA)
+//!                                                         2001:db8:100::2/64 (never granted)
 //! ```
 //!
 //! Servers, bound on every address of rg-inet: an `ack` line server
 //! ([`ACK_PORT`]), a sink ([`SINK_PORT`]) and a source ([`SOURCE_PORT`])
 //! that time bulk transfers, a meeting point ([`TOGETHER_PORT`]) that answers
 //! only once two connections wait at once, and a ping server ([`PING_PORT`])
-//! that times line round trips. The DNS server ([`DNS_PORT`], UDP) answers
-//! both [`ALLOWED_NAME`] and [`DENIED_NAME`] with [`SERVER_IP`] and counts
-//! every query by name, so a scenario can tell what host-agent forwarded.
+//! that times line round trips; the `ack` server also listens on the two
+//! IPv6 addresses. The DNS server ([`DNS_PORT`], UDP) answers both
+//! [`ALLOWED_NAME`] and [`DENIED_NAME`] with [`SERVER_IP`] (A) and
+//! [`SERVER_IP6`] (AAAA) and counts every query by name, so a scenario can
+//! tell what host-agent forwarded.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -28,7 +32,7 @@ use std::time::{Duration, Instant};
 use hickory_proto::op::{Message, MessageType, ResponseCode};
 
 use crate::inner::net::ip;
-use hickory_proto::rr::rdata::A;
+use hickory_proto::rr::rdata::{A, AAAA};
 use hickory_proto::rr::{RData, Record, RecordType};
 
 /// The namespace.
@@ -37,6 +41,12 @@ pub const NETNS: &str = "rg-inet";
 const NODE_IF: &str = "rg-up";
 /// The node's address on the link.
 pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 254);
+/// The node's IPv6 address on the link.
+pub const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 0xfe);
+/// The server the allowed name's AAAA record points at.
+pub const SERVER_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 1);
+/// An IPv6 address in the node's allowlist that no session is granted.
+pub const UNGRANTED_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 2);
 /// The server the allowed name points at.
 pub const SERVER_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 /// An address in the node's allowlist that no session is granted.
@@ -78,6 +88,8 @@ pub struct Transfer {
 pub struct Seen {
     /// `ack` connections answered, by the local address they came to.
     pub acks: HashMap<IpAddr, usize>,
+    /// The peer of each `ack` connection, in order.
+    pub ack_peers: Vec<IpAddr>,
     /// DNS queries, by lower-case name without the final dot.
     pub dns: HashMap<String, usize>,
     /// Sink transfers.
@@ -124,6 +136,17 @@ impl Internet {
         ] {
             ip(&["-n", NETNS, "addr", "add", &a, "dev", "eth0"])?;
         }
+        for a in [format!("{SERVER_IP6}/64"), format!("{UNGRANTED_IP6}/64")] {
+            ip(&["-n", NETNS, "addr", "add", &a, "dev", "eth0", "nodad"])?;
+        }
+        ip(&[
+            "addr",
+            "add",
+            &format!("{NODE_IP6}/64"),
+            "dev",
+            NODE_IF,
+            "nodad",
+        ])?;
         ip(&["-n", NETNS, "link", "set", "lo", "up"])?;
         ip(&["-n", NETNS, "link", "set", "eth0", "up"])?;
         ip(&[
@@ -134,6 +157,15 @@ impl Internet {
             "default",
             "via",
             &NODE_IP.to_string(),
+        ])?;
+        ip(&[
+            "-n",
+            NETNS,
+            "route",
+            "add",
+            "::/0",
+            "via",
+            &NODE_IP6.to_string(),
         ])?;
         ip(&[
             "route",
@@ -186,6 +218,11 @@ fn enter_and_serve(seen: Arc<(Mutex<Seen>, Condvar)>) -> Result<(), String> {
             .map_err(|e| format!("binding port {port} in {NETNS}: {e}"))
     };
     serve(tcp(ACK_PORT)?, seen.clone(), ack);
+    for v6 in [SERVER_IP6, UNGRANTED_IP6] {
+        let l = TcpListener::bind((v6, ACK_PORT))
+            .map_err(|e| format!("binding [{v6}]:{ACK_PORT} in {NETNS}: {e}"))?;
+        serve(l, seen.clone(), ack);
+    }
     serve(tcp(SINK_PORT)?, seen.clone(), sink);
     serve(tcp(SOURCE_PORT)?, seen.clone(), source);
     serve(tcp(TOGETHER_PORT)?, seen.clone(), together);
@@ -213,6 +250,7 @@ fn serve(listener: TcpListener, seen: Arc<(Mutex<Seen>, Condvar)>, handler: Hand
 
 fn ack(stream: TcpStream, seen: &(Mutex<Seen>, Condvar)) -> std::io::Result<()> {
     let local = stream.local_addr()?.ip();
+    let peer = stream.peer_addr()?.ip();
     let mut w = stream.try_clone()?;
     let mut first = true;
     for line in BufReader::new(stream).lines() {
@@ -220,7 +258,9 @@ fn ack(stream: TcpStream, seen: &(Mutex<Seen>, Condvar)) -> std::io::Result<()> 
         // Counted before the answer goes, so a client that has its answer
         // finds its connection counted.
         if first {
-            *lock(&seen.0).acks.entry(local).or_default() += 1;
+            let mut s = lock(&seen.0);
+            *s.acks.entry(local).or_default() += 1;
+            s.ack_peers.push(peer);
             first = false;
         }
         writeln!(w, "ack {}", line.trim())?;
@@ -315,8 +355,9 @@ fn ping(stream: TcpStream, seen: &(Mutex<Seen>, Condvar)) -> std::io::Result<()>
     Ok(())
 }
 
-/// The upstream DNS server: A records for the two test names, no records
-/// for their other types, NXDOMAIN for the rest; every query counted.
+/// The upstream DNS server: A and AAAA records for the two test names, no
+/// records for their other types, NXDOMAIN for the rest; every query
+/// counted.
 pub(super) fn dns(sock: UdpSocket, seen: Arc<(Mutex<Seen>, Condvar)>) {
     let mut buf = [0u8; 4096];
     loop {
@@ -354,6 +395,13 @@ pub(super) fn dns(sock: UdpSocket, seen: Arc<(Mutex<Seen>, Condvar)>) {
                 query.name().clone(),
                 300,
                 RData::A(A(SERVER_IP)),
+            ));
+        }
+        if known && query.query_type() == RecordType::AAAA {
+            m.add_answer(Record::from_rdata(
+                query.name().clone(),
+                300,
+                RData::AAAA(AAAA(SERVER_IP6)),
             ));
         }
         if let Ok(bytes) = m.to_vec() {

@@ -10,11 +10,12 @@
 //! echo server), getent, hostname, sha256sum.
 
 mod internet;
+mod ipv6;
 mod scripts;
 mod transfer;
 
 use std::io::{BufRead, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -30,6 +31,7 @@ use internet::{
     Internet, ACK_PORT, ALLOWED_NAME, DENIED_NAME, OUTSIDE_IP, PING_PORT, SERVER_IP, SINK_PORT,
     SOURCE_BYTES, SOURCE_PORT, TOGETHER_PORT, UNGRANTED_IP,
 };
+pub use ipv6::ipv6;
 use scripts::*;
 pub use transfer::{expose, throughput};
 
@@ -77,13 +79,13 @@ fn repository(ctx: &Ctx) -> Result<PathBuf, String> {
 }
 
 /// host-agent's `network` settings: the outer VM is the node (host-agent
-/// manages its forwarding and masquerading), the node allows TCP to the
-/// internet's 198.51.100.0/24 only, and the resolvers ask the internet's
-/// DNS server.
+/// manages its forwarding and masquerading, IPv4 and IPv6), the node allows
+/// TCP to the internet's 198.51.100.0/24 and 2001:db8:100::/64 only, and
+/// the resolvers ask the internet's DNS server.
 fn network_settings() -> serde_json::Value {
     serde_json::json!({
-        "pool": "10.200.0.0/24",
-        "allow": ["198.51.100.0/24 tcp"],
+        "pool": ["10.200.0.0/24", "fd00:200::/112"],
+        "allow": ["198.51.100.0/24 tcp", "2001:db8:100::/64 tcp"],
         "dns_upstreams": [format!("{SERVER_IP}:53")],
         "expose_address": "127.0.0.1",
     })
@@ -159,20 +161,27 @@ fn run(a: &HostAgent, ch: &Channel, s: &pb::Session, argv: &[&str]) -> Result<Ex
     a.block_on(exec(ch.clone(), s, argv))
 }
 
-/// Queries `name` from the guest straight at the resolver; (rcode, answers).
+/// Queries `name` (type `qtype`, `A` or `AAAA`) from the guest straight at
+/// the resolver; (rcode, answers).
 fn guest_dns(
     a: &HostAgent,
     ch: &Channel,
     s: &pb::Session,
     name: &str,
-) -> Result<(u8, Vec<Ipv4Addr>), String> {
-    let r = run(a, ch, s, &["perl", "net/dns.pl", name, RESOLVER])?;
+    qtype: &str,
+) -> Result<(u8, Vec<IpAddr>), String> {
+    let r = run(
+        a,
+        ch,
+        s,
+        &["perl", "net/dns.pl", name, RESOLVER, "53", qtype],
+    )?;
     expect_ok(&format!("the DNS query for {name}"), &r)?;
     parse_dns_line(&r.stdout).ok_or_else(|| format!("the DNS query printed {:?}", r.stdout))
 }
 
 /// Reads `rcode=N answers=A,B` out of [`DNS_QUERY`]'s line.
-fn parse_dns_line(text: &str) -> Option<(u8, Vec<Ipv4Addr>)> {
+fn parse_dns_line(text: &str) -> Option<(u8, Vec<IpAddr>)> {
     let mut rcode = None;
     let mut answers = Vec::new();
     for word in text.split_whitespace() {
@@ -216,8 +225,8 @@ pub fn resolve(ctx: &mut Ctx, name: &str) -> Check {
                 "the internet's DNS server was never asked for {ALLOWED_NAME}"
             ));
         }
-        let (rcode, answers) = guest_dns(a, &ch, s, ALLOWED_NAME)?;
-        if rcode != 0 || answers != [SERVER_IP] {
+        let (rcode, answers) = guest_dns(a, &ch, s, ALLOWED_NAME, "A")?;
+        if rcode != 0 || answers != [IpAddr::V4(SERVER_IP)] {
             return Err(format!(
                 "the resolver answered {ALLOWED_NAME} with rcode {rcode} and {answers:?}, not {SERVER_IP}"
             ));
@@ -293,7 +302,7 @@ pub fn dns_denied(ctx: &mut Ctx, name: &str) -> Check {
     scenario(ctx, name, |ctx, _name, s| {
         let (a, net) = parts(ctx)?;
         let ch = a.channel()?;
-        let (rcode, answers) = guest_dns(a, &ch, s, DENIED_NAME)?;
+        let (rcode, answers) = guest_dns(a, &ch, s, DENIED_NAME, "A")?;
         if rcode != 3 || !answers.is_empty() {
             return Err(format!(
                 "the resolver answered {DENIED_NAME} with rcode {rcode} and {answers:?}, not NXDOMAIN (3)"
@@ -333,7 +342,7 @@ pub fn dns_denied(ctx: &mut Ctx, name: &str) -> Check {
 /// Connects from the outer VM (the node) to `ip`:[`ACK_PORT`] and expects
 /// the ack: the server is there, so a guest that cannot reach it was
 /// stopped on the way.
-fn node_reaches(ip: Ipv4Addr) -> Result<(), String> {
+fn node_reaches(ip: IpAddr) -> Result<(), String> {
     let mut c =
         TcpStream::connect_timeout(&SocketAddr::from((ip, ACK_PORT)), Duration::from_secs(10))
             .map_err(|e| format!("the node cannot reach {ip}:{ACK_PORT} itself: {e}"))?;
@@ -356,7 +365,7 @@ fn guest_connects(
     a: &HostAgent,
     ch: &Channel,
     s: &pb::Session,
-    ip: Ipv4Addr,
+    ip: IpAddr,
 ) -> Result<String, String> {
     let (ip, port) = (ip.to_string(), ACK_PORT.to_string());
     let r = run(a, ch, s, &["bash", "net/try.sh", &ip, &port])?;
@@ -374,11 +383,11 @@ pub fn ip_denied(ctx: &mut Ctx, name: &str) -> Check {
         let ch = a.channel()?;
         let mut notes = Vec::new();
         for ip in [UNGRANTED_IP, OUTSIDE_IP] {
-            node_reaches(ip)?;
+            node_reaches(ip.into())?;
             let before = net
                 .internet
                 .with(|s| s.acks.get(&ip.into()).copied().unwrap_or(0));
-            let out = guest_connects(a, &ch, s, ip)?;
+            let out = guest_connects(a, &ch, s, ip.into())?;
             let after = net
                 .internet
                 .with(|s| s.acks.get(&ip.into()).copied().unwrap_or(0));
@@ -389,7 +398,7 @@ pub fn ip_denied(ctx: &mut Ctx, name: &str) -> Check {
             }
             notes.push(format!("{ip}: {out}"));
         }
-        let out = guest_connects(a, &ch, s, SERVER_IP)?;
+        let out = guest_connects(a, &ch, s, SERVER_IP.into())?;
         if !out.contains("ack by-ip") {
             return Err(format!(
                 "the granted server {SERVER_IP} by literal address: {out:?}"
@@ -462,7 +471,11 @@ mod tests {
     fn dns_lines_parse() {
         assert_eq!(
             parse_dns_line("id=16962 rcode=0 answers=198.51.100.1\n"),
-            Some((0, vec![Ipv4Addr::new(198, 51, 100, 1)]))
+            Some((0, vec![IpAddr::V4(SERVER_IP)]))
+        );
+        assert_eq!(
+            parse_dns_line("id=1 rcode=0 answers=2001:0db8:0100:0000:0000:0000:0000:0001\n"),
+            Some((0, vec![IpAddr::V6(internet::SERVER_IP6)]))
         );
         assert_eq!(parse_dns_line("id=1 rcode=3 answers=\n"), Some((3, vec![])));
         assert_eq!(parse_dns_line("no answer in 10 s"), None);
@@ -485,19 +498,24 @@ mod tests {
             Default::default();
         let s = seen.clone();
         std::thread::spawn(move || internet::dns(sock, s));
-        let ask = |name: &str| {
+        let ask_type = |name: &str, qtype: &str| {
             let out = std::process::Command::new("perl")
-                .args(["-e", DNS_QUERY, name, "127.0.0.1", &port])
+                .args(["-e", DNS_QUERY, name, "127.0.0.1", &port, qtype])
                 .output()
                 .unwrap();
             assert!(out.status.success(), "{out:?}");
             parse_dns_line(&String::from_utf8_lossy(&out.stdout)).unwrap()
         };
-        assert_eq!(ask(ALLOWED_NAME), (0, vec![SERVER_IP]));
-        assert_eq!(ask(DENIED_NAME), (0, vec![SERVER_IP]));
+        let ask = |name: &str| ask_type(name, "A");
+        assert_eq!(ask(ALLOWED_NAME), (0, vec![IpAddr::V4(SERVER_IP)]));
+        assert_eq!(ask(DENIED_NAME), (0, vec![IpAddr::V4(SERVER_IP)]));
+        assert_eq!(
+            ask_type(ALLOWED_NAME, "AAAA"),
+            (0, vec![IpAddr::V6(internet::SERVER_IP6)])
+        );
         assert_eq!(ask("other.rg.test"), (3, vec![]));
         let counts = seen.0.lock().unwrap().dns.clone();
-        assert_eq!(counts.get(ALLOWED_NAME), Some(&1));
+        assert_eq!(counts.get(ALLOWED_NAME), Some(&2));
         assert_eq!(counts.get("other.rg.test"), Some(&1));
     }
 }

@@ -62,13 +62,16 @@ while read -r l <&3; do
 done
 "#;
 
-/// A DNS query by hand (A record, UDP), straight to a server: `perl
-/// net/dns.pl NAME SERVER [PORT]` prints `rcode=N answers=A.B.C.D ...`.
+/// A DNS query by hand (UDP), straight to a server: `perl net/dns.pl NAME
+/// SERVER [PORT [TYPE]]` (TYPE `A`, the default, or `AAAA`) prints
+/// `rcode=N answers=A.B.C.D,...` (IPv6 answers as eight groups of four hex
+/// digits).
 pub(super) const DNS_QUERY: &str = r#"
 use strict; use IO::Socket::INET;
-my ($name, $server, $port) = @ARGV; $port ||= 53;
+my ($name, $server, $port, $qtype) = @ARGV; $port ||= 53;
+my $qt = ($qtype || "A") eq "AAAA" ? 28 : 1;
 my $q = pack("n6", 0x4242, 0x0100, 1, 0, 0, 0)
-  . join("", map { chr(length $_) . $_ } split /\./, $name) . "\0" . pack("n2", 1, 1);
+  . join("", map { chr(length $_) . $_ } split /\./, $name) . "\0" . pack("n2", $qt, 1);
 my $s = IO::Socket::INET->new(PeerAddr => $server, PeerPort => $port, Proto => "udp")
   or die "socket: $!\n";
 defined $s->send($q) or die "send: $!\n";
@@ -84,6 +87,7 @@ for (1 .. $an) {
   else { $off += ord(substr($r, $off, 1)) + 1 while ord(substr($r, $off, 1)); $off += 1 }
   my ($type, $class, $ttl, $len) = unpack("n2 N n", substr($r, $off, 10)); $off += 10;
   push @a, join(".", unpack("C4", substr($r, $off, 4))) if $type == 1 && $len == 4;
+  push @a, join(":", unpack("(H4)8", substr($r, $off, 16))) if $type == 28 && $len == 16;
   $off += $len;
 }
 printf "id=%d rcode=%d answers=%s\n", $id, $flags & 15, join(",", @a);
