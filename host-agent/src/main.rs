@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 
 mod cli;
 
-use cli::client::{run_client, ClientTls, EventsCmd, ImagesCmd, SessionsCmd};
+use cli::client::{run_client, ClientTls, EventsCmd, ImagesCmd, SessionsCmd, TurnsCmd};
 use cli::demo::{run_demo, DemoArgs};
 use cli::serve::{run_serve, ServeArgs};
 
@@ -92,6 +92,9 @@ enum Cmd {
         #[arg(last = true, required = true)]
         argv: Vec<String>,
     },
+    /// Turns of guest-init sessions.
+    #[command(subcommand)]
+    Turns(TurnsCmd),
 }
 
 fn main() -> ExitCode {

@@ -1,4 +1,5 @@
-//! `hostagent.v1.Exec`: a bidirectional stream relayed to guest-init.
+//! `hostagent.v1.Exec`: a bidirectional stream relayed to guest-init, and
+//! EndTurn.
 //!
 //! The first request must be `start`, naming the session and its current
 //! execution id (a stale id is refused). Sessions of images without
@@ -58,6 +59,27 @@ pub fn check_execution(
 #[tonic::async_trait]
 impl Exec for ExecApi {
     type ExecStream = ExecStream;
+
+    async fn end_turn(
+        &self,
+        req: Request<pb::EndTurnRequest>,
+    ) -> Result<Response<pb::EndTurnResponse>, Status> {
+        let caller = caller_of(&req)?;
+        let r = req.into_inner();
+        owned_session(&self.0, &caller, &r.session_id)?;
+        let killed = self.0.end_turn(&r.session_id, &r.turn_id).await?;
+        Ok(Response::new(pb::EndTurnResponse {
+            session_id: r.session_id,
+            turn_id: r.turn_id,
+            killed: killed
+                .into_iter()
+                .map(|k| pb::KilledProcess {
+                    pid: k.pid,
+                    command: k.command,
+                })
+                .collect(),
+        }))
+    }
 
     async fn exec(
         &self,

@@ -44,7 +44,7 @@ pub fn required(path: &str) -> Access {
             _ => Unknown,
         },
         "hostagent.v1.Exec" => match method {
-            "Exec" => Needs(Sessions),
+            "Exec" | "EndTurn" => Needs(Sessions),
             _ => Unknown,
         },
         "hostagent.v1.Approvals" => match method {

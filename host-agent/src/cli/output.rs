@@ -364,6 +364,18 @@ impl Record for NodeInfo {
     }
 }
 
+impl Record for pb::KilledProcess {
+    fn headers() -> &'static [&'static str] {
+        &["PID", "COMMAND"]
+    }
+    fn cells(&self) -> Vec<String> {
+        vec![self.pid.to_string(), self.command.clone()]
+    }
+    fn json(&self) -> Value {
+        json!({ "pid": self.pid, "command": self.command })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -23,12 +23,14 @@ mod ops;
 mod ports;
 mod recover;
 mod resolver;
+mod turns;
 mod warm;
 
 use lifecycle::billable;
 pub use lifecycle::{is_terminal, now_ms, reason, state_name};
 pub use network::NetworkState;
 pub use ports::{Exposed, MAX_EXPOSED_PORTS};
+pub use turns::{check_turn_id, Killed, MAX_TURN_ID_BYTES};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

@@ -1,5 +1,5 @@
 //! The operator client: the `images`, `sessions`, `events`, `usage`,
-//! `node` and `exec` subcommands over the gRPC API.
+//! `node`, `exec` and `turns` subcommands over the gRPC API.
 
 use std::path::PathBuf;
 
@@ -14,11 +14,13 @@ mod images;
 mod io_limits;
 mod node;
 mod sessions;
+mod turns;
 mod usage;
 
 pub use events::EventsCmd;
 pub use images::ImagesCmd;
 pub use sessions::SessionsCmd;
+pub use turns::TurnsCmd;
 
 /// Client TLS settings from the global flags.
 pub struct ClientTls {
@@ -107,6 +109,7 @@ pub async fn run_client(
             argv,
         } => exec::run(ch, bearer, session, execution_id, turn, stdin, argv).await,
         Cmd::Node => node::run(ch, bearer, out).await,
+        Cmd::Turns(c) => turns::run(ch, bearer, out, c).await,
     }
 }
 
