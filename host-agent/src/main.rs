@@ -8,7 +8,9 @@ use clap::{Parser, Subcommand};
 
 mod cli;
 
-use cli::client::{run_client, ClientTls, EventsCmd, ImagesCmd, SessionsCmd, TurnsCmd};
+use cli::client::{
+    run_client, ApprovalsCmd, ClientTls, EventsCmd, ImagesCmd, SessionsCmd, TurnsCmd,
+};
 use cli::demo::{run_demo, DemoArgs};
 use cli::serve::{run_serve, ServeArgs};
 
@@ -95,6 +97,18 @@ enum Cmd {
     /// Turns of guest-init sessions.
     #[command(subcommand)]
     Turns(TurnsCmd),
+    /// Asks waiting for an answer, and answering them.
+    #[command(subcommand)]
+    Approvals(ApprovalsCmd),
+    /// A session's audit records as host-agent holds them.
+    Audit {
+        /// Session id.
+        session: String,
+        /// Check the host's hash chain and the guest's sequence; fails when
+        /// either breaks.
+        #[arg(long)]
+        verify: bool,
+    },
 }
 
 fn main() -> ExitCode {

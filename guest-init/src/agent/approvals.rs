@@ -24,7 +24,9 @@ impl Session {
             exec_id: e.exec_id.clone(),
             turn_id: e.turn_id.clone(),
             tool: crate::policy::EXEC_TOOL.into(),
-            subject: subject.to_string(),
+            // The host records the subject in the session's events: no
+            // secret values there.
+            subject: self.secrets.redactor().redact(subject),
             rule: rule.to_string(),
             timeout_ms: u32::try_from(self.ask_timeout.as_millis()).unwrap_or(u32::MAX),
         })))

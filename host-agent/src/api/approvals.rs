@@ -77,10 +77,16 @@ impl Approvals for ApprovalsApi {
             return Err(Error::not_found("ask", r.ask_id).into());
         }
         conn.send(In::Answer(GAnswer {
-            ask_id: r.ask_id,
+            ask_id: r.ask_id.clone(),
             reply: r.reply,
         }))
         .await?;
+        let word = match pb::Reply::try_from(r.reply) {
+            Ok(pb::Reply::Once) => "once",
+            Ok(pb::Reply::Always) => "always",
+            _ => "reject",
+        };
+        self.0.note_answer(&sess, &r.ask_id, word)?;
         Ok(Response::new(pb::AnswerResponse {}))
     }
 

@@ -167,6 +167,7 @@ impl Exec for ExecApi {
                 }
             }
         });
+        let session_id = start.session_id.clone();
         let out = tokio_stream::wrappers::ReceiverStream::new(rx).filter_map(move |m| {
             use pb::exec_response::Kind as R;
             let kind = match m.kind? {
@@ -191,6 +192,16 @@ impl Exec for ExecApi {
                     r.reason
                 } else {
                     format!("{} ({})", r.reason, r.rule)
+                }),
+                Out::AskRequest(a) => R::Ask(pb::Ask {
+                    ask_id: a.ask_id,
+                    session_id: session_id.clone(),
+                    exec_id: a.exec_id,
+                    turn_id: a.turn_id,
+                    tool: a.tool,
+                    subject: a.subject,
+                    rule: a.rule,
+                    asked_at: crate::sessions::now_ms(),
                 }),
                 Out::Error(e) => {
                     return Some(Err(Status::aborted(format!("guest-init: {}", e.message))))

@@ -376,6 +376,56 @@ impl Record for pb::KilledProcess {
     }
 }
 
+impl Record for pb::Ask {
+    fn headers() -> &'static [&'static str] {
+        &["ASK", "EXEC", "TURN", "TOOL", "COMMAND", "RULE"]
+    }
+    fn cells(&self) -> Vec<String> {
+        vec![
+            self.ask_id.clone(),
+            self.exec_id.clone(),
+            self.turn_id.clone(),
+            self.tool.clone(),
+            self.subject.clone(),
+            self.rule.clone(),
+        ]
+    }
+    fn json(&self) -> Value {
+        json!({
+            "ask_id": self.ask_id,
+            "session_id": self.session_id,
+            "exec_id": self.exec_id,
+            "turn_id": self.turn_id,
+            "tool": self.tool,
+            "subject": self.subject,
+            "rule": self.rule,
+            "asked_at": self.asked_at,
+        })
+    }
+}
+
+impl Record for pb::AuditRecord {
+    fn headers() -> &'static [&'static str] {
+        &["SEQ", "RECEIVED", "RECORD"]
+    }
+    fn cells(&self) -> Vec<String> {
+        vec![
+            self.guest_seq.to_string(),
+            self.received_at.to_string(),
+            self.json.clone(),
+        ]
+    }
+    fn json(&self) -> Value {
+        json!({
+            "session_id": self.session_id,
+            "guest_seq": self.guest_seq,
+            "json": self.json,
+            "host_hash": self.host_hash,
+            "received_at": self.received_at,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,6 +16,9 @@ pub const MAX_ASK_BYTES: usize = 64 * 1024;
 pub const CONTROL_QUEUE: usize = 32;
 /// Largest control message (encoded); a larger one is dropped.
 pub const MAX_CONTROL_BYTES: usize = 64 * 1024;
+/// Ask notices ([`super::AskNotice`]) queued for the session's events; when
+/// the queue is full, more are dropped and counted.
+pub const ASK_NOTICE_QUEUE: usize = 128;
 /// Bundle chunks queued for the file the branch is written to.
 pub const BUNDLE_QUEUE: usize = 4;
 /// Longest a branch fetch may take, however the chunks trickle in.

@@ -98,6 +98,23 @@ pub struct PendingAsk {
     pub asked_at: i64,
 }
 
+/// What became of an ask, for the session's events (the reader sends these;
+/// the session manager records them).
+#[derive(Debug, Clone)]
+pub enum AskNotice {
+    /// The guest asked.
+    Asked(PendingAsk),
+    /// The command waiting on an ask ended before anyone answered it (the
+    /// guest's approval timeout, the turn or session ending): `why` is the
+    /// guest's reason.
+    Unanswered {
+        /// The ask.
+        ask: PendingAsk,
+        /// Why its command ended.
+        why: String,
+    },
+}
+
 /// Per-session audit settings for [`GuestConn::open`].
 #[derive(Clone)]
 pub struct AuditSink {
@@ -138,6 +155,7 @@ pub struct GuestConn {
     out: mpsc::Sender<HostMessage>,
     shared: Arc<Shared>,
     control: tokio::sync::Mutex<broadcast::Receiver<GuestMessage>>,
+    notices: Mutex<Option<mpsc::Receiver<AskNotice>>>,
 }
 
 fn kind(m: In) -> HostMessage {
@@ -177,6 +195,7 @@ impl GuestConn {
             violation: watch::channel(None).0,
         });
         let (ctl_tx, ctl_rx) = broadcast::channel(limits::CONTROL_QUEUE);
+        let (notice_tx, notice_rx) = mpsc::channel(limits::ASK_NOTICE_QUEUE);
         let chain = match audit {
             Some(sink) => Some(AuditChain::load(sink, session_id)?),
             None => None,
@@ -189,12 +208,14 @@ impl GuestConn {
             out: out_tx.downgrade(),
             audit: chain,
             session_id: session_id.to_string(),
+            notices: notice_tx,
         };
         tokio::spawn(reader.run(r));
         let conn = GuestConn {
             out: out_tx,
             shared,
             control: tokio::sync::Mutex::new(ctl_rx),
+            notices: Mutex::new(Some(notice_rx)),
         };
         let first = conn.next_control(Duration::from_secs(30)).await?;
         proto::hello::accept_guest_hello(first).map_err(|e| Error::Guest(e.to_string()))?;
@@ -296,6 +317,15 @@ impl GuestConn {
     /// Removes a pending ask, returning whether it was pending.
     pub fn take_ask(&self, ask_id: &str) -> bool {
         self.shared.routes().asks.remove(ask_id).is_some()
+    }
+
+    /// What becomes of this channel's asks, in order: taken once, by whoever
+    /// records the session's events.
+    pub fn take_ask_notices(&self) -> Option<mpsc::Receiver<AskNotice>> {
+        self.notices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 
     /// Asks the guest for the session branch (FetchBranch) and writes the

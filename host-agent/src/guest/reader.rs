@@ -21,6 +21,8 @@ pub(super) struct Reader {
     pub(super) out: mpsc::WeakSender<HostMessage>,
     pub(super) audit: Option<AuditChain>,
     pub(super) session_id: String,
+    /// What becomes of asks, for the session's events.
+    pub(super) notices: mpsc::Sender<AskNotice>,
 }
 
 impl Reader {
@@ -75,7 +77,16 @@ impl Reader {
             return self.route_exec(id, m).await;
         }
         match m.kind {
-            Some(Out::AskRequest(a)) => self.route_ask(a),
+            Some(Out::AskRequest(a)) => {
+                // Accepted, it is also shown in the Exec stream of the
+                // command waiting on it.
+                if let Some(exec_id) = self.route_ask(a.clone()) {
+                    let m = GuestMessage {
+                        kind: Some(Out::AskRequest(a)),
+                    };
+                    self.route_exec(exec_id, m).await;
+                }
+            }
             Some(Out::AuditEvent(a)) => {
                 let Some(chain) = self.audit.as_mut() else {
                     metrics::guest_dropped("unexpected");
@@ -120,6 +131,12 @@ impl Reader {
             m.kind,
             Some(Out::ExecExited(_) | Out::ExecRejected(_) | Out::Error(_))
         );
+        // Why the command ended, for an ask it leaves unanswered.
+        let ended_why = match &m.kind {
+            Some(Out::ExecRejected(r)) => r.reason.clone(),
+            Some(Out::Error(e)) => e.message.clone(),
+            _ => "the command ended".to_string(),
+        };
         let tx = self.shared.routes().execs.get(&id).cloned();
         match tx {
             Some(tx) => {
@@ -130,9 +147,22 @@ impl Reader {
             None => metrics::guest_dropped("unexpected"),
         }
         if ends {
-            let mut g = self.shared.routes();
-            g.execs.remove(&id);
-            g.asks.retain(|_, a| a.ask.exec_id != id);
+            // An ask still held here was never answered (an answer takes it).
+            let unanswered: Vec<PendingAsk> = {
+                let mut g = self.shared.routes();
+                g.execs.remove(&id);
+                let (gone, kept): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut g.asks)
+                    .into_iter()
+                    .partition(|(_, a)| a.ask.exec_id == id);
+                g.asks = kept;
+                gone.into_values().collect()
+            };
+            for ask in unanswered {
+                self.notice(AskNotice::Unanswered {
+                    ask,
+                    why: ended_why.clone(),
+                });
+            }
         }
     }
 
@@ -161,7 +191,16 @@ impl Reader {
         sent
     }
 
-    fn route_ask(&mut self, a: AskRequest) {
+    /// Hands `n` to whoever records the session's events, never waiting.
+    fn notice(&self, n: AskNotice) {
+        if self.notices.try_send(n).is_err() {
+            metrics::guest_dropped("ask_notice");
+        }
+    }
+
+    /// Holds `a` for an answer; returns its command's exec id when it was
+    /// accepted (a refused ask is rejected to the guest at once).
+    fn route_ask(&mut self, a: AskRequest) -> Option<String> {
         let refused = {
             let mut g = self.shared.routes();
             if !g.execs.contains_key(&a.exec_id) {
@@ -171,13 +210,15 @@ impl Reader {
             } else if g.asks.len() >= limits::MAX_PENDING_ASKS && !g.asks.contains_key(&a.ask_id) {
                 Some("asks_full")
             } else {
-                g.asks.insert(
-                    a.ask_id.clone(),
-                    PendingAsk {
-                        ask: a.clone(),
-                        asked_at: now_ms(),
-                    },
-                );
+                let pending = PendingAsk {
+                    ask: a.clone(),
+                    asked_at: now_ms(),
+                };
+                let new = g.asks.insert(a.ask_id.clone(), pending.clone()).is_none();
+                drop(g);
+                if new {
+                    self.notice(AskNotice::Asked(pending));
+                }
                 None
             }
         };
@@ -190,6 +231,8 @@ impl Reader {
                     reply: Reply::Reject as i32,
                 }));
             }
+            return None;
         }
+        Some(a.exec_id)
     }
 }

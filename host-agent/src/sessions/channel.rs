@@ -34,7 +34,11 @@ impl Manager {
             store: self.store.clone(),
             max_bytes: self.cfg.max_audit_bytes_per_session,
         };
-        GuestConn::open(stream, &sess.id, Some(audit)).await
+        let conn = GuestConn::open(stream, &sess.id, Some(audit)).await?;
+        if let Some(notices) = conn.take_ask_notices() {
+            self.record_asks(sess, notices);
+        }
+        Ok(conn)
     }
 
     /// Opens the guest channel and starts the session in guest-init:

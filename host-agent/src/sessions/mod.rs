@@ -11,6 +11,7 @@
 //! delete), `limits` (usage samples and the time limits), `recover`
 //! (re-attach after a restart). This file keeps the types and the lookups.
 
+mod asks;
 mod channel;
 mod create;
 mod exits;
@@ -30,11 +31,11 @@ use lifecycle::billable;
 pub use lifecycle::{is_terminal, now_ms, reason, state_name};
 pub use network::NetworkState;
 pub use ports::{Exposed, MAX_EXPOSED_PORTS};
-pub use turns::{check_turn_id, Killed, MAX_TURN_ID_BYTES};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+pub use turns::{check_turn_id, Killed, MAX_TURN_ID_BYTES};
 
 use proto::guest::{
     guest_message::Kind as Out, host_message::Kind as In, RepoChunk, ResumeSession, Shutdown,
@@ -176,6 +177,8 @@ impl Session {
 
 /// The node's sessions, images and their vmm processes.
 pub struct Manager {
+    /// This manager, for the tasks it starts from `&self` methods.
+    me: std::sync::Weak<Manager>,
     /// Configuration.
     pub cfg: Config,
     /// The database.
@@ -234,7 +237,8 @@ impl Manager {
             .as_ref()
             .map(|n| NodeNetwork::start(&n.node_settings()?).map(Arc::new))
             .transpose()?;
-        Ok(Arc::new(Manager {
+        Ok(Arc::new_cyclic(|me| Manager {
+            me: me.clone(),
             cfg,
             store,
             events,

@@ -82,6 +82,13 @@ pub async fn run(
                 let _ = std::io::stderr().write_all(&d);
             }
             Some(R::Rejected(why)) => return Err(format!("rejected: {why}")),
+            Some(R::Ask(a)) => {
+                eprintln!(
+                    "host-agent: waiting for approval: ask {} for {:?} (rule {:?}); \
+                     answer with `host-agent approvals answer {} {} once|always|reject`",
+                    a.ask_id, a.subject, a.rule, a.session_id, a.ask_id
+                );
+            }
             Some(R::Exit(e)) => match e.status {
                 Some(pb::exec_exit::Status::Code(0)) => return Ok(()),
                 Some(pb::exec_exit::Status::Code(c)) => {

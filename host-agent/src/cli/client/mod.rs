@@ -1,5 +1,6 @@
 //! The operator client: the `images`, `sessions`, `events`, `usage`,
-//! `node`, `exec` and `turns` subcommands over the gRPC API.
+//! `node`, `exec`, `turns`, `approvals` and `audit` subcommands over the
+//! gRPC API.
 
 use std::path::PathBuf;
 
@@ -8,6 +9,7 @@ use tonic::transport::Channel;
 use super::output::Output;
 use crate::Cmd;
 
+mod approvals;
 mod events;
 mod exec;
 mod images;
@@ -17,6 +19,7 @@ mod sessions;
 mod turns;
 mod usage;
 
+pub use approvals::ApprovalsCmd;
 pub use events::EventsCmd;
 pub use images::ImagesCmd;
 pub use sessions::SessionsCmd;
@@ -110,6 +113,8 @@ pub async fn run_client(
         } => exec::run(ch, bearer, session, execution_id, turn, stdin, argv).await,
         Cmd::Node => node::run(ch, bearer, out).await,
         Cmd::Turns(c) => turns::run(ch, bearer, out, c).await,
+        Cmd::Approvals(c) => approvals::run(ch, bearer, out, c).await,
+        Cmd::Audit { session, verify } => approvals::audit(ch, bearer, out, session, verify).await,
     }
 }
 
