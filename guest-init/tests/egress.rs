@@ -104,6 +104,22 @@ fn rules_apply_in_a_network_namespace() {
     }
 }
 
+/// Runs `ip args...` (in the calling thread's namespace).
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
 /// Found by the real guest (`net-ipv6`): guest-init's own table dropped
 /// the guest's neighbour solicitations, so its IPv6 gateway never resolved.
 /// Here the guest's end is configured as guest-init configures it (ip6=),
@@ -119,20 +135,6 @@ fn ipv6_neighbour_discovery_passes_the_rules() {
         return;
     }
     let gw_ns = format!("gi6gw{}", std::process::id());
-    let ip = |args: &[&str]| -> Result<(), String> {
-        let out = Command::new("ip")
-            .args(args)
-            .output()
-            .map_err(|e| e.to_string())?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "ip {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            ))
-        }
-    };
     if let Err(e) = ip(&["netns", "add", &gw_ns]) {
         println!("SKIPPED ipv6_neighbour_discovery_passes_the_rules: {e}");
         return;
@@ -147,20 +149,6 @@ fn ipv6_neighbour_discovery_passes_the_rules() {
                 std::io::Error::last_os_error()
             ));
         }
-        let ip = |args: &[&str]| -> Result<(), String> {
-            let out = Command::new("ip")
-                .args(args)
-                .output()
-                .map_err(|e| e.to_string())?;
-            if out.status.success() {
-                Ok(())
-            } else {
-                Err(format!(
-                    "ip {args:?}: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                ))
-            }
-        };
         ip(&[
             "link", "add", "eth0", "type", "veth", "peer", "name", "gw0", "netns", &ns,
         ])?;

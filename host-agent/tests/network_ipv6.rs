@@ -14,7 +14,8 @@ use std::time::Duration;
 mod common;
 
 use common::netns::{
-    attach_guest, echo_from, in_ns, ip, missing_tools as missing, node_and_internet, Cleanup, Ns,
+    attach_guest, echo_from, echo_from_all, in_ns, ip, missing_tools as missing, node_and_internet,
+    Cleanup, Ns,
 };
 use host_agent::network::addressing::{AddressPool, Cidr, GUEST_IP6};
 use host_agent::network::namespace::{list_namespaces, VmNetwork};
@@ -131,19 +132,8 @@ fn clones_share_an_ipv6_guest_address_and_its_egress_is_enforced_on_the_host_sid
 
     // Two clones with the same IPv6 guest address reach the internet at once.
     let server = at(SERVED[0], 8080);
-    let both: Vec<_> = guests
-        .iter()
-        .map(|g| {
-            let g = g.0.clone();
-            std::thread::spawn(move || echo_from(&g, server))
-        })
-        .collect();
-    for (i, t) in both.into_iter().enumerate() {
-        assert_eq!(
-            t.join().unwrap(),
-            Ok(()),
-            "guest {i} reaches the allowed IPv6 server"
-        );
+    for (i, got) in echo_from_all(&guests, server).into_iter().enumerate() {
+        assert_eq!(got, Ok(()), "guest {i} reaches the allowed IPv6 server");
     }
 
     // Denied: dropped on the host side (a timeout, never a refusal).
@@ -284,8 +274,10 @@ fn clones_share_an_ipv6_guest_address_and_its_egress_is_enforced_on_the_host_sid
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_on_a_node_with_an_ipv6_pool_gets_ipv6() {
     use common::netns::PrefixCleanup;
-    use common::networked::{build_net_image, can_run, namespaces, wait_no_namespaces};
-    use common::{Agent, S};
+    use common::networked::{
+        build_net_image, can_run, namespaces, networked_agent, wait_no_namespaces,
+    };
+    use common::S;
     use proto::hostagent as pb;
 
     if !can_run() {
@@ -294,24 +286,13 @@ async fn a_session_on_a_node_with_an_ipv6_pool_gets_ipv6() {
     let tag = std::process::id();
     let prefix = format!("av6s{tag}-");
     let _cleanup = PrefixCleanup(prefix.clone());
-    let node = Ns::new(format!("s6n{tag}"));
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("config.json");
-    std::fs::write(
-        &cfg,
-        serde_json::json!({
-            "network": {
-                "pool": ["10.206.0.0/29", "fd00:206::/112"],
-                "node_netns": node.0,
-                "netns_prefix": prefix,
-                "allow": ["0.0.0.0/0 tcp 443", "2001:db8::/32 tcp 443"],
-                "dns_upstreams": ["127.0.0.1:9"],
-            }
-        })
-        .to_string(),
-    )
-    .unwrap();
-    let agent = Agent::start(&["--config", cfg.to_str().unwrap()]);
+    let (_node, _cfg, agent) = networked_agent(
+        &format!("s6n{tag}"),
+        &prefix,
+        serde_json::json!(["10.206.0.0/29", "fd00:206::/112"]),
+        &["0.0.0.0/0 tcp 443", "2001:db8::/32 tcp 443"],
+        &[],
+    );
     build_net_image(&agent).await;
     let s = agent.create("net", "").await;
     agent.wait_state(&s.session_id, S::Running).await;

@@ -284,11 +284,31 @@ impl VmNetwork {
         }
         node_side.push(format!("link set {} up", self.veth_host));
         vm_side.push(format!("link set {TAP_NAME} up"));
-        run(
+        let node_script = node_side.join("\n") + "\n";
+        let made = run(
             "making the node's end of the VM's veth pair",
             &mut ip(node, &["-batch", "-"]),
-            Some(&(node_side.join("\n") + "\n")),
-        )?;
+            Some(&node_script),
+        );
+        if let Err(e) = made {
+            // The veth of an earlier VM of this slot whose namespace was
+            // just removed goes with it, but asynchronously (the kernel
+            // tears a namespace down in the background): take it down now
+            // and try once more.
+            if !e.to_string().contains("File exists") {
+                return Err(e);
+            }
+            let _ = run(
+                "removing a stale veth of the slot",
+                &mut ip(node, &["link", "del", &self.veth_host]),
+                None,
+            );
+            run(
+                "making the node's end of the VM's veth pair",
+                &mut ip(node, &["-batch", "-"]),
+                Some(&node_script),
+            )?;
+        }
         run(
             "addressing the VM's veth, tap and routes",
             &mut ip(ns, &["-batch", "-"]),

@@ -109,6 +109,24 @@ pub fn echo_from(ns: &str, to: std::net::SocketAddr) -> Result<(), std::io::Erro
     .expect("client thread")
 }
 
+/// Connects from every guest namespace of `guests` to `server` at the same
+/// time (threads); what each got, in order.
+pub fn echo_from_all(
+    guests: &[Ns],
+    server: std::net::SocketAddr,
+) -> Vec<Result<(), std::io::ErrorKind>> {
+    let all: Vec<_> = guests
+        .iter()
+        .map(|g| {
+            let g = g.0.clone();
+            std::thread::spawn(move || echo_from(&g, server))
+        })
+        .collect();
+    all.into_iter()
+        .map(|t| t.join().expect("client thread"))
+        .collect()
+}
+
 /// A "guest" namespace `name` joined to VM namespace `vm_netns` where the
 /// tap would be, by a veth named `tap0` (the guest's end is `eth0`), with
 /// the guest's address and its default route via the gateway (IPv6 too,

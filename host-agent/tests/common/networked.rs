@@ -43,12 +43,13 @@ pub fn wait_gone(path: &Path) {
 }
 
 /// A namespace standing for the node, and a host-agent whose `network`
-/// uses it with `pool`, `allow` and the namespace prefix `prefix`;
-/// `extra` are more host-agent flags.
+/// uses it with `pool` (a block, or a list of an IPv4 and an IPv6 block),
+/// `allow` and the namespace prefix `prefix`; `extra` are more host-agent
+/// flags.
 pub fn networked_agent(
     name: &str,
     prefix: &str,
-    pool: &str,
+    pool: impl Into<serde_json::Value>,
     allow: &[&str],
     extra: &[&str],
 ) -> (Ns, tempfile::TempDir, Agent) {
@@ -59,7 +60,7 @@ pub fn networked_agent(
         &cfg,
         serde_json::json!({
             "network": {
-                "pool": pool,
+                "pool": pool.into(),
                 "node_netns": node.0,
                 "netns_prefix": prefix,
                 "allow": allow,

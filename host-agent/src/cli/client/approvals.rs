@@ -4,7 +4,7 @@
 
 use clap::{Subcommand, ValueEnum};
 use proto::hostagent as pb;
-use proto::hostagent::{approvals_client::ApprovalsClient, sessions_client::SessionsClient};
+use proto::hostagent::approvals_client::ApprovalsClient;
 use sha2::{Digest, Sha256};
 use tonic::transport::Channel;
 
@@ -71,19 +71,8 @@ pub async fn run(
             reply,
             execution_id,
         } => {
-            let execution_id = match execution_id {
-                Some(e) => e,
-                None => {
-                    SessionsClient::with_interceptor(ch, bearer)
-                        .get_session(pb::SessionRef {
-                            session_id: session.clone(),
-                        })
-                        .await
-                        .map_err(st)?
-                        .into_inner()
-                        .execution_id
-                }
-            };
+            let execution_id =
+                super::execution_id_or_current(&ch, &bearer, &session, execution_id).await?;
             let reply = match reply {
                 ReplyArg::Once => pb::Reply::Once,
                 ReplyArg::Always => pb::Reply::Always,

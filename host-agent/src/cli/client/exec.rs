@@ -2,7 +2,7 @@
 //! forwarded, its output printed, its exit status this process's.
 
 use proto::hostagent as pb;
-use proto::hostagent::{exec_client::ExecClient, sessions_client::SessionsClient};
+use proto::hostagent::exec_client::ExecClient;
 use tonic::transport::Channel;
 
 use super::{status as st, Bearer};
@@ -17,19 +17,7 @@ pub async fn run(
     stdin: bool,
     argv: Vec<String>,
 ) -> Result<(), String> {
-    let execution_id = match execution_id {
-        Some(e) => e,
-        None => {
-            SessionsClient::with_interceptor(ch.clone(), bearer.clone())
-                .get_session(pb::SessionRef {
-                    session_id: session.clone(),
-                })
-                .await
-                .map_err(st)?
-                .into_inner()
-                .execution_id
-        }
-    };
+    let execution_id = super::execution_id_or_current(&ch, &bearer, &session, execution_id).await?;
     let (tx, rx) = tokio::sync::mpsc::channel(16);
     let start = pb::ExecRequest {
         kind: Some(pb::exec_request::Kind::Start(pb::ExecStart {

@@ -118,6 +118,31 @@ pub async fn run_client(
     }
 }
 
+/// `execution_id`, or, when not given, session `session`'s current one.
+async fn execution_id_or_current(
+    ch: &Channel,
+    bearer: &Bearer,
+    session: &str,
+    execution_id: Option<String>,
+) -> Result<String, String> {
+    if let Some(e) = execution_id {
+        return Ok(e);
+    }
+    Ok(
+        proto::hostagent::sessions_client::SessionsClient::with_interceptor(
+            ch.clone(),
+            bearer.clone(),
+        )
+        .get_session(proto::hostagent::SessionRef {
+            session_id: session.to_string(),
+        })
+        .await
+        .map_err(status)?
+        .into_inner()
+        .execution_id,
+    )
+}
+
 /// A gRPC status as the client prints it.
 fn status(e: tonic::Status) -> String {
     format!("{:?}: {}", e.code(), e.message())
