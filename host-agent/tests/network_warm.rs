@@ -10,12 +10,15 @@ mod common;
 use std::path::Path;
 use std::time::Instant;
 
-use common::netns::PrefixCleanup;
+use common::netns::{ask_udp, PrefixCleanup};
 use common::networked::{
-    can_run, jailed_vmm, namespaces, net_golden, net_image, netns_inode, netns_of, networked_agent,
-    nft_set, nft_tables, wait_gone, wait_namespaces, wait_warm, warm_dirs, WarmDir,
+    build_net_image, can_run, jailed_vmm, namespaces, net_golden, net_image, netns_inode, netns_of,
+    networked_agent, nft_set, nft_tables, wait_gone, wait_namespaces, wait_warm, warm_dirs,
+    WarmDir,
 };
 use common::*;
+use hickory_proto::op::ResponseCode;
+use hickory_proto::rr::RecordType;
 use proto::hostagent as pb;
 
 const NODE_ALLOW: [&str; 2] = ["203.0.113.0/24 tcp 443", "198.51.100.0/24"];
@@ -56,6 +59,16 @@ async fn started_from(agent: &Agent, id: &str) -> String {
         .unwrap_or_default()
 }
 
+/// How many `network_granted` events session `id` has.
+async fn granted_events(agent: &Agent, id: &str) -> usize {
+    agent
+        .session_events(id)
+        .await
+        .iter()
+        .filter(|e| e.reason == "network_granted")
+        .count()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warm_vms_have_their_network_made_ahead_and_sessions_take_it() {
     if !can_run() {
@@ -94,8 +107,22 @@ async fn warm_vms_have_their_network_made_ahead_and_sessions_take_it() {
 
     // CreateSession takes it: the same vmm, in the namespace made ahead,
     // which the session records, now with the session's allowlist (the
-    // node's: the session has no repository).
+    // node's: the session has no repository). The network is handed over
+    // while the guest resumes, and the session is RUNNING only once that is
+    // done: the policy is in force and the resolver answers as the call
+    // returns (checked first thing, without waiting).
     let s = agent.create("net", "").await;
+    assert!(
+        allows_the_nodes(&warm_ns),
+        "RUNNING before its policy is in: {}",
+        nft_set(&warm_ns, "allow_port")
+    );
+    let answer = ask_udp(&warm_ns, "not.granted", RecordType::A);
+    assert_eq!(
+        answer.map(|m| m.response_code()),
+        Some(ResponseCode::NXDomain),
+        "RUNNING before its resolver answers"
+    );
     assert_eq!(s.state, S::Running as i32);
     assert_eq!(s.vmm_pid, warm_pid, "the session got the warm VM");
     assert_eq!(started_from(&agent, &s.session_id).await, "from a warm VM");
@@ -103,18 +130,9 @@ async fn warm_vms_have_their_network_made_ahead_and_sessions_take_it() {
     let recorded = std::fs::read_to_string(session_dir.join("network-namespace")).unwrap();
     assert_eq!(recorded.trim(), warm_ns);
     assert_eq!(netns_of(jailed_vmm(s.vmm_pid)), netns_inode(&warm_ns));
-    assert!(
-        allows_the_nodes(&warm_ns),
-        "{}",
-        nft_set(&warm_ns, "allow_port")
-    );
     let net = agent.get(&s.session_id).await.network.expect("a network");
     assert!(net.vm_address.starts_with("10.210.0."), "{net:?}");
-    let events = agent.session_events(&s.session_id).await;
-    assert!(
-        events.iter().any(|e| e.reason == "network_granted"),
-        "{events:?}"
-    );
+    assert_eq!(granted_events(&agent, &s.session_id).await, 1);
 
     // The pool refills, with a namespace of its own that allows nothing.
     let (next_pid, next_ns) = the_warm_vm(&agent).await;
@@ -199,6 +217,83 @@ async fn warm_vms_have_their_network_made_ahead_and_sessions_take_it() {
     // Shut down: the warm VM's network goes with it.
     assert!(agent.terminate().success());
     assert_eq!(namespaces(&prefix), Vec::<String>::new());
+}
+
+/// A warm VM whose network cannot be handed over (its namespace lost its
+/// rules, so the session's policy cannot be loaded) never runs the
+/// session: the session is restored from the golden snapshot in a network
+/// of its own, RUNNING with its policy in force, said granted once; the
+/// warm VM and its namespace are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_vm_whose_network_cannot_be_handed_over_is_replaced_by_a_restore() {
+    if !can_run() {
+        return;
+    }
+    let tag = std::process::id();
+    let prefix = format!("avf{tag}-");
+    let _cleanup = PrefixCleanup(prefix.clone());
+    let (_node, _cfg, agent) = networked_agent(
+        &format!("sf{tag}"),
+        &prefix,
+        "10.212.0.0/28",
+        &NODE_ALLOW,
+        &["--warm-pool", "1"],
+    );
+    build_net_image(&agent).await;
+    let (warm_pid, warm_ns) = the_warm_vm(&agent).await;
+    let out = std::process::Command::new("ip")
+        .args([
+            "netns", "exec", &warm_ns, "nft", "delete", "table", "ip", "agentvm",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+
+    let s = agent.create("net", "").await;
+    // Checked first, without waiting: in force when RUNNING is reported.
+    let ns: Vec<String> = namespaces(&prefix)
+        .into_iter()
+        .filter(|n| *n != warm_ns)
+        .collect();
+    let session_ns = ns
+        .iter()
+        .find(|n| netns_of(jailed_vmm(s.vmm_pid)) == netns_inode(n))
+        .unwrap_or_else(|| panic!("the session's vmm is in none of {ns:?}"))
+        .clone();
+    assert!(
+        allows_the_nodes(&session_ns),
+        "{}",
+        nft_set(&session_ns, "allow_port")
+    );
+    assert_eq!(s.state, S::Running as i32);
+    assert_ne!(s.vmm_pid, warm_pid, "the warm VM did not run the session");
+    let from = started_from(&agent, &s.session_id).await;
+    assert!(
+        from.starts_with("from the golden snapshot (the warm VM failed: ")
+            && from.contains("its network could not be handed over"),
+        "{from}"
+    );
+    assert_eq!(granted_events(&agent, &s.session_id).await, 1);
+    // Nothing of the warm VM is left: its vmm, its namespace.
+    wait_gone(&Path::new("/proc").join(warm_pid.to_string()));
+    wait_gone(&Path::new("/run/netns").join(&warm_ns));
+    // The session's network is the one the restore made, and a live update
+    // reaches it.
+    let session_dir = agent.state_dir().join("sessions").join(&s.session_id);
+    assert!(!session_dir.join("network-namespace").exists());
+    agent
+        .sessions()
+        .await
+        .update_session_network(pb::UpdateSessionNetworkRequest {
+            session_id: s.session_id.clone(),
+            allow: vec!["198.51.100.7".into()],
+            deny: vec![],
+        })
+        .await
+        .expect("update the network");
+    assert!(nft_set(&session_ns, "allow_any").contains("198.51.100.7"));
+    agent.stop(&s.session_id).await;
+    wait_gone(&Path::new("/run/netns").join(&session_ns));
 }
 
 fn median(v: &mut [std::time::Duration]) -> std::time::Duration {

@@ -2,6 +2,8 @@
 //! VM, or a restore of the golden snapshot, with the fallbacks and the one
 //! retry described on `start_vm`).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use super::*;
 
 impl Manager {
@@ -172,9 +174,15 @@ impl Manager {
     /// else one restored from the golden snapshot. Returns
     /// where it came from, for the READY and RUNNING events.
     ///
+    /// For an image with a network, the session's egress is read first, once
+    /// (a manifest that does not parse fails the session without costing a
+    /// VM), and said once in its events (`network_granted`), whichever VM
+    /// it ends up on.
+    ///
     /// A warm VM is prepared ahead on speculation; one that fails when taken
-    /// (killed, out of memory, a guest that does not come back) costs the
-    /// session a restore from the golden snapshot, not its start. A VM
+    /// (killed, out of memory, a guest that does not come back, a network
+    /// that cannot be handed over) costs the session a restore from the
+    /// golden snapshot, not its start. A VM
     /// restored from the golden snapshot whose vmm exits before its guest is
     /// ready (a guest fault) is restored once more. Each such failure is
     /// logged with the vmm's last lines, counted, and said in the result;
@@ -187,14 +195,44 @@ impl Manager {
         dir: &Path,
         warm: bool,
     ) -> Result<String> {
+        let grant = match self.network_for(image)? {
+            Some(node) => Some(Grant {
+                node,
+                egress: self.initial_egress(&sess.row()).await?,
+                noted: AtomicBool::new(false),
+            }),
+            None => None,
+        };
         let mut failures = Vec::new();
         let taken = if warm {
-            self.take_warm(sess, image, dir).await?
+            self.pool.take(&image.id, dir)
         } else {
             None
         };
-        if let Some(vm) = taken {
-            match self.try_vm(sess, image, vm, true).await {
+        if let Some(taken) = taken {
+            let network = taken.network.map(crate::pool::WarmNetwork::into_vm);
+            if let Some(vm) = &network {
+                // The session owns it from here: after a failure, the
+                // restore that follows replaces it, or the session's end
+                // releases it.
+                sess.lock().network = Some(vm.clone());
+            }
+            // Handed over while the warm VM resumes.
+            let hand_over = async {
+                match (&grant, network) {
+                    (None, _) => Ok(()),
+                    (Some(grant), Some(vm)) => self
+                        .hand_over_network(sess, dir, grant, vm)
+                        .await
+                        .map_err(|e| {
+                            Error::Network(format!("its network could not be handed over: {e}"))
+                        }),
+                    (Some(_), None) => {
+                        Err(Error::Network("it was restored without a network".into()))
+                    }
+                }
+            };
+            match self.try_vm(sess, image, taken.vmm, true, hand_over).await {
                 Ok(()) => return Ok("from a warm VM".into()),
                 Err((e, _)) => {
                     metrics::warm_fallback();
@@ -209,8 +247,9 @@ impl Manager {
         }
         let mut retried = false;
         loop {
-            let vm = self.spawn_cold(sess, image, dir).await?;
-            match self.try_vm(sess, image, vm, false).await {
+            let vm = self.spawn_cold(sess, image, dir, grant.as_ref()).await?;
+            let ready = std::future::ready(Ok(()));
+            match self.try_vm(sess, image, vm, false, ready).await {
                 Ok(()) => break,
                 Err((e, true)) if !retried => {
                     retried = true;
@@ -232,117 +271,66 @@ impl Manager {
         })
     }
 
-    /// Takes a warm VM of `image` for session `sess` into `dir`, if the pool
-    /// has one. For an image with a network, the session's egress is read
-    /// first (a manifest that does not parse fails the session without
-    /// costing a warm VM); then the warm VM's network, made ahead with an
-    /// empty allowlist, becomes the session's under the name it was made
-    /// with: its policy is loaded (one nft transaction) and its resolver
-    /// started. A warm VM whose network cannot be handed over is dropped,
-    /// and the session is restored from the golden snapshot instead (which
-    /// replaces the network taken here).
-    async fn take_warm(
-        self: &Arc<Self>,
-        sess: &Arc<Session>,
-        image: &ImageRow,
-        dir: &Path,
-    ) -> Result<Option<VmmProcess>> {
-        let node = match (&self.network, has_network(image)) {
-            (Some(node), true) => Some(node.clone()),
-            // No warm VM of this image is made without a network: the
-            // restore from the golden snapshot says why it cannot run here.
-            (None, true) => return Ok(None),
-            (_, false) => None,
-        };
-        if self.pool.count(&image.id) == 0 {
-            // Not worth reading the session's egress twice.
-            return Ok(None);
-        }
-        let egress = match node {
-            Some(_) => Some(self.initial_egress(&sess.row()).await?),
-            None => None,
-        };
-        let Some(warm) = self.pool.take(&image.id, dir) else {
-            return Ok(None);
-        };
-        let (Some(node), Some(egress)) = (node, egress) else {
-            return Ok(Some(warm.vmm));
-        };
-        let t0 = Instant::now();
-        let handed = match warm.network {
-            Some(net) => {
-                // The session owns it from here: after a failure below, the
-                // restore that follows replaces it, or the session's end
-                // releases it.
-                let vm = net.into_vm();
-                match self.attach_network(sess, vm.clone()) {
-                    Ok(()) => self.hand_over_network(sess, dir, &node, vm, &egress).await,
-                    Err(e) => Err(e),
-                }
-            }
-            None => Err(Error::Network(
-                "the warm VM was restored without a network".into(),
-            )),
-        };
-        match handed {
-            Ok(()) => {
-                tracing::debug!(
-                    session = %sess.id,
-                    elapsed_us = t0.elapsed().as_micros() as u64,
-                    "the warm VM's network is the session's"
-                );
-                Ok(Some(warm.vmm))
-            }
-            Err(e) => {
-                metrics::warm_fallback();
-                tracing::warn!(
-                    session = %sess.id,
-                    error = %e,
-                    "the warm VM's network could not be handed over; restoring from the golden snapshot"
-                );
-                self.pool.discard(crate::pool::WarmVm {
-                    vmm: warm.vmm,
-                    network: None,
-                });
-                Ok(None)
-            }
-        }
+    /// Records `grant` as session `sess`'s policy, kept in `dir` (again for
+    /// each VM tried: a failed VM's directory is emptied), and says what it
+    /// was granted in its events the first time only.
+    fn keep_grant(&self, sess: &Session, dir: &Path, grant: &Grant) -> Result<()> {
+        self.start_policy(sess, dir, &grant.egress)?;
+        self.note_grant_once(sess, grant)
     }
 
-    /// Gives session `sess` the network `vm` of the warm VM it took (already
-    /// recorded as the session's): its policy `egress` kept in `dir`, then,
-    /// at the same time, loaded into the namespace (one transaction) and
-    /// its resolver started. The guest is still paused: it reaches nothing
-    /// before both are done.
+    /// Says in session `sess`'s events what it was granted
+    /// (`network_granted`), unless that is said already.
+    fn note_grant_once(&self, sess: &Session, grant: &Grant) -> Result<()> {
+        if !grant.noted.load(Ordering::Acquire) {
+            self.note_granted(sess, &grant.egress)?;
+            grant.noted.store(true, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Gives session `sess` the network `vm` of the warm VM it took (made
+    /// ahead with an empty allowlist, kept under the name it was made with,
+    /// and already recorded as the session's): its policy kept in `dir`,
+    /// then, at the same time, loaded into the namespace (one nft
+    /// transaction) and its resolver started.
+    ///
+    /// Runs while the warm VM resumes: until the policy is in, its guest
+    /// reaches nothing (the namespace's rules allow nothing yet), and the
+    /// session is RUNNING only once both are done (`try_vm`).
     async fn hand_over_network(
         self: &Arc<Self>,
         sess: &Arc<Session>,
         dir: &Path,
-        node: &NodeNetwork,
+        grant: &Grant,
         vm: VmNetwork,
-        egress: &crate::network::grants::SessionEgress,
     ) -> Result<()> {
         let t0 = Instant::now();
-        self.start_policy(sess, dir, egress)?;
+        self.start_policy(sess, dir, &grant.egress)?;
+        let mut policy = grant.node.policy().clone();
+        policy.allow = grant.egress.allow.clone();
+        // Started first, on the blocking pool: the longest part.
+        let applied = vm.clone();
+        let rules = tokio::task::spawn_blocking(move || {
+            let t = Instant::now();
+            applied.update_policy(&policy, true).map(|()| t.elapsed())
+        });
         let t1 = Instant::now();
-        let mut policy = node.policy().clone();
-        policy.allow = egress.allow.clone();
-        let rules = async {
-            let r = tokio::task::spawn_blocking(move || vm.update_policy(&policy, true))
-                .await
-                .map_err(|e| Error::Network(format!("the network task failed: {e}")));
-            (r, t1.elapsed())
+        let resolver = async {
+            self.attach_network(sess, vm)?;
+            self.note_grant_once(sess, grant)?;
+            self.start_resolver(sess).await?;
+            Ok::<_, Error>(t1.elapsed())
         };
-        let resolver = async { (self.start_resolver(sess).await, t1.elapsed()) };
-        let ((rules, nft), (resolver, dns)) = tokio::join!(rules, resolver);
-        rules??;
-        resolver?;
+        let (rules, resolver) = tokio::join!(rules, resolver);
+        let nft = rules.map_err(|e| Error::Network(format!("the network task failed: {e}")))??;
+        let dns = resolver?;
         tracing::debug!(
             session = %sess.id,
-            policy_us = (t1 - t0).as_micros() as u64,
+            elapsed_us = t0.elapsed().as_micros() as u64,
             nft_us = nft.as_micros() as u64,
             resolver_us = dns.as_micros() as u64,
-            "the warm VM's network hand-over"
+            "the warm VM's network is the session's"
         );
         Ok(())
     }
@@ -358,19 +346,21 @@ impl Manager {
     }
 
     /// Brings up the session on `vm` (`resume` for a warm VM restored
-    /// paused), then its guest channel. The vmm is watched only once this
-    /// has worked. If it fails, the VM is killed, its directory emptied and
-    /// its uid given back, so the caller can try another; the flag says
-    /// whether the vmm had exited by itself.
+    /// paused), then its guest channel, while `alongside` runs (a warm VM's
+    /// network hand-over): it has worked when both have. The vmm is watched
+    /// only then. If either fails, the other is abandoned, the VM killed,
+    /// its directory emptied and its uid given back, so the caller can try
+    /// another; the flag says whether the vmm had exited by itself.
     pub(super) async fn try_vm(
         self: &Arc<Self>,
         sess: &Arc<Session>,
         image: &ImageRow,
         vm: VmmProcess,
         resume: bool,
+        alongside: impl std::future::Future<Output = Result<()>>,
     ) -> std::result::Result<(), (Error, bool)> {
         let vmm = Arc::new(vm);
-        let attempt = async {
+        let bring_up = async {
             self.adopt_vmm(sess, &vmm)?;
             if resume {
                 vmm.resume().await?;
@@ -382,6 +372,9 @@ impl Manager {
             }
             Ok::<(), Error>(())
         };
+        // The first error ends both (`alongside` first: it starts its
+        // longest part at once).
+        let attempt = async { tokio::try_join!(alongside, bring_up).map(|_| ()) };
         let result = tokio::select! {
             r = attempt => r,
             status = vmm.wait() => Err(Error::Vmm(format!("{status}: {}", vmm.log_tail()))),
@@ -416,6 +409,7 @@ impl Manager {
         sess: &Arc<Session>,
         image: &ImageRow,
         dir: &Path,
+        grant: Option<&Grant>,
     ) -> Result<VmmProcess> {
         let uid = self.allocate_jail_uid()?;
         // Recorded at once: a failure before the vmm is adopted fails the
@@ -426,7 +420,10 @@ impl Manager {
             self.store.put_session(&i.row)?;
         }
         prepare_disk(image, dir, uid).await?;
-        let netns = self.session_network(sess, image, dir, uid).await?;
+        let netns = match grant {
+            Some(grant) => Some(self.session_network(sess, dir, uid, grant).await?),
+            None => None,
+        };
         let (args, jail) = restore_launch(
             &self.cfg,
             image,
@@ -445,39 +442,44 @@ impl Manager {
         )
     }
 
-    /// Makes the network of the session's VM in `dir` when its image's
-    /// golden snapshot has a network device (the tap owned by the jail's
-    /// `uid`); returns the namespace. Kept with the session, released when
-    /// it ends.
+    /// Makes the network of the session's VM in `dir`, with the policy of
+    /// `grant` (the tap owned by the jail's `uid`); returns the namespace.
+    /// Kept with the session, released when it ends.
     async fn session_network(
         self: &Arc<Self>,
         sess: &Arc<Session>,
-        image: &ImageRow,
         dir: &Path,
         uid: Option<u32>,
-    ) -> Result<Option<String>> {
-        let Some(node) = self.network_for(image)? else {
-            return Ok(None);
-        };
+        grant: &Grant,
+    ) -> Result<String> {
         let id = vmm_api::command::jail_id(dir);
-        // Read and kept before the network exists, so a restarted host-agent
-        // finds the policy of every network it finds.
-        let egress = self.initial_egress(&sess.row()).await?;
-        self.start_policy(sess, dir, &egress)?;
-        // A retried restore (its vmm is gone) gets a fresh network: the
-        // tap's owner is the new vmm's uid.
+        // Kept before the network exists, so a restarted host-agent finds
+        // the policy of every network it finds.
+        self.keep_grant(sess, dir, grant)?;
+        // A retried restore (its vmm is gone), or one after a warm VM that
+        // failed, gets a fresh network: the tap's owner is the new vmm's uid.
         let earlier = sess.lock().network.take();
+        let node = grant.node.clone();
+        let allow = grant.egress.allow.clone();
         let vm = tokio::task::spawn_blocking(move || {
             if let Some(old) = earlier {
                 node.release(&old);
             }
-            node.make(&id, uid.map(|u| (u, u)), &egress.allow)
+            node.make(&id, uid.map(|u| (u, u)), &allow)
         })
         .await
         .map_err(|e| Error::Network(format!("the network task failed: {e}")))??;
         let netns = vm.netns.clone();
         self.attach_network(sess, vm)?;
         self.start_resolver(sess).await?;
-        Ok(Some(netns))
+        Ok(netns)
     }
+}
+
+/// What a session being started is granted (its egress, read once) on the
+/// node's network, and whether its events say so yet.
+pub(super) struct Grant {
+    node: Arc<NodeNetwork>,
+    egress: crate::network::grants::SessionEgress,
+    noted: AtomicBool,
 }

@@ -130,7 +130,7 @@ impl Manager {
     }
 
     /// Records `egress` as session `sess`'s policy (in memory, and kept in
-    /// `dir`) and says in its events what it was granted.
+    /// `dir`).
     pub(super) fn start_policy(
         &self,
         sess: &Session,
@@ -144,6 +144,12 @@ impl Manager {
             i.net_deny = vec![];
             i.net_hosts = egress.hosts.clone();
         }
+        Ok(())
+    }
+
+    /// Says in session `sess`'s events what it was granted
+    /// (`network_granted`, once per session: see `create.rs`).
+    pub(super) fn note_granted(&self, sess: &Session, egress: &SessionEgress) -> Result<()> {
         let hosts: Vec<String> = egress.hosts.iter().map(|h| h.host.clone()).collect();
         let mut detail = format!(
             "allow: [{}]; hosts: [{}]",
