@@ -2,7 +2,9 @@
 //! `host_agent::network::expose` carries connections to a TCP server in a
 //! "guest" namespace joined where the tap would be (the guest's fixed
 //! address), 100 MiB each way, checked by hash; and through the API, a
-//! session's exposed ports are listed with it and closed when it stops.
+//! session's exposed ports are listed with it, closed when it stops, and
+//! opened again at the same addresses by a host-agent restarted after a
+//! SIGKILL (one whose address is taken meanwhile is dropped, saying why).
 //! Needs root, iproute2 and nftables (and cgroups for sessions); says so
 //! and skips without them.
 
@@ -13,8 +15,10 @@ use std::net::TcpListener;
 
 use std::time::{Duration, Instant};
 
-use common::netns::{attach_guest, in_ns, ip, missing_tools, Cleanup, Ns, PrefixCleanup};
-use common::networked::{build_net_image, can_run, networked_agent};
+use common::netns::{
+    attach_guest, echo_servers, in_ns, ip, missing_tools, Cleanup, Ns, PrefixCleanup,
+};
+use common::networked::{build_net_image, can_run, namespaces, networked_agent, wait_gone};
 use common::*;
 use host_agent::network::addressing::{AddressPool, Cidr, GUEST_IP};
 use host_agent::network::expose::expose;
@@ -209,5 +213,108 @@ async fn exposed_ports_are_listed_with_the_session_and_go_when_it_stops() {
         .filter(|r| r.starts_with("port_"))
         .collect();
     assert_eq!(events, ["port_exposed", "port_exposed", "port_unexposed"]);
+    agent.terminate();
+}
+
+/// A TCP server at the guest's address, port `port`, in VM namespace
+/// `netns`, answering each connection's first byte: the address is added
+/// to the namespace's loopback (local delivery wins over the tap's route),
+/// where host-agent's connections for an exposed port reach it as they
+/// would reach the guest. The test guests have no TCP of their own.
+fn guest_server(netns: &str, port: u16) {
+    let guest = format!("{GUEST_IP}/32");
+    ip(&["-n", netns, "link", "set", "lo", "up"]);
+    ip(&["-n", netns, "addr", "add", &guest, "dev", "lo"]);
+    echo_servers(netns, &[&format!("{GUEST_IP}:{port}")]);
+}
+
+/// Sends a byte to `addr`; whether it comes back.
+fn echoes(addr: std::net::SocketAddr) -> bool {
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return false;
+    };
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut b = [0u8; 1];
+    s.write_all(b"e").is_ok() && s.read_exact(&mut b).is_ok() && b == *b"e"
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exposed_ports_are_opened_again_at_their_addresses_after_a_restart() {
+    if !can_run() {
+        return;
+    }
+    let tag = std::process::id();
+    let prefix = format!("avr{tag}-");
+    let _cleanup = PrefixCleanup(prefix.clone());
+    let (_node, _cfg, mut agent) =
+        networked_agent(&format!("sr{tag}"), &prefix, "10.209.0.0/29", &[], &[]);
+    build_net_image(&agent).await;
+    let s = agent.create("net", "").await;
+    agent.wait_state(&s.session_id, S::Running).await;
+    let ns = namespaces(&prefix);
+    assert_eq!(ns.len(), 1, "{ns:?}");
+    guest_server(&ns[0], 8080);
+    let mut sessions = agent.sessions().await;
+    let req = |port: u32| pb::ExposePortRequest {
+        session_id: s.session_id.clone(),
+        guest_port: port,
+        protocol: "tcp".into(),
+    };
+    let web = sessions.expose_port(req(8080)).await.expect("expose");
+    let web: std::net::SocketAddr = web.into_inner().host_address.parse().unwrap();
+    let ssh = sessions.expose_port(req(22)).await.expect("expose");
+    let ssh: std::net::SocketAddr = ssh.into_inner().host_address.parse().unwrap();
+    assert!(echoes(web), "{web} carries bytes to the guest's port");
+    let kept = agent
+        .state_dir()
+        .join("sessions")
+        .join(&s.session_id)
+        .join("exposed-ports.json");
+    assert!(kept.exists());
+
+    // SIGKILLed; meanwhile someone else listens at the second port's
+    // address (no connection ever went through it: nothing of the old
+    // listener is left there).
+    agent.kill9();
+    let squatter = std::net::TcpListener::bind(ssh).expect("take the second port's address");
+    agent.spawn();
+    agent.wait_state(&s.session_id, S::Running).await;
+
+    // The first is at the same address and reaches the guest again.
+    assert!(echoes(web), "{web} carries bytes after the restart");
+    let net = agent.get(&s.session_id).await.network.expect("a network");
+    let listed: Vec<(u32, String)> = net
+        .exposed_ports
+        .iter()
+        .map(|p| (p.guest_port, p.host_address.clone()))
+        .collect();
+    assert_eq!(listed, [(8080, web.to_string())]);
+    let mut sessions = agent.sessions().await;
+    let again = sessions.expose_port(req(8080)).await.expect("expose");
+    assert_eq!(again.into_inner().host_address, web.to_string());
+    // The second is dropped, saying why, and the session lives on.
+    let events = agent.session_events(&s.session_id).await;
+    let dropped: Vec<&str> = events
+        .iter()
+        .filter(|e| e.reason == "port_unexposed")
+        .map(|e| e.detail.as_str())
+        .collect();
+    assert_eq!(dropped.len(), 1, "{events:?}");
+    assert!(
+        dropped[0].starts_with(&format!("tcp 22 at {ssh}: not opened again"))
+            && dropped[0].contains("in use"),
+        "{}",
+        dropped[0]
+    );
+    drop(squatter);
+
+    // Stopped: closed, and nothing is kept to open again.
+    agent.stop(&s.session_id).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(web).is_ok() {
+        assert!(Instant::now() < deadline, "{web} still listens");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    wait_gone(&kept);
     agent.terminate();
 }

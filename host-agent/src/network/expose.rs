@@ -13,7 +13,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::task::JoinSet;
 
 use super::addressing::GUEST_IP;
@@ -24,6 +24,9 @@ use crate::error::{Error, Result};
 /// (closed at once), so a client cannot make host-agent hold unbounded
 /// sockets and threads.
 pub const MAX_CONNECTIONS: usize = 256;
+/// Connections the kernel queues on an exposed port before host-agent
+/// accepts them.
+const LISTEN_BACKLOG: u32 = 1024;
 /// How long a connection to the guest may take to be made.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -59,15 +62,35 @@ impl Drop for ExposedPort {
 /// Exposes TCP port `guest_port` of the guest in namespace `netns` on a new
 /// port of `bind` (chosen by the kernel).
 pub async fn expose(netns: &str, guest_port: u16, bind: IpAddr) -> Result<ExposedPort> {
+    expose_at(netns, guest_port, SocketAddr::new(bind, 0)).await
+}
+
+/// Exposes TCP port `guest_port` of the guest in namespace `netns` at
+/// `host` (port 0: one the kernel chooses); an exposed port taken back
+/// after a restart is opened again at the address its clients hold. The
+/// address is reusable at once (`SO_REUSEADDR`: connections of the earlier
+/// listener may still be in TIME_WAIT), but never while another socket
+/// listens on it.
+pub async fn expose_at(netns: &str, guest_port: u16, host: SocketAddr) -> Result<ExposedPort> {
     if guest_port == 0 {
         return Err(Error::invalid("guest_port must be 1 to 65535"));
     }
-    let listener = TcpListener::bind((bind, 0)).await.map_err(|e| {
-        Error::io(
-            format!("listening on {bind} for guest port {guest_port}"),
-            e,
-        )
-    })?;
+    let listening = format!("listening on {host} for guest port {guest_port}");
+    let socket = if host.is_ipv4() {
+        TcpSocket::new_v4()
+    } else {
+        TcpSocket::new_v6()
+    }
+    .map_err(|e| Error::io(listening.clone(), e))?;
+    socket
+        .set_reuseaddr(true)
+        .map_err(|e| Error::io(listening.clone(), e))?;
+    socket
+        .bind(host)
+        .map_err(|e| Error::io(listening.clone(), e))?;
+    let listener = socket
+        .listen(LISTEN_BACKLOG)
+        .map_err(|e| Error::io(listening, e))?;
     let host = listener
         .local_addr()
         .map_err(|e| Error::io("reading the exposed port's address", e))?;
@@ -159,5 +182,28 @@ mod tests {
         let host = port.host;
         port.close().await;
         assert!(TcpStream::connect(host).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_port_is_opened_again_at_its_address_but_not_while_another_listens_there() {
+        let first = expose("agentvm-x", 80, "127.0.0.1".parse().unwrap())
+            .await
+            .unwrap();
+        let host = first.host;
+        // A connection host-agent closes first (no namespace to reach the
+        // guest in): its end at `host` stays in TIME_WAIT.
+        let mut c = TcpStream::connect(host).await.unwrap();
+        let mut rest = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(&mut c, &mut rest)
+            .await
+            .unwrap();
+        drop(c);
+        // While it listens, the address is not taken twice.
+        let err = expose_at("agentvm-x", 80, host).await.unwrap_err();
+        assert!(err.to_string().contains(&host.to_string()), "{err}");
+        first.close().await;
+        let again = expose_at("agentvm-x", 80, host).await.unwrap();
+        assert_eq!(again.host, host);
+        assert!(TcpStream::connect(host).await.is_ok());
     }
 }

@@ -107,8 +107,10 @@ impl Manager {
             // network goes (a vmm still in the namespace keeps it alive
             // until it exits; the node's end of the veth goes at once).
             self.jail_uids.release(inner.row.jail_uid);
-            // Exposed ports close with their connections; the resolver stops.
+            // Exposed ports close with their connections, and are not
+            // opened again after a restart; the resolver stops.
             inner.exposed.clear();
+            super::ports::forget_exposed(Path::new(&inner.row.dir));
             drop(inner.dns.take());
             if let (Some(vm), Some(node)) = (inner.network.take(), self.network.clone()) {
                 let release = move || node.release(&vm);

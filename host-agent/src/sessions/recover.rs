@@ -1,6 +1,7 @@
 //! A restarted host-agent: re-attaching to the vmm processes that still
-//! run, failing the sessions whose VM is gone, and stopping every session
-//! on shutdown when configured to.
+//! run (with their networks, resolvers and exposed ports), failing the
+//! sessions whose VM is gone, and stopping every session on shutdown when
+//! configured to.
 
 use super::*;
 
@@ -56,6 +57,8 @@ impl Manager {
             if let Err(e) = self.recover_one(&sess, row, &image).await {
                 tracing::error!(session = %sess.id, error = %e, "re-attaching session");
             }
+            // Before the API answers: a client's next call finds them.
+            self.reopen_exposed(&sess).await;
         }
         // A create interrupted by a crash may have started a vmm it never recorded.
         let live: std::collections::HashSet<u32> = self
