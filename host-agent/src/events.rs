@@ -11,7 +11,7 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, watch};
 
 use crate::error::Result;
-use crate::store::{EventRow, Store};
+use crate::store::{EventFilter, EventRow, Store};
 
 /// Signals watchers that new events were committed.
 pub struct EventBus {
@@ -35,14 +35,13 @@ impl EventBus {
         *self.latest.borrow()
     }
 
-    /// Streams events with seq > `since` (optionally of one session, and of
-    /// one owner's sessions) into a channel until the receiver is dropped.
+    /// Streams events with seq > `since` that `filter` lets through into a
+    /// channel until the receiver is dropped.
     pub fn watch(
         &self,
         store: Arc<Store>,
         since: u64,
-        session: Option<String>,
-        owner: Option<String>,
+        filter: EventFilter,
     ) -> mpsc::Receiver<Result<EventRow>> {
         let (tx, rx) = mpsc::channel(256);
         let mut latest = self.latest.subscribe();
@@ -52,8 +51,7 @@ impl EventBus {
                 // Mark the current value seen before reading, so a commit
                 // after the read wakes us.
                 latest.borrow_and_update();
-                let rows = match store.events_since(last, session.as_deref(), owner.as_deref(), 512)
-                {
+                let rows = match store.events_since(last, &filter, 512) {
                     Ok(r) => r,
                     Err(e) => {
                         let _ = tx.send(Err(e)).await;

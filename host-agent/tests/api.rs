@@ -219,8 +219,8 @@ async fn bad_requests_are_refused_with_a_message() {
     expect(
         Code::InvalidArgument,
         se.list_sessions(pb::ListSessionsRequest {
-            state: 99,
-            image_id: String::new(),
+            states: vec![99],
+            ..Default::default()
         })
         .await,
         "list with bad state",

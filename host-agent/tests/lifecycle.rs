@@ -121,6 +121,7 @@ async fn create_pause_snapshot_resume_stop_delete() {
         .watch(pb::WatchRequest {
             since_seq: 0,
             session_id: s.session_id.clone(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -195,6 +196,7 @@ async fn watch_resumes_from_a_seq_without_gaps_or_duplicates() {
         .watch(pb::WatchRequest {
             since_seq: since,
             session_id: String::new(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -281,6 +283,7 @@ async fn watch_validates_its_session_filter() {
         .watch(pb::WatchRequest {
             since_seq: 0,
             session_id: "x".repeat(65),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -292,6 +295,7 @@ async fn watch_validates_its_session_filter() {
         .watch(pb::WatchRequest {
             since_seq: 1_000_000,
             session_id: String::new(),
+            ..Default::default()
         })
         .await
         .unwrap()

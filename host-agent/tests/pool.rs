@@ -127,6 +127,7 @@ async fn running_detail(agent: &Agent, session_id: &str) -> String {
         .watch(proto::hostagent::WatchRequest {
             since_seq: 0,
             session_id: session_id.into(),
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -1,4 +1,4 @@
-//! `hostagent.v1.Events`: Watch(since_seq).
+//! `hostagent.v1.Events`: Watch(since_seq, session_id, labels).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -9,8 +9,10 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 use super::{check_session_id, event_pb};
+use crate::api::listing::check_labels;
 use crate::auth::layer::caller_of;
 use crate::sessions::Manager;
+use crate::store::EventFilter;
 
 /// The Events service.
 pub struct EventsApi(pub Arc<Manager>);
@@ -33,12 +35,15 @@ impl Events for EventsApi {
             check_session_id(&r.session_id)?;
             Some(r.session_id)
         };
-        let rx = self.0.events.watch(
-            self.0.store.clone(),
-            r.since_seq,
+        let filter = EventFilter {
             session,
-            caller.owner_filter().map(str::to_string),
-        );
+            owner: caller.owner_filter().map(str::to_string),
+            labels: check_labels("labels", &r.labels)?,
+        };
+        let rx = self
+            .0
+            .events
+            .watch(self.0.store.clone(), r.since_seq, filter);
         let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
             .map(|item| item.map(|e| event_pb(&e)).map_err(Status::from));
         Ok(Response::new(Box::pin(stream)))

@@ -16,6 +16,7 @@ pub mod approvals;
 pub mod events;
 pub mod exec;
 pub mod images;
+pub mod listing;
 pub mod node;
 pub mod sessions;
 mod status;

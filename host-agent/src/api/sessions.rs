@@ -1,12 +1,12 @@
 //! `hostagent.v1.Sessions`.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use proto::hostagent as pb;
 use proto::hostagent::sessions_server::Sessions;
 use tonic::{Request, Response, Status};
 
+use super::listing::{check_labels, list_page};
 use super::{check_key, idempotent, owned_session, session_pb};
 use crate::auth::layer::caller_of;
 use crate::auth::Caller;
@@ -71,19 +71,7 @@ fn create_params(
             )));
         }
     }
-    if r.labels.len() > 16 {
-        return Err(Error::invalid(format!(
-            "{} labels; at most 16",
-            r.labels.len()
-        )));
-    }
-    for (k, v) in &r.labels {
-        if k.is_empty() || k.len() > 64 || v.len() > 256 {
-            return Err(Error::invalid(format!(
-                "label {k:?}: keys are 1..=64 bytes and values at most 256"
-            )));
-        }
-    }
+    let labels = check_labels("labels", &r.labels)?;
     for (name, v) in [
         ("repository_path", &r.repository_path),
         ("agent", &r.agent),
@@ -107,7 +95,7 @@ fn create_params(
         idempotency_key: caller.scoped_key(&r.idempotency_key),
         ttl_s: limits.ttl_seconds,
         idle_s: limits.idle_timeout_seconds,
-        labels: r.labels.into_iter().collect::<BTreeMap<_, _>>(),
+        labels,
         repository,
         agent: r.agent,
         base_ref: r.base_ref,
@@ -146,25 +134,12 @@ impl Sessions for SessionsApi {
         req: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
         let caller = caller_of(&req)?;
-        let r = req.into_inner();
-        if pb::SessionState::try_from(r.state).is_err() {
-            return Err(Error::invalid(format!("state {} is not a SessionState", r.state)).into());
-        }
-        if !r.image_id.is_empty() {
-            valid_id(&r.image_id)?;
-        }
-        let sessions = self
-            .0
-            .list(r.state, &r.image_id)
-            .iter()
-            .filter(|s| caller.owns(&s.owner))
-            .map(|row| {
-                let mut out = session_pb(row);
-                out.network = network_pb(&self.0, &row.id);
-                out
-            })
-            .collect();
-        Ok(Response::new(pb::ListSessionsResponse { sessions }))
+        let page = list_page(&self.0.store, &caller, req.into_inner(), |row| {
+            let mut out = session_pb(row);
+            out.network = network_pb(&self.0, &row.id);
+            out
+        })?;
+        Ok(Response::new(page))
     }
 
     async fn pause_session(

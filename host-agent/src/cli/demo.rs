@@ -132,7 +132,7 @@ fn follow_events(ch: Channel) -> tokio::task::JoinHandle<()> {
         let Ok(resp) = EventsClient::new(ch)
             .watch(pb::WatchRequest {
                 since_seq: 0,
-                session_id: String::new(),
+                ..Default::default()
             })
             .await
         else {

@@ -341,20 +341,6 @@ impl Manager {
         t
     }
 
-    /// Sessions, optionally filtered.
-    pub fn list(&self, state: i32, image: &str) -> Vec<SessionRow> {
-        let mut rows: Vec<SessionRow> = self
-            .all()
-            .iter()
-            .map(|s| s.row())
-            .filter(|r| {
-                (state == 0 || r.state == state) && (image.is_empty() || r.image_id == image)
-            })
-            .collect();
-        rows.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
-        rows
-    }
-
     /// Whether a live session uses `image`.
     pub fn image_in_use(&self, image: &str) -> bool {
         self.all().iter().any(|s| {

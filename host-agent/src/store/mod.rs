@@ -15,9 +15,11 @@ use rusqlite::{params, Connection, OptionalExtension, Row};
 use crate::error::{Error, Result};
 use schema::{migrate, SCHEMA};
 
+mod listing;
 mod rows;
 mod schema;
 
+pub use listing::{Cursor, EventFilter, SessionQuery};
 pub use rows::{AuditRow, EventRow, ImageRow, SessionRow, UsageRow};
 
 /// Owner recorded for sessions created before owners existed (database
@@ -236,6 +238,14 @@ impl Store {
                 params![ev.session_id, ev.execution_id, ev.at, ev.from, ev.to, ev.reason, ev.detail, s.owner],
             )?;
             let seq = tx.last_insert_rowid() as u64;
+            if !s.labels.is_empty() {
+                // Written with the session's first event, for watchers
+                // filtering by label (labels never change).
+                tx.execute(
+                    "INSERT OR IGNORE INTO session_labels VALUES (?1, ?2)",
+                    params![s.id, labels_json(&s.labels)],
+                )?;
+            }
             tx.commit()?;
             Ok(seq)
         })
@@ -270,23 +280,26 @@ impl Store {
         Ok(())
     }
 
-    /// Events with seq > `since`, at most `limit`, optionally for one
-    /// session and of one owner's sessions.
+    /// Events with seq > `since` that `filter` lets through, at most
+    /// `limit`.
     pub fn events_since(
         &self,
         since: u64,
-        session: Option<&str>,
-        owner: Option<&str>,
+        filter: &EventFilter,
         limit: u32,
     ) -> Result<Vec<EventRow>> {
+        let labels = (!filter.labels.is_empty()).then(|| labels_json(&filter.labels));
         self.with(|c| {
-            let mut st = c.prepare(
+            let mut st = c.prepare(&format!(
                 "SELECT seq, session_id, execution_id, at, from_state, to_state, reason, detail \
                  FROM events WHERE seq > ?1 AND (?2 IS NULL OR session_id = ?2) \
-                 AND (?4 IS NULL OR owner = ?4) ORDER BY seq LIMIT ?3",
+                 AND (?4 IS NULL OR owner = ?4) AND (?5 IS NULL OR {}) ORDER BY seq LIMIT ?3",
+                listing::EVENT_HAS_LABELS
+            ))?;
+            let rows = st.query_map(
+                params![since as i64, filter.session, limit, filter.owner, labels],
+                event_from_row,
             )?;
-            let rows =
-                st.query_map(params![since as i64, session, limit, owner], event_from_row)?;
             rows.collect()
         })
     }
@@ -488,8 +501,14 @@ impl Store {
     }
 }
 
+/// Labels as stored: a JSON object.
+fn labels_json(labels: &std::collections::BTreeMap<String, String>) -> String {
+    // A map of strings always serializes.
+    serde_json::to_string(labels).unwrap_or_else(|_| "{}".into())
+}
+
 fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
-    let labels = serde_json::to_string(&s.labels).unwrap_or_else(|_| "{}".into());
+    let labels = labels_json(&s.labels);
     c.execute(
         &format!(
             "INSERT OR REPLACE INTO sessions({SESSION_COLS}) VALUES \

@@ -37,6 +37,10 @@ CREATE INDEX IF NOT EXISTS usage_session ON usage(session_id, seq);
 CREATE TABLE IF NOT EXISTS audit(
   session_id TEXT NOT NULL, guest_seq INTEGER NOT NULL, json TEXT NOT NULL,
   host_hash TEXT NOT NULL, received_at INTEGER NOT NULL, PRIMARY KEY(session_id, guest_seq));
+CREATE INDEX IF NOT EXISTS sessions_created ON sessions(created_at, id);
+-- Each labelled session's labels, kept after DeleteSession (as its events
+-- are) for Watch's label filter.
+CREATE TABLE IF NOT EXISTS session_labels(session_id TEXT PRIMARY KEY, labels TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS idempotency(
   key TEXT PRIMARY KEY, method TEXT NOT NULL, fingerprint TEXT NOT NULL,
   response BLOB NOT NULL, at INTEGER NOT NULL);
@@ -102,5 +106,12 @@ pub(super) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
             "ALTER TABLE sessions ADD COLUMN vm_addresses TEXT NOT NULL DEFAULT '';",
         )?;
     }
+    // Sessions' labels outlive their rows, for watchers filtering events by
+    // label (written with a session's first event since; a session deleted
+    // before this table existed has no labels to match).
+    conn.execute_batch(
+        "INSERT OR IGNORE INTO session_labels SELECT id, labels FROM sessions \
+         WHERE json_valid(labels) AND labels <> '{}';",
+    )?;
     Ok(())
 }

@@ -59,6 +59,14 @@ INSERT INTO usage(session_id, execution_id, interval_start, interval_end, billed
   mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk) VALUES ('old','e1',1,2,3,4,0,0,0,0,0,0);
 "#;
 
+/// The events of `owner`'s sessions.
+fn owned_by(owner: &str) -> EventFilter {
+    EventFilter {
+        owner: Some(owner.into()),
+        ..Default::default()
+    }
+}
+
 #[test]
 fn a_database_from_before_owners_opens_with_its_rows_owned_by_legacy() {
     let t = tempfile::tempdir().unwrap();
@@ -74,16 +82,22 @@ fn a_database_from_before_owners_opens_with_its_rows_owned_by_legacy() {
         ("legacy", "e1")
     );
     // Owner filters: legacy rows are legacy's (admins pass no filter).
-    assert_eq!(store.events_since(0, None, None, 10).unwrap().len(), 1);
     assert_eq!(
         store
-            .events_since(0, None, Some("legacy"), 10)
+            .events_since(0, &EventFilter::default(), 10)
+            .unwrap()
+            .len(),
+        1
+    );
+    assert_eq!(
+        store
+            .events_since(0, &owned_by("legacy"), 10)
             .unwrap()
             .len(),
         1
     );
     assert!(store
-        .events_since(0, None, Some("alice"), 10)
+        .events_since(0, &owned_by("alice"), 10)
         .unwrap()
         .is_empty());
     assert_eq!(store.usage_since(None, None, 0, 0, 10).unwrap().len(), 1);
@@ -119,7 +133,7 @@ fn a_database_from_before_owners_opens_with_its_rows_owned_by_legacy() {
         })
         .unwrap();
     assert_eq!(store.session("new").unwrap().unwrap().owner, "alice");
-    let hers = store.events_since(0, None, Some("alice"), 10).unwrap();
+    let hers = store.events_since(0, &owned_by("alice"), 10).unwrap();
     assert_eq!(hers.len(), 1);
     assert_eq!(hers[0].session_id, "new");
     let hers = store.usage_since(None, Some("alice"), 0, 0, 10).unwrap();

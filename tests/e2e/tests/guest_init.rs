@@ -236,6 +236,7 @@ async fn guest_init_session_exec_approvals_audit_branch() {
         .watch(pb::WatchRequest {
             since_seq: 0,
             session_id: s.session_id.clone(),
+            ..Default::default()
         })
         .await
         .unwrap()

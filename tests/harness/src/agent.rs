@@ -201,6 +201,7 @@ impl Agent {
             .watch(pb::WatchRequest {
                 since_seq: 0,
                 session_id: id.into(),
+                ..Default::default()
             })
             .await
             .expect("watch")
@@ -346,6 +347,7 @@ impl Agent {
             .watch(pb::WatchRequest {
                 since_seq: since,
                 session_id: String::new(),
+                ..Default::default()
             })
             .await
             .expect("watch")

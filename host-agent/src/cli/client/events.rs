@@ -1,30 +1,43 @@
-//! `host-agent events watch`: lifecycle events, followed live.
+//! `host-agent events watch`: lifecycle events, followed live, of every
+//! session the client may see, one session, or sessions with labels.
 
 use clap::Subcommand;
 use proto::hostagent as pb;
 use proto::hostagent::events_client::EventsClient;
 use tonic::transport::Channel;
 
+use super::labels::LabelArgs;
 use super::{status as st, Bearer};
 use crate::cli::output::{print_streamed, Output};
 
 /// The `events` subcommands.
 #[derive(Subcommand)]
 pub enum EventsCmd {
-    /// Stream events after a seq.
+    /// Stream events after a seq, then follow live.
     Watch {
         #[arg(long, default_value_t = 0)]
         since: u64,
+        /// Only this session's events.
+        #[arg(long, value_name = "ID", default_value = "")]
+        session: String,
+        #[command(flatten)]
+        labels: LabelArgs,
     },
 }
 
-/// Runs `events watch --since SEQ`.
-pub async fn watch(ch: Channel, bearer: Bearer, out: Output, since: u64) -> Result<(), String> {
+/// Runs `events watch [--since SEQ] [--session ID] [--label KEY=VALUE]...`.
+pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: EventsCmd) -> Result<(), String> {
+    let EventsCmd::Watch {
+        since,
+        session,
+        labels,
+    } = c;
     let mut cl = EventsClient::with_interceptor(ch, bearer);
     let mut stream = cl
         .watch(pb::WatchRequest {
             since_seq: since,
-            session_id: String::new(),
+            session_id: session,
+            labels: labels.map()?,
         })
         .await
         .map_err(st)?

@@ -14,6 +14,7 @@ mod events;
 mod exec;
 mod images;
 mod io_limits;
+mod labels;
 mod node;
 mod sessions;
 mod turns;
@@ -102,7 +103,7 @@ pub async fn run_client(
         Cmd::Serve(_) | Cmd::Demo(_) => unreachable!("handled in main"),
         Cmd::Images(c) => images::run(ch, bearer, out, c).await,
         Cmd::Sessions(c) => sessions::run(ch, bearer, out, c).await,
-        Cmd::Events(EventsCmd::Watch { since }) => events::watch(ch, bearer, out, since).await,
+        Cmd::Events(c) => events::run(ch, bearer, out, c).await,
         Cmd::Usage { session, since } => usage::run(ch, bearer, out, session, since).await,
         Cmd::Exec {
             session,

@@ -6,6 +6,7 @@ use proto::hostagent as pb;
 use proto::hostagent::sessions_client::SessionsClient;
 use tonic::transport::Channel;
 
+use super::labels::{LabelArgs, StateArg};
 use super::{status as st, Bearer};
 use crate::cli::output::{print_all, Output, Record};
 
@@ -34,9 +35,11 @@ pub enum SessionsCmd {
         /// (repeatable; tighter only, unless the client is an admin).
         #[arg(long = "io-limit")]
         io_limit: Vec<String>,
+        #[command(flatten)]
+        labels: LabelArgs,
     },
-    /// List sessions.
-    List,
+    /// List sessions (filtered, a page at a time).
+    List(ListArgs),
     /// Show a session.
     Get { id: String },
     /// Pause a session.
@@ -87,6 +90,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
             ttl,
             idle_timeout,
             io_limit,
+            labels,
         } => cl
             .create_session(pb::CreateSessionRequest {
                 image_id: image,
@@ -99,21 +103,12 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
                     idle_timeout_seconds: idle_timeout,
                 }),
                 io_limits: super::io_limits::parse(&io_limit)?,
-                ..Default::default()
+                labels: labels.map()?,
             })
             .await
             .map_err(st)?
             .into_inner(),
-        SessionsCmd::List => {
-            let sessions = cl
-                .list_sessions(pb::ListSessionsRequest::default())
-                .await
-                .map_err(st)?
-                .into_inner()
-                .sessions;
-            print_all(&sessions, out);
-            return Ok(());
-        }
+        SessionsCmd::List(args) => return list(&mut cl, out, args).await,
         SessionsCmd::Get { id } => cl
             .get_session(pb::SessionRef { session_id: id })
             .await
@@ -187,6 +182,74 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
             .into_inner(),
     };
     print_all(&[s], out);
+    Ok(())
+}
+
+/// `sessions list`'s filters and paging.
+#[derive(clap::Args, Debug)]
+pub struct ListArgs {
+    #[command(flatten)]
+    labels: LabelArgs,
+    /// Only sessions in this state (repeatable: any of them).
+    #[arg(long = "state", value_enum, ignore_case = true)]
+    state: Vec<StateArg>,
+    /// Only sessions of this image.
+    #[arg(long = "image", value_name = "ID", default_value = "")]
+    image: String,
+    /// Sessions per page (0: host-agent's default, 100; at most 1000).
+    #[arg(long, default_value_t = 0)]
+    page_size: u32,
+    /// Follow every page to the end.
+    #[arg(long, conflicts_with = "page_token")]
+    all: bool,
+    /// The page after an earlier list's next page token.
+    #[arg(long, value_name = "TOKEN")]
+    page_token: Option<String>,
+}
+
+impl ListArgs {
+    /// The first request.
+    fn request(self) -> Result<(pb::ListSessionsRequest, bool), String> {
+        let req = pb::ListSessionsRequest {
+            states: self.state.iter().map(|s| s.to_pb()).collect(),
+            image_id: self.image,
+            labels: self.labels.map()?,
+            page_size: self.page_size,
+            page_token: self.page_token.unwrap_or_default(),
+        };
+        Ok((req, self.all))
+    }
+}
+
+/// `sessions list`: one page (its next page token on stderr), or every
+/// page with `--all`.
+async fn list(
+    cl: &mut SessionsClient<tonic::service::interceptor::InterceptedService<Channel, Bearer>>,
+    out: Output,
+    args: ListArgs,
+) -> Result<(), String> {
+    let (mut req, all) = args.request()?;
+    let mut sessions = Vec::new();
+    loop {
+        let page = cl
+            .list_sessions(req.clone())
+            .await
+            .map_err(st)?
+            .into_inner();
+        sessions.extend(page.sessions);
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        if !all {
+            eprintln!("next_page_token: {}", page.next_page_token);
+            break;
+        }
+        if page.next_page_token == req.page_token {
+            return Err("host-agent returned the same page token again".into());
+        }
+        req.page_token = page.next_page_token;
+    }
+    print_all(&sessions, out);
     Ok(())
 }
 

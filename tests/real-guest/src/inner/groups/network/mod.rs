@@ -273,6 +273,7 @@ fn wait_event(
             .watch(pb::WatchRequest {
                 since_seq: 0,
                 session_id: s.session_id.clone(),
+                ..Default::default()
             })
             .await
             .map_err(|e| format!("Watch: {}", e.message()))?

@@ -328,6 +328,7 @@ fn running_detail(a: &HostAgent, ch: &Channel, session_id: &str) -> Result<Strin
             .watch(pb::WatchRequest {
                 since_seq: 0,
                 session_id: session_id.into(),
+                ..Default::default()
             })
             .await
             .map_err(|e| format!("Watch: {}", e.message()))?
