@@ -16,6 +16,12 @@
 //!
 //! Unknown fields are errors, so a typo never silently drops a restriction.
 //! No manifest means no secrets and no egress.
+//!
+//! [`env`] holds the rules for environment variable names that guest-init
+//! and host-agent share (risky variables, the names a session's
+//! environment and secrets may use).
+
+pub mod env;
 
 use std::collections::BTreeMap;
 

@@ -302,6 +302,50 @@ async fn secrets_are_scoped_and_never_echoed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_session_env_reaches_commands_and_risky_names_are_refused() {
+    let repo = Repo::new();
+    let h = Harness::start().await;
+    // The session's variables reach every command undecided, so a name that
+    // changes what runs (or guest-init's own) is refused at StartSession, as
+    // host-agent refuses it at CreateSession.
+    for (field, name) in [
+        ("env", "PATH"),
+        ("env", "GUEST_INIT_TURN"),
+        ("secrets", "LD_PRELOAD"),
+        ("secrets", "GIT_SSH_COMMAND"),
+    ] {
+        let mut c = h.connect().await;
+        c.hello().await;
+        let mut spec = SessionSpec::new("s1", "coder", "main");
+        let pair = (name.to_string(), "/tmp/x".to_string());
+        if field == "env" {
+            spec.env.extend([pair]);
+        } else {
+            spec.allowlist = vec![name.into()];
+            spec.secrets.extend([pair]);
+        }
+        let r = c.start_session(&spec, &repo.bundle()).await;
+        let Out::Error(e) = r else {
+            panic!("{name}: {r:?}")
+        };
+        assert!(
+            e.message.contains(&format!("{field}: the name {name:?}")),
+            "{}",
+            e.message
+        );
+    }
+    let mut c = h.connect().await;
+    c.hello().await;
+    let mut spec = SessionSpec::new("s1", "coder", "main");
+    spec.env
+        .extend([("GREETING".to_string(), "hello-env".to_string())]);
+    let ready = c.start_session(&spec, &repo.bundle()).await;
+    assert!(matches!(ready, Out::Ready(_)), "{ready:?}");
+    let env = c.run("env", &["env"]).await.stdout();
+    assert!(env.contains("GREETING=hello-env"), "{env}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_env_and_paths_are_decided() {
     let repo = Repo::new();
     let h = Harness::start().await;

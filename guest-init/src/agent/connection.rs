@@ -267,12 +267,20 @@ impl Conn {
                 session::MAX_BUNDLE_BYTES
             )));
         }
-        for k in req.secrets.keys().chain(req.env.keys()) {
-            if k.is_empty() || k.contains(['=', '\0']) {
-                return Err(bad(format!(
-                    "environment or secret name {k:?} is not a valid variable name"
-                )));
+        // The same rule as host-agent's at CreateSession: these variables
+        // reach every command without a policy decision.
+        for (field, map) in [("env", &req.env), ("secrets", &req.secrets)] {
+            for (k, v) in map.iter() {
+                if let Some(why) = crate::policy::risky_env::session_name_problem(k) {
+                    return Err(bad(format!("{field}: the name {k:?} {why}")));
+                }
+                if v.contains('\0') {
+                    return Err(bad(format!("{field}[{k:?}]: the value holds a NUL byte")));
+                }
             }
+        }
+        if let Some(k) = req.secrets.keys().find(|k| req.env.contains_key(*k)) {
+            return Err(bad(format!("{k:?} is both in env and in secrets")));
         }
         let path = session::bundle_path(&self.cfg.state_dir, &req.session_id);
         let file = tokio::fs::File::create(&path).await.map_err(|e| {

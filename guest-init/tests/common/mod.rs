@@ -214,6 +214,8 @@ pub struct SessionSpec {
     pub base_ref: String,
     pub allowlist: Vec<String>,
     pub secrets: BTreeMap<String, String>,
+    /// The session's env beyond the git identity every spec gets.
+    pub env: BTreeMap<String, String>,
     pub ask_timeout_ms: u32,
 }
 
@@ -225,6 +227,7 @@ impl SessionSpec {
             base_ref: base_ref.into(),
             allowlist: vec![],
             secrets: BTreeMap::new(),
+            env: BTreeMap::new(),
             ask_timeout_ms: 0,
         }
     }
@@ -392,6 +395,7 @@ impl Client {
             ]
             .iter()
             .map(|(a, b)| (a.to_string(), b.to_string()))
+            .chain(spec.env.clone())
             .collect(),
             ask_timeout_ms: spec.ask_timeout_ms,
         }))
