@@ -314,6 +314,10 @@ pub struct Config {
     /// Largest session branch bundle taken from a guest at Stop (bytes);
     /// a larger one is not fetched.
     pub max_branch_bundle_bytes: u64,
+    /// The node's secrets: one file per secret, named after it
+    /// (systemd-credentials style), which CreateSession's `secret_refs`
+    /// name; read at each create. `None`: `secret_refs` are refused.
+    pub secrets_dir: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -348,6 +352,7 @@ impl Default for Config {
             unauthenticated_local: None,
             max_audit_bytes_per_session: 64 << 20,
             max_branch_bundle_bytes: 1 << 30,
+            secrets_dir: None,
         }
     }
 }
@@ -420,6 +425,14 @@ impl Config {
         }
         if self.max_sessions == 0 {
             return Err(Error::invalid("max_sessions must be at least 1"));
+        }
+        if let Some(d) = &self.secrets_dir {
+            if !d.is_dir() {
+                return Err(Error::invalid(format!(
+                    "secrets_dir {} is not a directory (--secrets-dir)",
+                    d.display()
+                )));
+            }
         }
         if self.jailed() && self.jail.uid_range.len() < u64::from(self.max_sessions) {
             tracing::warn!(
@@ -546,6 +559,27 @@ mod tests {
         assert_eq!(cfg.jail.memory_overhead_mib, 256);
         assert_eq!(cfg.logs.max_file_bytes, 65536);
         assert!(serde_json::from_str::<Config>(r#"{"jail": {"uid_range": "0-9"}}"#).is_err());
+    }
+
+    #[test]
+    fn the_secrets_dir_must_be_a_directory() {
+        let t = tempfile::tempdir().unwrap();
+        let file = t.path().join("f");
+        std::fs::write(&file, "x").unwrap();
+        let with = |d: &Path| Config {
+            secrets_dir: Some(d.to_path_buf()),
+            ..Config::default()
+        };
+        assert!(with(t.path()).validate().is_ok());
+        for bad in [file, t.path().join("missing")] {
+            let e = with(&bad).validate().unwrap_err().to_string();
+            assert!(
+                e.contains("secrets_dir") && e.contains("is not a directory"),
+                "{e}"
+            );
+        }
+        let cfg: Config = serde_json::from_str(r#"{"secrets_dir": "/run/credentials/x"}"#).unwrap();
+        assert_eq!(cfg.secrets_dir, Some(PathBuf::from("/run/credentials/x")));
     }
 
     #[test]

@@ -31,6 +31,7 @@ pub mod path_roots;
 pub mod pool;
 pub mod repo;
 pub mod safe_fs;
+pub mod session_env;
 pub mod sessions;
 pub mod store;
 pub mod supervisor;

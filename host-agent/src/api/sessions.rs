@@ -13,6 +13,7 @@ use crate::auth::Caller;
 use crate::error::{Error, Result};
 use crate::images::valid_id;
 use crate::path_roots::Kind;
+use crate::session_env::SessionEnv;
 use crate::sessions::{reason, CreateParams, Manager};
 
 /// Longest TTL or idle timeout accepted: 30 days.
@@ -81,6 +82,23 @@ fn create_params(
             return Err(Error::invalid(format!("{name} is longer than 4096 bytes")));
         }
     }
+    // Environment and secrets go to guest-init; an image without it has
+    // nothing to give them to.
+    if !(r.env.is_empty() && r.secrets.is_empty() && r.secret_refs.is_empty()) {
+        if let Some(image) = mgr.store.image(&r.image_id)?.filter(|i| !i.guest_init) {
+            return Err(Error::invalid(format!(
+                "env, secrets, secret_refs: image {:?} runs no guest-init, so nothing in \
+                 its VMs would receive them",
+                image.id
+            )));
+        }
+    }
+    let session_env = SessionEnv::from_request(
+        r.env,
+        r.secrets,
+        r.secret_refs,
+        mgr.cfg.secrets_dir.as_deref(),
+    )?;
     // The repository is used as it resolves now, and only under the roots.
     let repository = if r.repository_path.is_empty() {
         String::new()
@@ -102,6 +120,8 @@ fn create_params(
         owner: caller.name.clone(),
         io_limits: crate::io_limits::IoLimits::from_pb(r.io_limits.as_ref())?,
         may_loosen_limits: caller.may(crate::auth::Scope::Admin),
+        session_env_digest: session_env.fingerprint(&mgr.fingerprint_key),
+        session_env: Arc::new(session_env),
     })
 }
 

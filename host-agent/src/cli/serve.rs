@@ -106,6 +106,10 @@ pub struct ServeArgs {
     /// replaces allowed_repository_roots of the config file).
     #[arg(long)]
     allowed_repository_root: Vec<PathBuf>,
+    /// Directory of the node's secrets, one file per secret named after it,
+    /// which CreateSession's secret_refs name.
+    #[arg(long)]
+    secrets_dir: Option<PathBuf>,
 }
 
 fn init_logs(json: bool) {
@@ -195,6 +199,9 @@ pub async fn run_serve(a: ServeArgs) -> Result<(), String> {
     }
     if !a.allowed_repository_root.is_empty() {
         cfg.allowed_repository_roots = Some(a.allowed_repository_root);
+    }
+    if let Some(v) = a.secrets_dir {
+        cfg.secrets_dir = Some(v);
     }
     cfg.stop_sessions_on_shutdown |= a.stop_sessions_on_shutdown;
     cfg.log_json |= a.log_json;

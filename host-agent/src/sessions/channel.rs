@@ -45,6 +45,7 @@ impl Manager {
     /// StartSession, the repository as a git bundle, then waits for Ready.
     pub(super) async fn start_guest(&self, sess: &Session) -> Result<GuestConn> {
         let row = sess.row();
+        let (secret_allowlist, secrets, env) = self.session_env_for(sess, &row).await?;
         let timeout = Duration::from_secs(self.cfg.guest_ready_timeout_seconds);
         let conn = self.connect_guest(sess, timeout).await?;
         // Only the base ref (and what it needs) goes in: never the other
@@ -62,6 +63,9 @@ impl Manager {
                 agent: row.agent.clone(),
                 base_ref: base.base_ref.clone(),
                 bundle_size: base.size,
+                secret_allowlist,
+                secrets,
+                env,
                 ..Default::default()
             }))
             .await?;
@@ -83,6 +87,49 @@ impl Manager {
                 _ => continue,
             }
         }
+    }
+
+    /// What the session's StartSession carries of its environment and
+    /// secrets: (secret_allowlist, secrets, env). Only the requested secrets
+    /// that the repository's manifest (at the base ref) grants the agent
+    /// are sent, so the others never leave the host; guest-init applies
+    /// the grant again from its own copy of the manifest.
+    async fn session_env_for(
+        &self,
+        sess: &Session,
+        row: &SessionRow,
+    ) -> Result<(
+        Vec<String>,
+        HashMap<String, String>,
+        HashMap<String, String>,
+    )> {
+        let Some(se) = sess.lock().session_env.clone() else {
+            return Ok(Default::default());
+        };
+        let env = se.env.clone().into_iter().collect();
+        if se.secrets().is_empty() {
+            return Ok((vec![], HashMap::new(), env));
+        }
+        let grant = super::network::manifest_of(row)
+            .await?
+            .map(|m| m.grant(&row.agent).secrets)
+            .unwrap_or_default();
+        let (names, values) = se.granted(&grant);
+        let withheld: Vec<&String> = se
+            .secrets()
+            .names()
+            .filter(|n| !names.contains(n))
+            .collect();
+        if !withheld.is_empty() {
+            // Names only, never a value.
+            tracing::info!(
+                session = %sess.id,
+                agent = %row.agent,
+                withheld = ?withheld,
+                "secrets the manifest does not grant the agent are not sent to the guest"
+            );
+        }
+        Ok((names, values, env))
     }
 
     /// The session's guest channel. One this process did not open (host-agent

@@ -124,11 +124,15 @@ impl Manager {
                 )?;
             }
             let sess = self.insert_session(row, image.clone());
+            sess.hold_session_env(p.session_env.clone());
             self.transition(&sess, S::Pending, "created", "")?;
             sess
         };
         let _op = sess.op.lock().await;
-        self.start(&sess, &image, warm).await?;
+        let started = self.start(&sess, &image, warm).await;
+        // Its secrets were for StartSession only; guest-init keeps them now.
+        sess.forget_session_env();
+        started?;
         Ok(sess.row())
     }
 

@@ -57,6 +57,7 @@ use crate::network::node::NodeNetwork;
 use crate::path_roots::PathRoots;
 use crate::pool::Pool;
 use crate::repo::Repo;
+use crate::session_env::SessionEnv;
 use crate::store::{EventRow, ImageRow, SessionRow, Store};
 use crate::supervisor::{self, ExitStatus, VmmProcess};
 use vmm_api::{SnapshotKind, VmState};
@@ -86,11 +87,15 @@ pub struct CreateParams {
     pub io_limits: crate::io_limits::IoLimits,
     /// Whether the client may loosen the image's limits (the admin scope).
     pub may_loosen_limits: bool,
+    /// The session's environment and secrets, for its StartSession only.
+    pub session_env: Arc<SessionEnv>,
+    /// Their keyed digest for the idempotency fingerprint (empty: none).
+    pub session_env_digest: String,
 }
 
 impl CreateParams {
     fn fingerprint(&self) -> String {
-        format!(
+        let mut f = format!(
             "{:?}",
             (
                 &self.image_id,
@@ -102,7 +107,14 @@ impl CreateParams {
                 &self.base_ref,
                 self.io_limits.encode()
             )
-        )
+        );
+        // Only a keyed digest of the environment and secrets, and only when
+        // there are some (so keys stored before them still match).
+        if !self.session_env_digest.is_empty() {
+            f.push_str(" env:");
+            f.push_str(&self.session_env_digest);
+        }
+        f
     }
 }
 
@@ -130,6 +142,10 @@ struct Inner {
     dns: Option<Arc<crate::network::dns::DnsHandle>>,
     /// The latest raw network counters, not yet in a usage record.
     net_reading: Option<crate::accounting::NetIo>,
+    /// The environment and secrets its StartSession carries: held from
+    /// CreateSession until the session is started (or failed), then
+    /// dropped, since guest-init keeps them from there.
+    session_env: Option<Arc<SessionEnv>>,
 }
 
 /// One session in memory.
@@ -167,6 +183,16 @@ impl Session {
         self.lock().image.guest_init
     }
 
+    /// Holds the environment and secrets for the session's StartSession.
+    fn hold_session_env(&self, env: Arc<SessionEnv>) {
+        self.lock().session_env = Some(env);
+    }
+
+    /// Drops them: the session is started (guest-init has them) or failed.
+    fn forget_session_env(&self) {
+        self.lock().session_env = None;
+    }
+
     async fn wait_until(&self, pred: impl Fn(i32) -> bool, timeout: Duration) -> bool {
         let mut rx = self.state.subscribe();
         tokio::time::timeout(timeout, rx.wait_for(|s| pred(*s)))
@@ -201,6 +227,9 @@ pub struct Manager {
     pub jail_uids: Arc<JailUids>,
     /// The node's network for sessions (`network` in the configuration).
     pub network: Option<Arc<NodeNetwork>>,
+    /// Keys the digest of CreateSession's env and secrets in idempotency
+    /// fingerprints.
+    pub fingerprint_key: crate::session_env::fingerprint::Key,
 }
 
 impl Manager {
@@ -229,6 +258,7 @@ impl Manager {
             &cfg.repository_roots(),
         )?;
         let store = Arc::new(Store::open(&cfg.state_dir.join("host-agent.db"))?);
+        let fingerprint_key = crate::session_env::fingerprint::Key::load_or_create(&cfg.state_dir)?;
         let events = EventBus::new(&store)?;
         let vmm_path = cfg.vmm_path();
         let jail_uids = Arc::new(JailUids::new(cfg.jail.uid_range));
@@ -251,6 +281,7 @@ impl Manager {
             golden_lock: tokio::sync::Mutex::new(()),
             image_roots,
             repository_roots,
+            fingerprint_key,
         }))
     }
 
@@ -382,6 +413,7 @@ impl Manager {
                 dns: None,
                 net_reading: None,
                 net_deny: vec![],
+                session_env: None,
             }),
             state,
         });

@@ -41,6 +41,23 @@ struct KeptHost {
     ports: Vec<u16>,
 }
 
+/// The manifest of session `row`'s repository at the commit its base ref
+/// names (`None`: the commit has none). One that does not parse is
+/// FAILED_PRECONDITION, as the guest would refuse it.
+pub(super) async fn manifest_of(row: &SessionRow) -> Result<Option<agent_manifest::Manifest>> {
+    let repo = Repo::open(&row.repository)?;
+    let commit = repo.resolve_commit(&row.base_ref).await?;
+    let path = agent_manifest::MANIFEST_PATH;
+    let Some(text) = repo.file_at(&commit, path, MANIFEST_LIMIT).await? else {
+        return Ok(None);
+    };
+    let text = String::from_utf8(text)
+        .map_err(|_| Error::FailedPrecondition(format!("{path} at {commit} is not UTF-8 text")))?;
+    agent_manifest::Manifest::parse(&text)
+        .map(Some)
+        .map_err(|e| Error::FailedPrecondition(format!("at {commit}: {e}")))
+}
+
 /// Writes the policy of the session in `dir` (made if it is not there yet).
 fn keep(dir: &Path, allow: &[Allow], deny: &[Cidr], hosts: &[HostGrant]) -> Result<()> {
     std::fs::create_dir_all(dir)
@@ -113,18 +130,10 @@ impl Manager {
                 ..Default::default()
             });
         }
-        let repo = Repo::open(&row.repository)?;
-        let commit = repo.resolve_commit(&row.base_ref).await?;
-        let path = agent_manifest::MANIFEST_PATH;
-        let Some(text) = repo.file_at(&commit, path, MANIFEST_LIMIT).await? else {
+        let Some(manifest) = manifest_of(row).await? else {
             // No manifest: no egress, as in the guest.
             return Ok(SessionEgress::default());
         };
-        let text = String::from_utf8(text).map_err(|_| {
-            Error::FailedPrecondition(format!("{path} at {commit} is not UTF-8 text"))
-        })?;
-        let manifest = agent_manifest::Manifest::parse(&text)
-            .map_err(|e| Error::FailedPrecondition(format!("at {commit}: {e}")))?;
         let ipv6 = self.network.as_ref().is_some_and(|n| n.has_ipv6());
         session_egress(&manifest.grant(&row.agent).egress, &node, ipv6)
     }

@@ -16,6 +16,7 @@ mod images;
 mod io_limits;
 mod labels;
 mod node;
+mod session_env;
 mod sessions;
 mod turns;
 mod usage;

@@ -37,6 +37,8 @@ pub enum SessionsCmd {
         io_limit: Vec<String>,
         #[command(flatten)]
         labels: LabelArgs,
+        #[command(flatten)]
+        session_env: Box<super::session_env::SessionEnvArgs>,
     },
     /// List sessions (filtered, a page at a time).
     List(ListArgs),
@@ -91,8 +93,10 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
             idle_timeout,
             io_limit,
             labels,
-        } => cl
-            .create_session(pb::CreateSessionRequest {
+            session_env,
+        } => {
+            let (env, secrets, secret_refs) = session_env.fields(std::io::stdin())?;
+            cl.create_session(pb::CreateSessionRequest {
                 image_id: image,
                 repository_path: repository,
                 agent,
@@ -104,10 +108,14 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
                 }),
                 io_limits: super::io_limits::parse(&io_limit)?,
                 labels: labels.map()?,
+                env,
+                secrets,
+                secret_refs,
             })
             .await
             .map_err(st)?
-            .into_inner(),
+            .into_inner()
+        }
         SessionsCmd::List(args) => return list(&mut cl, out, args).await,
         SessionsCmd::Get { id } => cl
             .get_session(pb::SessionRef { session_id: id })
