@@ -169,6 +169,23 @@ fn ipv6_neighbour_discovery_passes_the_rules() {
         net::set_address6("eth0", "fd00:ac10::2".parse().unwrap(), 126)
             .map_err(|e| e.to_string())?;
         net::add_default_route6("eth0", gateway).map_err(|e| e.to_string())?;
+        // The address is tentative until the veth's carrier is up
+        // (asynchronous); wait for that, as a guest's NIC is up at boot.
+        for _ in 0..100 {
+            let addrs = std::fs::read_to_string("/proc/thread-self/net/if_inet6")
+                .map_err(|e| e.to_string())?;
+            let ready = addrs.lines().any(|l| {
+                l.starts_with("fd00ac10000000000000000000000002")
+                    && l.split_whitespace()
+                        .nth(4)
+                        .and_then(|f| u32::from_str_radix(f, 16).ok())
+                        .is_some_and(|f| f & 0x40 == 0)
+            });
+            if ready {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
         // The listener in the gateway's namespace, from a thread that joined it.
         let path = format!("/run/netns/{ns}");
         let (tx, rx) = std::sync::mpsc::channel();

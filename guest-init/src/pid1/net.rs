@@ -381,7 +381,22 @@ mod tests {
             link_up("eth0").unwrap();
             set_address6("eth0", "fd00:ac10::2".parse().unwrap(), 126).unwrap();
             add_default_route6("eth0", "fd00:ac10::1".parse().unwrap()).unwrap();
-            let addrs = std::fs::read_to_string("/proc/thread-self/net/if_inet6").unwrap();
+            // Tentative only until the veth's carrier is up (asynchronous);
+            // with DAD off it is usable as soon as it is.
+            let mut addrs = String::new();
+            for _ in 0..100 {
+                addrs = std::fs::read_to_string("/proc/thread-self/net/if_inet6").unwrap();
+                let tentative = addrs
+                    .lines()
+                    .find(|l| l.starts_with("fd00ac10000000000000000000000002"))
+                    .and_then(|l| l.split_whitespace().nth(4))
+                    .and_then(|f| u32::from_str_radix(f, 16).ok())
+                    .is_none_or(|f| f & 0x40 != 0);
+                if !tentative {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
             let routes6 = std::fs::read_to_string("/proc/thread-self/net/ipv6_route").unwrap();
             Ok((routes, Some((addrs, routes6))))
         })
@@ -390,12 +405,13 @@ mod tests {
         match r {
             Ok((routes, six)) => {
                 // Default route: destination 00000000 with gateway 10.9.8.1 (little-endian hex 0108090A).
+                assert!(routes.lines().any(|l| l.contains("00000000\t0108090A")), "{routes}");
                 let Some((addrs, routes6)) = six else {
                     println!("SKIPPED the IPv6 part: `ip link add eth0 type veth` failed");
                     return;
                 };
-                assert!(routes.lines().any(|l| l.contains("00000000\t0108090A")), "{routes}");
-                // The address, prefix 126 (0x7e), not tentative (no DAD).
+                // The address, prefix 126 (0x7e), not tentative once the
+                // link is up (no DAD).
                 let line = addrs
                     .lines()
                     .find(|l| l.starts_with("fd00ac10000000000000000000000002"))
