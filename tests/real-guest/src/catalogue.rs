@@ -59,7 +59,7 @@ pub const GROUPS: &[Group] = &[
     Group {
         name: "node",
         about: "host-agent serving a session on the real image (golden snapshot, guest-init)",
-        scenarios: &["node-golden", "node-session", "pool-timing"],
+        scenarios: &["node-golden", "node-session", "node-secrets", "pool-timing"],
         limit: Duration::from_secs(40 * 60),
     },
     Group {

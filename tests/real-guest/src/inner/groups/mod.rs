@@ -69,6 +69,7 @@ pub fn run(ctx: &mut Ctx, name: &str) -> Check {
         "clones-randomness" => snapshot::clones_randomness(ctx, name),
         "node-golden" => node::golden(ctx, name),
         "node-session" => node::session(ctx, name),
+        "node-secrets" => node::secrets(ctx, name),
         "pool-timing" => node::pool_timing(ctx, name),
         "net-resolve" => network::resolve(ctx, name),
         "net-dns-denied" => network::dns_denied(ctx, name),

@@ -10,6 +10,11 @@ use tonic::transport::Channel;
 
 use crate::inner::Ctx;
 
+/// The `secrets_dir` host-agent is started with (`node-secrets` fills it).
+pub fn secrets_dir(ctx: &Ctx) -> std::path::PathBuf {
+    ctx.scratch.join("secrets")
+}
+
 /// A host-agent process in the outer VM, stopped (sessions with it) on drop.
 pub struct HostAgent {
     child: Child,
@@ -48,11 +53,14 @@ impl HostAgent {
                 .filter_map(|p| p.parent().map(|d| d.to_path_buf()))
                 .collect();
         let config = ctx.scratch.join("host-agent.json");
+        let secrets = secrets_dir(ctx);
+        std::fs::create_dir_all(&secrets).map_err(|e| e.to_string())?;
         let mut settings = serde_json::json!({
             "guest_ready_timeout_seconds": 900,
             "unauthenticated_local": "admin",
             "allowed_image_roots": image_roots,
             "allowed_repository_roots": [ctx.scratch],
+            "secrets_dir": secrets,
         });
         if let Some(network) = network {
             settings["network"] = network;

@@ -1,8 +1,9 @@
 //! Group `node`: host-agent serving the project's real image: the golden
 //! snapshot of a booted guest with guest-init idle on vsock, a session on a
 //! repository (clone on `session/<id>`, exec allowed / denied / asked,
-//! a commit, the branch fetched back at Stop, the audit chain, usage), and
-//! how long CreateSession takes from a warm VM and from the golden snapshot.
+//! a commit, the branch fetched back at Stop, the audit chain, usage), a
+//! session's secrets and environment (`secrets`), and how long
+//! CreateSession takes from a warm VM and from the golden snapshot.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,9 +19,11 @@ use crate::inner::{Check, Ctx};
 
 mod host_agent;
 mod records;
+mod secrets;
 
 pub use host_agent::HostAgent;
 use records::{audit_agrees, usage_covers};
+pub use secrets::secrets;
 
 /// The image id the node and network groups register.
 pub(super) const IMAGE: &str = "real";
