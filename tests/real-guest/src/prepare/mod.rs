@@ -114,7 +114,7 @@ fn note(message: &str) {
 /// Builds or finds everything.
 pub fn prepare(opts: &PrepareOptions) -> Result<Prepared> {
     let t0 = std::time::Instant::now();
-    for bin in ["vmm", "host-agent", "real-guest"] {
+    for bin in ["vmm", "host-agent", "guest-init", "real-guest"] {
         if !opts.bin_dir.join(bin).is_file() {
             return Err(PrepareError::Missing(format!(
                 "{} is not built; run tests/real-guest/run (it builds the workspace first)",
