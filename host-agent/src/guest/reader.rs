@@ -131,12 +131,13 @@ impl Reader {
             m.kind,
             Some(Out::ExecExited(_) | Out::ExecRejected(_) | Out::Error(_))
         );
-        // Why the command ended, for an ask it leaves unanswered.
-        let ended_why = match &m.kind {
+        // Why the command ended, for an ask it leaves unanswered: taken
+        // only from the message that ends it (not on every output chunk).
+        let ended_why = ends.then(|| match &m.kind {
             Some(Out::ExecRejected(r)) => r.reason.clone(),
             Some(Out::Error(e)) => e.message.clone(),
             _ => "the command ended".to_string(),
-        };
+        });
         let tx = self.shared.routes().execs.get(&id).cloned();
         match tx {
             Some(tx) => {
@@ -160,7 +161,7 @@ impl Reader {
             for ask in unanswered {
                 self.notice(AskNotice::Unanswered {
                     ask,
-                    why: ended_why.clone(),
+                    why: ended_why.clone().unwrap_or_default(),
                 });
             }
         }
