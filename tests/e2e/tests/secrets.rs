@@ -11,6 +11,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::Path;
+use test_harness::files::files_holding;
 
 use common::{exec, exit_code, host_audit, start_guest};
 use proto::hostagent as pb;
@@ -40,25 +41,6 @@ fn map(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
-}
-
-/// Every file under `dir` (links not followed) that holds `needle`.
-fn files_holding(dir: &Path, needle: &[u8], found: &mut Vec<String>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let path = e.path();
-        let Ok(kind) = e.file_type() else { continue };
-        if kind.is_dir() {
-            files_holding(&path, needle, found);
-        } else if kind.is_file() {
-            let data = std::fs::read(&path).unwrap_or_default();
-            if data.windows(needle.len()).any(|w| w == needle) {
-                found.push(path.display().to_string());
-            }
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,6 +8,7 @@
 //! * [`process`]: child processes: deadlines, waiting for a socket, killing;
 //! * [`host`]: what this machine lets a test do (root, `vmm jail`);
 //! * [`git`]: git with a fixed identity and throwaway repositories;
+//! * [`files`]: which files of a test hold a byte string;
 //! * [`vsock_shim`]: the host side of a vmm's vsock socket (`CONNECT
 //!   <port>`), played by a test (feature `vsock-shim`);
 //! * [`agent`]: a host-agent process on a loopback port, with its gRPC
@@ -21,6 +22,7 @@
 #[cfg(feature = "agent")]
 pub mod agent;
 pub mod bin;
+pub mod files;
 pub mod git;
 #[cfg(feature = "guests")]
 pub mod guests;
