@@ -58,14 +58,18 @@ impl Persist for Block {
         block
             .set_limits(&args.limits)
             .map_err(|e| VirtioPersistError::Mismatch(e.to_string()))?;
-        if block.disk.sectors != state.sectors {
+        // A disk grown since the snapshot (a session given a larger root
+        // disk) is served at its new size, and the guest is told below; one
+        // that shrank would lose what the guest has written at its end.
+        if block.disk.sectors < state.sectors {
             return Err(VirtioPersistError::Mismatch(format!(
-                "disk {} has {} sectors, the snapshot {}",
+                "disk {} has {} sectors, fewer than the snapshot's {}",
                 args.path.display(),
                 block.disk.sectors,
                 state.sectors
             )));
         }
+        let grown = block.disk.sectors > state.sectors;
         if block.disk.read_only != state.read_only {
             return Err(VirtioPersistError::Mismatch(format!(
                 "disk {} read-only flag differs from the snapshot",
@@ -74,7 +78,19 @@ impl Persist for Block {
         }
         block.common.restore_state(&state.common, &args.mem)?;
         if state.common.activated {
-            block.activate(args.mem, args.interrupt)?;
+            block.activate(args.mem, args.interrupt.clone())?;
+        }
+        if grown {
+            tracing::info!(
+                disk = %args.path.display(),
+                from_sectors = state.sectors,
+                to_sectors = block.disk.sectors,
+                "the disk is larger than at the snapshot; the guest is told its new capacity"
+            );
+            // A configuration change: the driver reads the capacity again.
+            // Raised before the VM runs, it is held in the interrupt status
+            // and raised again on the first run (`resend_pending`).
+            args.interrupt.signal_config();
         }
         Ok(block)
     }

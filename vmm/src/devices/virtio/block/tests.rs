@@ -345,6 +345,58 @@ fn state_survives_a_save_and_restore_and_bad_state_is_refused() {
     assert!(Block::restore(args(), &bad).is_err());
 }
 
+#[test]
+fn a_disk_grown_since_the_snapshot_is_served_larger_and_the_guest_told() {
+    let (disk, mut block, mem) = setup(false);
+    let q = mock_queue(&mem, GuestAddress(0));
+    activate(&mut block, &mem, &[&q]);
+    let state = block.save().unwrap();
+    assert_eq!(state.sectors, 16);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&disk.0)
+        .unwrap()
+        .set_len(64 * SECTOR_SIZE)
+        .unwrap();
+    let irq = interrupt();
+    let restored = Block::restore(
+        BlockConstructorArgs {
+            path: disk.0.clone(),
+            read_only: false,
+            limits: Default::default(),
+            mem: mem.clone(),
+            interrupt: irq.clone(),
+        },
+        &state,
+    )
+    .unwrap();
+    let mut cfg = [0u8; 8];
+    restored.read_config(0, &mut cfg);
+    assert_eq!(u64::from_le_bytes(cfg), 64, "the new capacity");
+    assert_ne!(
+        irq.status() & crate::devices::virtio::VIRTIO_MMIO_INT_CONFIG,
+        0,
+        "a configuration change is pending for the driver"
+    );
+    assert_eq!(restored.save().unwrap().sectors, 64, "later snapshots keep the new size");
+
+    // Restored at the size it had: nothing to tell.
+    let irq = interrupt();
+    let again = Block::restore(
+        BlockConstructorArgs {
+            path: disk.0.clone(),
+            read_only: false,
+            limits: Default::default(),
+            mem: mem.clone(),
+            interrupt: irq.clone(),
+        },
+        &restored.save().unwrap(),
+    )
+    .unwrap();
+    assert_eq!(again.sectors(), 64);
+    assert_eq!(irq.status() & crate::devices::virtio::VIRTIO_MMIO_INT_CONFIG, 0);
+}
+
 /// VMM-side cost of one virtio-blk request (descriptor parsing, bounds checks,
 /// the file I/O through the page cache, used ring update), measured around
 /// `process_queue` only. Run with:
