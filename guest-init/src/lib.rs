@@ -5,6 +5,7 @@
 //! * [`agent`]: the session agent serving one connection at a time.
 //! * [`session`]: cloning the repository from a bundle and cutting the branch.
 //! * [`exec`]: running commands with streamed output.
+//! * [`files`]: file operations in the workspace for the Files API.
 //! * [`policy`]: rules, wrappers, manifest, egress and secrets.
 //! * [`turn`]: grouping a turn's processes and killing them.
 //! * [`audit`]: the hash-chained audit log and its verifier.
@@ -20,6 +21,7 @@ pub mod audit;
 pub mod channel;
 pub mod clock;
 pub mod exec;
+pub mod files;
 pub mod pid1;
 pub mod policy;
 pub mod privilege;

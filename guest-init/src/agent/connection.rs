@@ -42,6 +42,7 @@ pub(super) async fn handle_connection(
         pending: None,
         session: None,
         detached,
+        files: Default::default(),
     };
     let stop = tokio::select! {
         s = conn.run(&mut reader) => s,
@@ -66,12 +67,14 @@ pub(super) async fn handle_connection(
 
 pub(super) struct Conn {
     cfg: Arc<Config>,
-    out: Outbox,
+    pub(super) out: Outbox,
     hello: bool,
     pending: Option<PendingStart>,
     session: Option<Arc<Session>>,
     /// A session an earlier connection left, until resumed or replaced.
     detached: Option<Arc<Session>>,
+    /// Open file requests (see `files`).
+    pub(super) files: super::files::FileOps,
 }
 
 impl Conn {
@@ -227,6 +230,7 @@ impl Conn {
                 }
                 Err(m) => self.send(m).await,
             },
+            In::File(r) => self.file(r).await,
             In::ResumeSession(r) => {
                 if let Err(e) = self.resume(&r).await {
                     self.send(e).await;

@@ -16,10 +16,13 @@
 //! stdin, signals, turns), `approvals` (ask and Answer), `network` (the
 //! egress rules). This file keeps the configuration, `serve`, and the
 //! session's state.
+//!
+//! `files` serves FileRequest: the Files API's operations, as the agent.
 
 mod approvals;
 mod commands;
 mod connection;
+mod files;
 mod lifecycle;
 mod network;
 
