@@ -133,6 +133,9 @@ pub async fn serve(
         .set_serving::<ApprovalsServer<api::approvals::ApprovalsApi>>()
         .await;
     health
+        .set_serving::<proto::hostagent::files_server::FilesServer<api::files::FilesApi>>()
+        .await;
+    health
         .set_serving::<EventsServer<api::events::EventsApi>>()
         .await;
     health
@@ -171,6 +174,9 @@ pub async fn serve(
         .add_service(ApprovalsServer::new(api::approvals::ApprovalsApi(
             mgr.clone(),
         )))
+        .add_service(proto::hostagent::files_server::FilesServer::new(
+            api::files::FilesApi(mgr.clone()),
+        ))
         .add_service(EventsServer::new(api::events::EventsApi(mgr.clone())))
         .add_service(UsageServer::new(api::usage::UsageApi(mgr.clone())))
         .add_service(NodeServer::new(api::node::NodeApi(mgr.clone())));

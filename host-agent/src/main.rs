@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 mod cli;
 
 use cli::client::{
-    run_client, ApprovalsCmd, ClientTls, EventsCmd, ImagesCmd, SessionsCmd, TurnsCmd,
+    run_client, ApprovalsCmd, ClientTls, EventsCmd, FilesCmd, ImagesCmd, SessionsCmd, TurnsCmd,
 };
 use cli::demo::{run_demo, DemoArgs};
 use cli::serve::{run_serve, ServeArgs};
@@ -100,6 +100,9 @@ enum Cmd {
     /// Asks waiting for an answer, and answering them.
     #[command(subcommand)]
     Approvals(ApprovalsCmd),
+    /// Files in a session's workspace: stat, ls, get, put, mkdir, rm, mv, watch.
+    #[command(subcommand)]
+    Files(FilesCmd),
     /// A session's audit records as host-agent holds them.
     Audit {
         /// Session id.

@@ -15,6 +15,7 @@ use crate::store::{EventRow, ImageRow, SessionRow, UsageRow};
 pub mod approvals;
 pub mod events;
 pub mod exec;
+pub mod files;
 pub mod images;
 pub mod listing;
 pub mod node;

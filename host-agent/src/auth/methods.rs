@@ -52,6 +52,13 @@ pub fn required(path: &str) -> Access {
             "Answer" => Needs(Sessions),
             _ => Unknown,
         },
+        "hostagent.v1.Files" => match method {
+            // Reading a file shows what a command could print: Exec's scope.
+            "Stat" | "List" | "Read" | "Write" | "MakeDir" | "Remove" | "Rename" | "Watch" => {
+                Needs(Sessions)
+            }
+            _ => Unknown,
+        },
         "hostagent.v1.Events" => match method {
             "Watch" => Needs(Read),
             _ => Unknown,

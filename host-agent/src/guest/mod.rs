@@ -7,7 +7,8 @@
 //! task routes what the guest sends — exec output to the exec's stream, asks
 //! to the pending list, audit events to the store (chained on the host:
 //! `host_hash = sha256(prev_host_hash || json)`), bundle chunks to the
-//! branch fetch in progress, everything else to the control queue read by
+//! branch fetch in progress, file responses to their file call
+//! ([`FileCall`]), everything else to the control queue read by
 //! [`GuestConn::next_control`].
 //!
 //! The guest is not trusted: everything it can make host-agent hold is
@@ -40,10 +41,12 @@ use crate::metrics;
 use crate::store::{AuditRow, Store};
 
 mod audit;
+mod files;
 pub mod limits;
 mod reader;
 
 use audit::AuditChain;
+pub use files::{FileCall, MAX_FILE_CALLS, MAX_FILE_WINDOW};
 use reader::Reader;
 
 /// The stop reasons of [`Violation`]s, as they appear in events.
@@ -131,6 +134,8 @@ struct Routes {
     asks: BTreeMap<String, PendingAsk>,
     /// Set while a FetchBranch is outstanding.
     bundle: Option<mpsc::Sender<BundleChunk>>,
+    /// Open file calls ([`files`]).
+    files: files::FileRoutes,
     closed: bool,
 }
 

@@ -50,6 +50,7 @@ impl Reader {
         g.closed = true;
         g.execs.clear();
         g.bundle = None;
+        g.files = Default::default();
     }
 
     /// Tells the guest something without waiting: a guest that does not read
@@ -103,6 +104,7 @@ impl Reader {
                     });
                 }
             }
+            Some(Out::File(f)) => self.route_file(f),
             Some(Out::BundleChunk(c)) => {
                 let tx = self.shared.routes().bundle.clone();
                 match tx {

@@ -1,5 +1,5 @@
 //! The operator client: the `images`, `sessions`, `events`, `usage`,
-//! `node`, `exec`, `turns`, `approvals` and `audit` subcommands over the
+//! `node`, `exec`, `turns`, `approvals`, `audit` and `files` subcommands over the
 //! gRPC API.
 
 use std::path::PathBuf;
@@ -12,6 +12,7 @@ use crate::Cmd;
 mod approvals;
 mod events;
 mod exec;
+mod files;
 mod images;
 mod io_limits;
 mod labels;
@@ -23,6 +24,7 @@ mod usage;
 
 pub use approvals::ApprovalsCmd;
 pub use events::EventsCmd;
+pub use files::FilesCmd;
 pub use images::ImagesCmd;
 pub use sessions::SessionsCmd;
 pub use turns::TurnsCmd;
@@ -116,6 +118,7 @@ pub async fn run_client(
         Cmd::Node => node::run(ch, bearer, out).await,
         Cmd::Turns(c) => turns::run(ch, bearer, out, c).await,
         Cmd::Approvals(c) => approvals::run(ch, bearer, out, c).await,
+        Cmd::Files(c) => files::run(ch, bearer, out, c).await,
         Cmd::Audit { session, verify } => approvals::audit(ch, bearer, out, session, verify).await,
     }
 }
