@@ -7,6 +7,7 @@
 //! * [`exec`]: running commands with streamed output.
 //! * [`files`]: file operations in the workspace for the Files API.
 //! * [`policy`]: rules, wrappers, manifest, egress and secrets.
+//! * [`sizing`]: a session's vCPUs and root disk within the VM.
 //! * [`turn`]: grouping a turn's processes and killing them.
 //! * [`audit`]: the hash-chained audit log and its verifier.
 //! * [`privilege`]: the unprivileged user agent commands run as.
@@ -27,5 +28,6 @@ pub mod policy;
 pub mod privilege;
 pub mod reaper;
 pub mod session;
+pub mod sizing;
 pub mod turn;
 pub mod workspace;

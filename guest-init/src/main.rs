@@ -198,6 +198,8 @@ fn main() -> ExitCode {
             o.network = !a.no_network;
             o.poweroff = !a.no_poweroff;
             o.set_clock = a.set_clock;
+            // A test's PID namespace on the test machine: not its CPUs or disks.
+            o.own_machine = false;
             o.apply_egress = a.apply_egress;
             if let Some(h) = a.hosts_file {
                 o.hosts_file = h;
@@ -256,6 +258,7 @@ fn serve(a: ServeArgs) -> std::io::Result<ExitCode> {
             max_frame: a.max_frame,
             // `serve` runs on some machine's own clock, never a guest's.
             set_clock: false,
+            own_machine: false,
         };
         let mut transport = a.listen.bind()?;
         agent::serve(transport.as_mut(), cfg).await?;

@@ -135,6 +135,8 @@ pub struct Turn {
 pub struct Turns {
     backend: Backend,
     turns: HashMap<String, Turn>,
+    /// memory.max of the turns' parent cgroup (the session's memory).
+    memory_max: Option<u64>,
 }
 
 impl Turns {
@@ -143,7 +145,55 @@ impl Turns {
         Self {
             backend,
             turns: HashMap::new(),
+            memory_max: None,
         }
+    }
+
+    /// Caps the memory of all turns together at `bytes`: memory.max of the
+    /// turns' parent cgroup, written whenever that is made (past it the
+    /// kernel reclaims, then its OOM killer stops a command of the session,
+    /// never guest-init). Needs the cgroup2 backend and the memory
+    /// controller where the parent is made (enabled there if it is not).
+    pub fn limit_memory(&mut self, bytes: u64) -> std::io::Result<()> {
+        let Backend::Cgroup2(parent) = &self.backend else {
+            return Err(std::io::Error::other(
+                "turns are tracked by process tree here (no writable cgroup2), and a memory \
+                 limit needs a cgroup",
+            ));
+        };
+        let above = parent
+            .parent()
+            .ok_or_else(|| std::io::Error::other("the turns' cgroup has no parent"))?;
+        let controllers = std::fs::read_to_string(above.join("cgroup.controllers"))?;
+        if !controllers.split_whitespace().any(|c| c == "memory") {
+            return Err(std::io::Error::other(format!(
+                "the memory controller is not available in {}",
+                above.display()
+            )));
+        }
+        let control = above.join("cgroup.subtree_control");
+        let enabled = std::fs::read_to_string(&control).unwrap_or_default();
+        if !enabled.split_whitespace().any(|c| c == "memory") {
+            std::fs::write(&control, "+memory").map_err(|e| {
+                std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "cannot enable the memory controller in {}: {e}",
+                        control.display()
+                    ),
+                )
+            })?;
+        }
+        self.memory_max = Some(bytes);
+        if parent.exists() {
+            std::fs::write(parent.join("memory.max"), bytes.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// The memory limit of the turns, if any.
+    pub fn memory_limit(&self) -> Option<u64> {
+        self.memory_max
     }
 
     /// The backend in use.
@@ -160,6 +210,10 @@ impl Turns {
             let cgroup = match &self.backend {
                 Backend::Cgroup2(parent) => {
                     std::fs::create_dir_all(parent)?;
+                    // Again each time: the parent goes when no turn is left.
+                    if let Some(bytes) = self.memory_max {
+                        std::fs::write(parent.join("memory.max"), bytes.to_string())?;
+                    }
                     let dir = parent.join(format!("turn-{tag}"));
                     std::fs::create_dir(&dir)?;
                     Some(dir)
@@ -374,4 +428,57 @@ fn kill_cgroup(dir: &Path, members: &[u32]) {
         unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
     }
     let _ = std::fs::write(dir.join("cgroup.freeze"), "0");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cgroup2 tree as plain files: enough for the limit's bookkeeping
+    /// (this test machine need not have cgroup2's memory controller).
+    fn fake_tree(controllers: &str) -> (tempfile::TempDir, PathBuf) {
+        let t = tempfile::tempdir().unwrap();
+        std::fs::write(t.path().join("cgroup.controllers"), controllers).unwrap();
+        std::fs::write(t.path().join("cgroup.subtree_control"), "cpu\n").unwrap();
+        let parent = t.path().join("guest-init-1-000000001");
+        (t, parent)
+    }
+
+    #[test]
+    fn the_memory_limit_is_written_on_the_turns_parent_whenever_it_is_made() {
+        let (t, parent) = fake_tree("cpu io memory pids\n");
+        let mut turns = Turns::new(Backend::Cgroup2(parent.clone()));
+        turns.limit_memory(512 << 20).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(t.path().join("cgroup.subtree_control")).unwrap(),
+            "+memory",
+            "the controller is enabled where the parent is made"
+        );
+        assert_eq!(turns.memory_limit(), Some(512 << 20));
+        turns.prepare("t1").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(parent.join("memory.max")).unwrap(),
+            (512u64 << 20).to_string()
+        );
+        // Made again after it went away.
+        std::fs::remove_file(parent.join("memory.max")).unwrap();
+        turns.prepare("t2").unwrap();
+        assert!(parent.join("memory.max").exists());
+    }
+
+    #[test]
+    fn a_memory_limit_needs_cgroup2_and_its_memory_controller() {
+        let e = Turns::new(Backend::ProcessTree)
+            .limit_memory(1 << 30)
+            .unwrap_err();
+        assert!(e.to_string().contains("needs a cgroup"), "{e}");
+        let (_t, parent) = fake_tree("cpu pids\n");
+        let e = Turns::new(Backend::Cgroup2(parent))
+            .limit_memory(1 << 30)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("memory controller is not available"),
+            "{e}"
+        );
+    }
 }

@@ -252,6 +252,12 @@ pub struct Config {
     pub vmm: Option<PathBuf>,
     /// Most live (not STOPPED/FAILED) sessions on this node.
     pub max_sessions: u32,
+    /// Memory that live sessions may have committed, as a multiple of the
+    /// node's memory (0.1..=100; 1 by default: no overcommit). A session
+    /// commits its `mem_mib`; guests restored from snapshots fault their
+    /// memory in lazily, so a ratio above 1 bets that they do not all use
+    /// all of it.
+    pub memory_overcommit_ratio: f64,
     /// Default session TTL in seconds (0 = none).
     pub default_ttl_seconds: u64,
     /// Default idle timeout in seconds before auto-pause (0 = none).
@@ -294,6 +300,9 @@ pub struct Config {
     pub logs: LogLimits,
     /// How long READY may take for guest-init images (seconds).
     pub guest_ready_timeout_seconds: u64,
+    /// How long a guest-init command waiting for an approval (an `ask`)
+    /// waits for Answer before it counts as rejected, seconds (1..=86400).
+    pub ask_timeout_seconds: u64,
     /// Directories that RegisterImage's kernel_path, rootfs_path and
     /// initrd_path must lie in (after resolving links). `None`:
     /// `<state_dir>/image-files` only; `[]`: none.
@@ -330,6 +339,7 @@ impl Default for Config {
             state_dir: PathBuf::from("host-agent-state"),
             vmm: None,
             max_sessions: 256,
+            memory_overcommit_ratio: 1.0,
             default_ttl_seconds: 0,
             default_idle_timeout_seconds: 0,
             max_lifetime_seconds: 0,
@@ -346,6 +356,7 @@ impl Default for Config {
             network: None,
             logs: LogLimits::default(),
             guest_ready_timeout_seconds: 120,
+            ask_timeout_seconds: 300,
             allowed_image_roots: None,
             allowed_repository_roots: None,
             clients_file: None,
@@ -425,6 +436,18 @@ impl Config {
         }
         if self.max_sessions == 0 {
             return Err(Error::invalid("max_sessions must be at least 1"));
+        }
+        if !(1..=86_400).contains(&self.ask_timeout_seconds) {
+            return Err(Error::invalid(format!(
+                "ask_timeout_seconds {} is out of range 1..=86400",
+                self.ask_timeout_seconds
+            )));
+        }
+        if !(0.1..=100.0).contains(&self.memory_overcommit_ratio) {
+            return Err(Error::invalid(format!(
+                "memory_overcommit_ratio {} is out of range 0.1..=100",
+                self.memory_overcommit_ratio
+            )));
         }
         if let Some(d) = &self.secrets_dir {
             if !d.is_dir() {
@@ -546,6 +569,29 @@ mod tests {
             ..Config::default()
         };
         assert!(dev.check_privileges(1000).is_ok());
+    }
+
+    #[test]
+    fn the_overcommit_ratio_and_ask_timeout_are_checked() {
+        let cfg: Config =
+            serde_json::from_str(r#"{"memory_overcommit_ratio": 1.5, "ask_timeout_seconds": 60}"#)
+                .unwrap();
+        assert!(cfg.validate().is_ok());
+        assert_eq!(
+            (cfg.memory_overcommit_ratio, cfg.ask_timeout_seconds),
+            (1.5, 60)
+        );
+        for bad in [
+            r#"{"memory_overcommit_ratio": 0.05}"#,
+            r#"{"memory_overcommit_ratio": 101}"#,
+            r#"{"ask_timeout_seconds": 0}"#,
+            r#"{"ask_timeout_seconds": 86401}"#,
+        ] {
+            let cfg: Config = serde_json::from_str(bad).unwrap();
+            let e = cfg.validate().unwrap_err().to_string();
+            let field = bad.split('"').nth(1).unwrap();
+            assert!(e.contains(field), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! ([`restore_launch`]), and the VM's own copy of its root disk
 //! ([`prepare_disk`], [`copy_disk`]). Used for sessions and warm VMs alike.
 
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use vmm_api::command::{jail_id, Bind, DiskSpec, JailSpec, NetSpec, RestoreSpec, Serial};
@@ -57,6 +58,8 @@ pub fn restore_launch(
             None => vec![],
         },
         memory_max_mib: (overhead > 0).then(|| u64::from(image.mem_mib) + overhead),
+        // A session's own CPU cap is set by its caller (`Resources::cpu_max`).
+        cpu_max: None,
         netns: netns.map(|n| PathBuf::from("/run/netns").join(n)),
     });
     let limits = IoLimits::decode(&image.io_limits).unwrap_or_else(|e| {
@@ -127,8 +130,14 @@ pub async fn copy_disk(from: &Path, to: &Path, owner: Option<(u32, u32)>) -> Res
 
 /// Gives a VM in `dir` its own writable copy of the golden snapshot's root
 /// disk (images with a rootfs only), owned by `uid` (and gid) for a VM jailed
-/// as that uid.
-pub async fn prepare_disk(image: &ImageRow, dir: &Path, uid: Option<u32>) -> Result<()> {
+/// as that uid, and `grow_to` bytes long when that is longer than the
+/// golden disk (sparse: the vmm restores it larger and tells the guest).
+pub async fn prepare_disk(
+    image: &ImageRow,
+    dir: &Path,
+    uid: Option<u32>,
+    grow_to: u64,
+) -> Result<()> {
     if image.rootfs.is_empty() {
         return Ok(());
     }
@@ -136,12 +145,42 @@ pub async fn prepare_disk(image: &ImageRow, dir: &Path, uid: Option<u32>) -> Res
     std::fs::create_dir_all(&run)
         .map_err(|e| Error::io(format!("creating {}", run.display()), e))?;
     let owner = uid.map(|u| (u, u));
+    let disk = run.join(VM_DISK);
     copy_disk(
         &Path::new(&image.golden_dir).join(GOLDEN_DISK),
-        &run.join(VM_DISK),
+        &disk,
         owner,
     )
-    .await
+    .await?;
+    grow_disk(&disk, grow_to)
+}
+
+/// Makes the disk at `path` `size` bytes long if it is shorter; the new
+/// part is a hole.
+pub fn grow_disk(path: &Path, size: u64) -> Result<()> {
+    let what = || format!("growing disk {} to {size} bytes", path.display());
+    // Not through a link: the directory is one a jailed vmm can write.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| Error::io(what(), e))?;
+    let len = f.metadata().map_err(|e| Error::io(what(), e))?.len();
+    if size > len {
+        f.set_len(size).map_err(|e| Error::io(what(), e))?;
+    }
+    Ok(())
+}
+
+/// Size in bytes of the root disk kept with `image`'s golden snapshot (0:
+/// the image has none, or no golden snapshot yet).
+pub fn golden_disk_bytes(image: &ImageRow) -> u64 {
+    if image.rootfs.is_empty() || image.golden_dir.is_empty() {
+        return 0;
+    }
+    std::fs::metadata(Path::new(&image.golden_dir).join(GOLDEN_DISK))
+        .map(|m| m.len())
+        .unwrap_or(0)
 }
 
 /// The snapshot a VM is restored from.

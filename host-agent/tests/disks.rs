@@ -7,44 +7,9 @@
 mod common;
 
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::*;
-use proto::hostagent as pb;
-
-/// A 4 MiB "root disk" with data at both ends and a hole between.
-fn rootfs(dir: &Path) -> PathBuf {
-    let path = dir.join("rootfs.img");
-    let mut data = vec![0u8; 4 << 20];
-    data[..12].copy_from_slice(b"image rootfs");
-    let end = data.len();
-    data[end - 4..].copy_from_slice(b"tail");
-    std::fs::write(&path, &data).unwrap();
-    path
-}
-
-async fn disk_image(agent: &Agent, rootfs: &Path) -> pb::Image {
-    let mut im = agent.images().await;
-    im.register_image(pb::RegisterImageRequest {
-        image_id: "disk".into(),
-        kernel_path: counter_kernel(),
-        rootfs_path: rootfs.display().to_string(),
-        cmdline: "interval=100000000".into(),
-        mem_mib: 32,
-        vcpus: 1,
-        ..Default::default()
-    })
-    .await
-    .expect("register an image with a rootfs");
-    im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
-        image_id: "disk".into(),
-        settle_ms: 50,
-        ..Default::default()
-    })
-    .await
-    .expect("golden snapshot with the disk attached")
-    .into_inner()
-}
 
 /// The files the process `pid` holds open, as it names them.
 fn open_files(pid: u32) -> Vec<String> {

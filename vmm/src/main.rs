@@ -537,6 +537,7 @@ mod tests {
             taps: vec!["tap1".into()],
             devices: vec!["kvm".into(), "userfaultfd".into()],
             memory_max_mib: Some(300),
+            cpu_max: Some((150_000, 100_000)),
             netns: Some("/run/netns/agentvm-vm1".into()),
         };
         let Command::Jail(j) = parse(jail.wrap(restore.args())).command else {
@@ -551,6 +552,10 @@ mod tests {
         );
         assert_eq!(j.devices, ["kvm", "userfaultfd"]);
         assert_eq!(j.memory_max.as_deref(), Some("300M"));
+        assert_eq!(
+            j.cpu_max.as_deref().map(vmm::jail::cgroup::parse_cpu_max),
+            Some(Ok((150_000, 100_000)))
+        );
         let Command::Restore(r) = parse(j.vmm_args).command else {
             panic!("the jailed command is not restore")
         };

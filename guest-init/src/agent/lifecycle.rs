@@ -21,6 +21,8 @@ impl Session {
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
         );
+        // Before the clone: a grown disk has room for it.
+        let (turns, size_note) = size_session(&req, &cfg).await?;
         let branch = session::branch_for(&req.session_id)
             .map_err(|e| error(Code::InvalidArgument, e.to_string(), ""))?;
         let ws = cfg.workspace.clone();
@@ -93,7 +95,7 @@ impl Session {
             secrets,
             env: req.env.into_iter().collect(),
             ask_timeout,
-            turns: Mutex::new(Turns::new(cfg.turn_backend.clone())),
+            turns: Mutex::new(turns),
             base_commit: commit.clone(),
             cfg: cfg.clone(),
             out: Mutex::new(out),
@@ -114,6 +116,16 @@ impl Session {
         })
         .await;
         s.audit_clock(clock).await;
+        if !size_note.is_empty() {
+            s.audit(Entry {
+                actor: "host",
+                action: "session.size",
+                resource: &branch,
+                result: &size_note,
+                ..Default::default()
+            })
+            .await;
+        }
         if let Err(m) = s.apply_egress(&plan).await {
             s.audit(Entry {
                 actor: "guest-init",
@@ -377,3 +389,60 @@ impl Session {
         tracing::info!(session = %self.id, "connection closed; session kept for a resume");
     }
 }
+
+/// Gives the session its size within the VM (StartSession's `vcpus`,
+/// `mem_mib`, `root_disk_bytes`; see [`crate::sizing`]): returns its turns
+/// (with the memory limit) and what was done, for the audit log. The vCPUs
+/// and the disk are the machine's: they change only where guest-init runs
+/// it (`own_machine`); elsewhere they are left as they are, and said so.
+async fn size_session(req: &StartSession, cfg: &Config) -> Result<(Turns, String), Failure> {
+    let mut turns = Turns::new(cfg.turn_backend.clone());
+    let mut done = Vec::new();
+    if req.mem_mib > 0 {
+        let bytes = u64::from(req.mem_mib) << 20;
+        turns.limit_memory(bytes).map_err(|e| {
+            error(
+                Code::InvalidArgument,
+                format!("session not started: mem_mib {}: {e}", req.mem_mib),
+                "",
+            )
+        })?;
+        done.push(format!("mem_mib={}", req.mem_mib));
+    }
+    if req.vcpus == 0 && req.root_disk_bytes == 0 {
+        return Ok((turns, done.join(" ")));
+    }
+    if !cfg.own_machine {
+        tracing::warn!(
+            vcpus = req.vcpus,
+            root_disk_bytes = req.root_disk_bytes,
+            "not PID 1: the machine's vCPUs and disk are left as they are"
+        );
+        done.push("vcpus and disk left as they are (not PID 1)".into());
+        return Ok((turns, done.join(" ")));
+    }
+    let (vcpus, disk) = (req.vcpus, req.root_disk_bytes);
+    let machine = tokio::task::spawn_blocking(move || {
+        let mut done = Vec::new();
+        if vcpus > 0 {
+            let n = crate::sizing::offline_cpus(
+                std::path::Path::new("/sys/devices/system/cpu"),
+                vcpus,
+            )?;
+            done.push(format!("vcpus={vcpus} ({n} offline)"));
+        }
+        if disk > 0 {
+            let dev = crate::sizing::grow_root(disk, DISK_GROW_TIMEOUT)?;
+            done.push(format!("root_disk_bytes={disk} ({dev})"));
+        }
+        Ok::<_, crate::sizing::SizingError>(done)
+    })
+    .await
+    .map_err(|e| error(Code::Internal, e.to_string(), ""))?
+    .map_err(|e| error(Code::Internal, format!("session not started: {e}"), ""))?;
+    done.extend(machine);
+    Ok((turns, done.join(" ")))
+}
+
+/// How long a grown root disk may take to show its size in the guest.
+const DISK_GROW_TIMEOUT: Duration = Duration::from_secs(10);

@@ -84,6 +84,9 @@ pub struct Config {
     /// Move the system clock to the host's time sent with StartSession and
     /// ResumeSession (PID 1 in a guest only: elsewhere it is the host's clock).
     pub set_clock: bool,
+    /// guest-init runs the machine (PID 1 in a guest): a session's size may
+    /// take its vCPUs offline and grow its root filesystem.
+    pub own_machine: bool,
 }
 
 /// Why [`serve`] returned.

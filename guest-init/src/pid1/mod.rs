@@ -56,6 +56,10 @@ pub struct Options {
     /// Set the clock from the host's time (a guest; off where the "guest"
     /// shares the host's clock, as in tests).
     pub set_clock: bool,
+    /// The machine is guest-init's: a session's size may take vCPUs
+    /// offline and grow the root filesystem (off for PID 1 in a test's PID
+    /// namespace, whose CPUs and disks are the test machine's).
+    pub own_machine: bool,
 }
 
 impl Options {
@@ -74,6 +78,7 @@ impl Options {
             hosts_file: PathBuf::from("/etc/hosts"),
             hostname: None,
             set_clock: true,
+            own_machine: true,
         }
     }
 }
@@ -118,6 +123,7 @@ pub fn run(opts: Options) -> std::io::Result<()> {
             hosts_file: opts.hosts_file.clone(),
             max_frame: proto::framing::DEFAULT_MAX_FRAME,
             set_clock: opts.set_clock,
+            own_machine: opts.own_machine,
         };
         let listen = opts
             .listen

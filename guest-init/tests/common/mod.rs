@@ -173,6 +173,7 @@ impl Harness {
             hosts_file: dir.path().join("hosts"),
             max_frame: opts.max_frame,
             set_clock: false,
+            own_machine: false,
         };
         let mut transport = UnixTransport::bind(&socket).unwrap();
         let task = tokio::spawn(async move { agent::serve(&mut transport, cfg).await });
@@ -217,6 +218,8 @@ pub struct SessionSpec {
     /// The session's env beyond the git identity every spec gets.
     pub env: BTreeMap<String, String>,
     pub ask_timeout_ms: u32,
+    /// StartSession's size fields (vcpus, mem_mib, root_disk_bytes).
+    pub size: (u32, u32, u64),
 }
 
 impl SessionSpec {
@@ -229,6 +232,7 @@ impl SessionSpec {
             secrets: BTreeMap::new(),
             env: BTreeMap::new(),
             ask_timeout_ms: 0,
+            size: (0, 0, 0),
         }
     }
 }
@@ -398,6 +402,9 @@ impl Client {
             .chain(spec.env.clone())
             .collect(),
             ask_timeout_ms: spec.ask_timeout_ms,
+            vcpus: spec.size.0,
+            mem_mib: spec.size.1,
+            root_disk_bytes: spec.size.2,
         }))
         .await;
         let chunks: Vec<&[u8]> = bundle.chunks(1000).collect();

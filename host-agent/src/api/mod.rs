@@ -165,6 +165,7 @@ pub fn session_pb(s: &SessionRow) -> pb::Session {
         labels: s.labels.clone().into_iter().collect(),
         network: None,
         io_limits: limits_pb(&s.io_limits),
+        resources: crate::sessions::resources::Resources::decode(&s.resources).map(|r| r.to_pb()),
     }
 }
 

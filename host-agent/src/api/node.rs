@@ -30,6 +30,8 @@ impl Node for NodeApi {
             sessions_max: self.0.cfg.max_sessions,
             sessions_live: self.0.live_count() as u32,
             warm_pool_ready: self.0.pool.ready() as u32,
+            memory_mib_limit: self.0.memory_limit_mib(),
+            memory_overcommit_ratio: self.0.cfg.memory_overcommit_ratio,
         }))
     }
 

@@ -122,6 +122,7 @@ fn create_params(
         may_loosen_limits: caller.may(crate::auth::Scope::Admin),
         session_env_digest: session_env.fingerprint(&mgr.fingerprint_key),
         session_env: Arc::new(session_env),
+        resources: r.resources,
     })
 }
 

@@ -160,6 +160,12 @@ impl Record for pb::Session {
             "labels": self.labels,
             "network": self.network.as_ref().map(Record::json),
             "io_limits": self.io_limits.as_ref().map(limits_json),
+            "resources": self.resources.as_ref().map(|r| json!({
+                "vcpus": r.vcpus,
+                "mem_mib": r.mem_mib,
+                "cpu_millis": r.cpu_millis,
+                "disk_mib": r.disk_mib,
+            })),
         })
     }
 }
@@ -357,6 +363,8 @@ impl Record for NodeInfo {
             "vcpus_used": c.vcpus_used,
             "memory_mib_total": c.memory_mib_total,
             "memory_mib_used": c.memory_mib_used,
+            "memory_mib_limit": c.memory_mib_limit,
+            "memory_overcommit_ratio": c.memory_overcommit_ratio,
             "sessions_max": c.sessions_max,
             "sessions_live": c.sessions_live,
             "warm_pool_ready": c.warm_pool_ready,

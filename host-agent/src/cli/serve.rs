@@ -30,6 +30,9 @@ pub struct ServeArgs {
     /// Most live sessions.
     #[arg(long)]
     max_sessions: Option<u32>,
+    /// Memory live sessions may commit, as a multiple of the node's.
+    #[arg(long)]
+    memory_overcommit_ratio: Option<f64>,
     /// Warm VMs per image.
     #[arg(long)]
     warm_pool: Option<u32>,
@@ -147,6 +150,9 @@ pub async fn run_serve(a: ServeArgs) -> Result<(), String> {
     }
     if let Some(v) = a.max_sessions {
         cfg.max_sessions = v;
+    }
+    if let Some(v) = a.memory_overcommit_ratio {
+        cfg.memory_overcommit_ratio = v;
     }
     if let Some(v) = a.warm_pool {
         cfg.warm_pool_size = v;

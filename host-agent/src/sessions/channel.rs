@@ -55,6 +55,7 @@ impl Manager {
         std::fs::create_dir_all(&dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         let path = dir.join("repo.bundle");
+        let sizing = guest_sizing(&sess.lock().image, &row.resources);
         let sent = async {
             let base = repo.write_base_bundle(&row.base_ref, &path).await?;
             conn.send(In::StartSession(StartSession {
@@ -66,7 +67,9 @@ impl Manager {
                 secret_allowlist,
                 secrets,
                 env,
-                ..Default::default()
+                // At most 86400 s (Config::validate): fits in u32 ms.
+                ask_timeout_ms: (self.cfg.ask_timeout_seconds * 1000) as u32,
+                ..sizing
             }))
             .await?;
             send_file_chunks(&conn, &path).await
@@ -232,6 +235,33 @@ impl Manager {
 }
 
 /// This host's wall clock, Unix nanoseconds, for the guest to set its own.
+/// What StartSession tells guest-init of a session's size (`resources`, as
+/// stored) within its image's VM: only what differs from the image's.
+fn guest_sizing(image: &ImageRow, resources: &str) -> StartSession {
+    let Some(size) = super::resources::Resources::decode(resources) else {
+        return StartSession::default();
+    };
+    let disk = size.disk_mib << 20;
+    StartSession {
+        vcpus: if size.vcpus < image.vcpus {
+            size.vcpus
+        } else {
+            0
+        },
+        mem_mib: if size.mem_mib < image.mem_mib {
+            size.mem_mib
+        } else {
+            0
+        },
+        root_disk_bytes: if disk > crate::launch::golden_disk_bytes(image) {
+            disk
+        } else {
+            0
+        },
+        ..StartSession::default()
+    }
+}
+
 pub(super) fn unix_now_ns() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -21,7 +21,15 @@ impl Manager {
         // is restored cold.
         let limits = crate::io_limits::IoLimits::decode(&image.io_limits)?
             .overridden_by(&p.io_limits, p.may_loosen_limits)?;
-        let warm = limits.encode() == image.io_limits;
+        let disk_bytes = crate::launch::golden_disk_bytes(&image);
+        let size = resources::Resources::requested(
+            p.resources.as_ref(),
+            &image,
+            disk_bytes,
+            self.cfg.jailed(),
+        )?;
+        // Warm VMs are restored with the image's limits and size.
+        let warm = limits.encode() == image.io_limits && size.is_image_default(&image, disk_bytes);
         let image = ImageRow {
             io_limits: limits.encode(),
             ..image
@@ -72,12 +80,13 @@ impl Manager {
                 )));
             }
             let (_, mem_used) = self.used_resources();
-            let host_mem = crate::accounting::host_memory_mib();
-            if host_mem > 0 && mem_used + u64::from(image.mem_mib) > host_mem {
+            let mem_limit = self.memory_limit_mib();
+            if mem_limit > 0 && mem_used + u64::from(size.mem_mib) > mem_limit {
                 return Err(Error::ResourceExhausted(format!(
-                    "node memory: {mem_used} MiB of {host_mem} MiB are allocated to live \
-                     sessions; image {:?} needs {} MiB more",
-                    image.id, image.mem_mib
+                    "node memory: {mem_used} MiB of {mem_limit} MiB (the node's memory x \
+                     memory_overcommit_ratio {}) are committed to live sessions; this session \
+                     needs {} MiB more",
+                    self.cfg.memory_overcommit_ratio, size.mem_mib
                 )));
             }
             let id = uuid::Uuid::new_v4().to_string();
@@ -112,6 +121,7 @@ impl Manager {
                 base_ref: p.base_ref.clone(),
                 owner: p.owner.clone(),
                 io_limits: image.io_limits.clone(),
+                resources: size.encode(),
                 ..Default::default()
             };
             if !p.idempotency_key.is_empty() {
@@ -423,12 +433,14 @@ impl Manager {
             i.row.jail_uid = uid.unwrap_or(0);
             self.store.put_session(&i.row)?;
         }
-        prepare_disk(image, dir, uid).await?;
+        let size = resources::Resources::decode(&sess.row().resources);
+        let grow_to = size.map_or(0, |s| s.disk_mib << 20);
+        prepare_disk(image, dir, uid, grow_to).await?;
         let netns = match grant {
             Some(grant) => Some(self.session_network(sess, dir, uid, grant).await?),
             None => None,
         };
-        let (args, jail) = restore_launch(
+        let (args, mut jail) = restore_launch(
             &self.cfg,
             image,
             dir,
@@ -437,6 +449,9 @@ impl Manager {
             uid,
             netns.as_deref(),
         );
+        if let (Some(jail), Some(size)) = (jail.as_mut(), size) {
+            jail.cpu_max = size.cpu_max();
+        }
         supervisor::spawn(
             &self.vmm_path,
             dir,

@@ -24,6 +24,7 @@ mod ops;
 mod ports;
 mod recover;
 mod resolver;
+pub mod resources;
 mod turns;
 mod warm;
 
@@ -91,6 +92,8 @@ pub struct CreateParams {
     pub session_env: Arc<SessionEnv>,
     /// Their keyed digest for the idempotency fingerprint (empty: none).
     pub session_env_digest: String,
+    /// The session's size as asked (checked against the image at create).
+    pub resources: Option<proto::hostagent::SessionResources>,
 }
 
 impl CreateParams {
@@ -108,6 +111,13 @@ impl CreateParams {
                 self.io_limits.encode()
             )
         );
+        // Only when asked for, so keys stored before sizes still match.
+        if let Some(r) = &self.resources {
+            f.push_str(&format!(
+                " size:{}/{}/{}/{}",
+                r.vcpus, r.mem_mib, r.cpu_millis, r.disk_mib
+            ));
+        }
         // Only a keyed digest of the environment and secrets, and only when
         // there are some (so keys stored before them still match).
         if !self.session_env_digest.is_empty() {
@@ -328,15 +338,27 @@ impl Manager {
             .count()
     }
 
-    /// Live sessions' (vCPUs, memory MiB).
+    /// Live sessions' (vCPUs, memory MiB) as committed: each session's
+    /// size (its image's, for a row from before sizes were recorded).
     pub fn used_resources(&self) -> (u32, u64) {
         self.all()
             .iter()
             .map(|s| s.lock())
             .filter(|i| !is_terminal(i.row.state))
             .fold((0, 0), |(c, m), i| {
-                (c + i.image.vcpus, m + u64::from(i.image.mem_mib))
+                let (vcpus, mem) = match resources::Resources::decode(&i.row.resources) {
+                    Some(r) => (r.vcpus, r.mem_mib),
+                    None => (i.image.vcpus, i.image.mem_mib),
+                };
+                (c + vcpus, m + u64::from(mem))
             })
+    }
+
+    /// Memory live sessions may commit on this node, MiB (0: the node's
+    /// memory is unknown, and nothing is refused for it).
+    pub fn memory_limit_mib(&self) -> u64 {
+        let total = crate::accounting::host_memory_mib();
+        (total as f64 * self.cfg.memory_overcommit_ratio) as u64
     }
 
     /// Sessions whose guest channel is not read because an exec's client

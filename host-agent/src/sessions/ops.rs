@@ -216,7 +216,7 @@ impl Manager {
         // The same uid as before: the run directory and its files are its.
         // The same network too: the namespace outlives the old vmm.
         let netns = sess.lock().network.as_ref().map(|n| n.netns.clone());
-        let (args, jail) = restore_launch(
+        let (args, mut jail) = restore_launch(
             &self.cfg,
             &image,
             &dir,
@@ -225,6 +225,11 @@ impl Manager {
             old.jail_uid,
             netns.as_deref(),
         );
+        // The session's CPU cap holds for the replacement too.
+        let size = resources::Resources::decode(&sess.row().resources);
+        if let (Some(jail), Some(size)) = (jail.as_mut(), size) {
+            jail.cpu_max = size.cpu_max();
+        }
         let vmm = Arc::new(
             supervisor::spawn(
                 &self.vmm_path,

@@ -17,7 +17,8 @@ impl Manager {
         let uid = self.allocate_jail_uid()?;
         let mut network = None;
         let started = async {
-            prepare_disk(image, &dir, uid).await?;
+            // Warm VMs are of the image's own size.
+            prepare_disk(image, &dir, uid, 0).await?;
             network = self.warm_network(image, &dir, uid).await?;
             let netns = network.as_ref().map(|n| n.vm().netns.clone());
             let (args, jail) = restore_launch(

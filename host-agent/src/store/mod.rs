@@ -61,7 +61,7 @@ fn image_from_row(r: &Row<'_>) -> rusqlite::Result<ImageRow> {
 const SESSION_COLS: &str = "id, image_id, state, execution_id, reason, detail, created_at, \
     ready_at, ended_at, vmm_pid, vmm_start_ticks, dir, ttl_s, idle_s, labels, branch, \
     head_commit, last_activity, repository, agent, base_ref, owner, jail_uid, io_limits, \
-    vm_addresses";
+    vm_addresses, resources";
 
 fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
     let labels: String = r.get(14)?;
@@ -92,6 +92,7 @@ fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
         jail_uid: r.get::<_, i64>(22)? as u32,
         io_limits: r.get(23)?,
         vm_addresses: r.get(24)?,
+        resources: r.get(25)?,
     })
 }
 
@@ -512,7 +513,7 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
     c.execute(
         &format!(
             "INSERT OR REPLACE INTO sessions({SESSION_COLS}) VALUES \
-             (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21,?22,?23,?24,?25)"
+             (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21,?22,?23,?24,?25,?26)"
         ),
         params![
             s.id,
@@ -539,7 +540,8 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
             s.owner,
             i64::from(s.jail_uid),
             s.io_limits,
-            s.vm_addresses
+            s.vm_addresses,
+            s.resources
         ],
     )?;
     Ok(())

@@ -91,6 +91,10 @@ pub struct SessionRow {
     /// address, then its IPv6 one when it has one), comma-separated; empty
     /// without a network.
     pub vm_addresses: String,
+    /// The session's size, encoded by
+    /// [`crate::sessions::resources::Resources`] (empty in a row from
+    /// before sizes were recorded: the image's).
+    pub resources: String,
 }
 
 /// One lifecycle event.

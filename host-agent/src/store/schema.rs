@@ -19,7 +19,8 @@ CREATE TABLE IF NOT EXISTS sessions(
   branch TEXT NOT NULL, head_commit TEXT NOT NULL, last_activity INTEGER NOT NULL,
   repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL,
   owner TEXT NOT NULL DEFAULT 'legacy', jail_uid INTEGER NOT NULL DEFAULT 0,
-  io_limits TEXT NOT NULL DEFAULT '', vm_addresses TEXT NOT NULL DEFAULT '');
+  io_limits TEXT NOT NULL DEFAULT '', vm_addresses TEXT NOT NULL DEFAULT '',
+  resources TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS events(
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
   at INTEGER NOT NULL, from_state INTEGER NOT NULL, to_state INTEGER NOT NULL,
@@ -105,6 +106,9 @@ pub(super) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
         conn.execute_batch(
             "ALTER TABLE sessions ADD COLUMN vm_addresses TEXT NOT NULL DEFAULT '';",
         )?;
+    }
+    if !has_column(conn, "sessions", "resources")? {
+        conn.execute_batch("ALTER TABLE sessions ADD COLUMN resources TEXT NOT NULL DEFAULT '';")?;
     }
     // Sessions' labels outlive their rows, for watchers filtering events by
     // label (written with a session's first event since; a session deleted

@@ -170,10 +170,12 @@ fn a_sessions_jail_uid_is_kept_and_old_databases_gain_the_column() {
     let store = Store::open(&path).unwrap();
     assert_eq!(store.session("old").unwrap().unwrap().jail_uid, 0);
     assert_eq!(store.session("old").unwrap().unwrap().vm_addresses, "");
+    assert_eq!(store.session("old").unwrap().unwrap().resources, "");
     let row = SessionRow {
         id: "new".into(),
         jail_uid: 2_000_000_007,
         vm_addresses: "10.200.0.2,fd00:200::2".into(),
+        resources: r#"{"vcpus":1}"#.into(),
         ..Default::default()
     };
     store.put_session(&row).unwrap();
@@ -182,6 +184,7 @@ fn a_sessions_jail_uid_is_kept_and_old_databases_gain_the_column() {
     let new = store.session("new").unwrap().unwrap();
     assert_eq!(new.jail_uid, 2_000_000_007);
     assert_eq!(new.vm_addresses, "10.200.0.2,fd00:200::2");
+    assert_eq!(new.resources, r#"{"vcpus":1}"#);
 }
 
 #[test]

@@ -11,6 +11,8 @@ pub mod fake_guest;
 pub mod netns;
 pub mod networked;
 
+use std::path::{Path, PathBuf};
+
 use proto::hostagent as pb;
 
 pub use test_harness::agent::{Agent, S};
@@ -38,4 +40,38 @@ pub fn check_usage_chain(recs: &[pb::UsageRecord]) {
         assert!(b.disk_bytes_written >= a.disk_bytes_written);
         assert!(!a.r#final, "only the last record is final");
     }
+}
+
+/// A 4 MiB "root disk" with data at both ends and a hole between.
+pub fn rootfs(dir: &Path) -> PathBuf {
+    let path = dir.join("rootfs.img");
+    let mut data = vec![0u8; 4 << 20];
+    data[..12].copy_from_slice(b"image rootfs");
+    let end = data.len();
+    data[end - 4..].copy_from_slice(b"tail");
+    std::fs::write(&path, &data).unwrap();
+    path
+}
+
+pub async fn disk_image(agent: &Agent, rootfs: &Path) -> pb::Image {
+    let mut im = agent.images().await;
+    im.register_image(pb::RegisterImageRequest {
+        image_id: "disk".into(),
+        kernel_path: counter_kernel(),
+        rootfs_path: rootfs.display().to_string(),
+        cmdline: "interval=100000000".into(),
+        mem_mib: 32,
+        vcpus: 1,
+        ..Default::default()
+    })
+    .await
+    .expect("register an image with a rootfs");
+    im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+        image_id: "disk".into(),
+        settle_ms: 50,
+        ..Default::default()
+    })
+    .await
+    .expect("golden snapshot with the disk attached")
+    .into_inner()
 }

@@ -225,3 +225,51 @@ fn cli(agent: &Agent, args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ask_nobody_answers_times_out_after_the_nodes_ask_timeout() {
+    let guest = start_guest().await;
+    let vsock = guest.vsock().display().to_string();
+    let config = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(config.path(), r#"{"ask_timeout_seconds": 1}"#).unwrap();
+    let config = config.path().display().to_string();
+    let agent = Agent::start(&[
+        "--config",
+        &config,
+        "--guest-vsock-uds",
+        &vsock,
+        "--no-vsock-device",
+    ]);
+    agent.guest_init_image().await;
+    let s = guest_init_session(&agent, &guest).await;
+    let mut watch = agent
+        .events()
+        .await
+        .watch(pb::WatchRequest {
+            since_seq: 0,
+            session_id: s.session_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("watch")
+        .into_inner();
+    let (stream, first) = start_exec(&agent, &s, "t1", &["ls", "-a"]).await;
+    let Some(Resp::Ask(ask)) = first.kind else {
+        panic!("expected an ask, got {first:?}");
+    };
+    // Nobody answers: the guest gives up after the node's 1 s, not its
+    // default 300 s (the 30 s bound of next_event would fail first).
+    let unanswered = next_event(&mut watch, "ask_unanswered").await;
+    assert!(
+        unanswered
+            .detail
+            .starts_with(&format!("ask {}: ", ask.ask_id))
+            && unanswered.detail.contains("timed out after 1000 ms"),
+        "{unanswered:?}"
+    );
+    let out = rest(stream).await;
+    assert!(
+        out.iter().any(|k| matches!(k, Resp::Rejected(_))),
+        "{out:?}"
+    );
+}

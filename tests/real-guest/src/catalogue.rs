@@ -59,7 +59,13 @@ pub const GROUPS: &[Group] = &[
     Group {
         name: "node",
         about: "host-agent serving a session on the real image (golden snapshot, guest-init)",
-        scenarios: &["node-golden", "node-session", "node-secrets", "pool-timing"],
+        scenarios: &[
+            "node-golden",
+            "node-session",
+            "node-secrets",
+            "node-sizing",
+            "pool-timing",
+        ],
         limit: Duration::from_secs(40 * 60),
     },
     Group {

@@ -33,6 +33,8 @@ pub struct JailSpec {
     pub devices: Vec<String>,
     /// Memory limit of the VM's cgroup, MiB.
     pub memory_max_mib: Option<u64>,
+    /// CPU bandwidth of the VM's cgroup: `(quota_us, period_us)` (cpu.max).
+    pub cpu_max: Option<(u64, u64)>,
     /// A network namespace to join (the VM's, made by the caller with its
     /// tap) instead of a new, empty one.
     pub netns: Option<PathBuf>,
@@ -68,6 +70,9 @@ impl JailSpec {
         }
         if let Some(m) = self.memory_max_mib {
             a.extend(["--memory-max".into(), format!("{m}M")]);
+        }
+        if let Some((quota, period)) = self.cpu_max {
+            a.extend(["--cpu-max".into(), format!("{quota}/{period}")]);
         }
         if let Some(n) = &self.netns {
             a.extend(["--netns-path".into(), n.display().to_string()]);

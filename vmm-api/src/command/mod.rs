@@ -331,12 +331,19 @@ mod tests {
             taps: vec!["tap1".into()],
             devices: vec![],
             memory_max_mib: Some(300),
+            cpu_max: Some((50000, 100000)),
             netns: None,
         };
         assert_eq!(
-            jail.wrap(vec!["restore".into(), "--snapshot".into(), "/golden".into()]).join(" "),
+            jail.wrap(vec![
+                "restore".into(),
+                "--snapshot".into(),
+                "/golden".into()
+            ])
+            .join(" "),
             "jail --id vm1 --root /v/jail --uid 2000000001 --gid 2000000001 \
-             --bind /s/golden:/golden:ro --tap tap1 --memory-max 300M -- restore --snapshot /golden"
+             --bind /s/golden:/golden:ro --tap tap1 --memory-max 300M --cpu-max 50000/100000 -- \
+             restore --snapshot /golden"
         );
     }
 

@@ -36,6 +36,8 @@ pub enum SessionsCmd {
         #[arg(long = "io-limit")]
         io_limit: Vec<String>,
         #[command(flatten)]
+        size: SizeArgs,
+        #[command(flatten)]
         labels: LabelArgs,
         #[command(flatten)]
         session_env: Box<super::session_env::SessionEnvArgs>,
@@ -75,6 +77,36 @@ pub enum SessionsCmd {
     Unexpose { id: String, guest_port: u32 },
 }
 
+/// `sessions create`'s size within the image (0 or left out: the image's).
+#[derive(clap::Args)]
+pub struct SizeArgs {
+    /// vCPUs the session's commands see (at most the image's).
+    #[arg(long, default_value_t = 0)]
+    vcpus: u32,
+    /// Memory of the session's commands, MiB (at most the image's).
+    #[arg(long, default_value_t = 0)]
+    mem_mib: u32,
+    /// CPU time cap of the VM, thousandths of a CPU (1500: one and a half).
+    #[arg(long, default_value_t = 0)]
+    cpu_millis: u32,
+    /// Root disk size, MiB (at least the image's).
+    #[arg(long, default_value_t = 0)]
+    disk_mib: u64,
+}
+
+impl SizeArgs {
+    /// The request's `resources` (none when nothing is asked for).
+    fn resources(&self) -> Option<pb::SessionResources> {
+        let r = pb::SessionResources {
+            vcpus: self.vcpus,
+            mem_mib: self.mem_mib,
+            cpu_millis: self.cpu_millis,
+            disk_mib: self.disk_mib,
+        };
+        (r != pb::SessionResources::default()).then_some(r)
+    }
+}
+
 /// Runs `sessions <cmd>`.
 pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Result<(), String> {
     let mut cl = SessionsClient::with_interceptor(ch, bearer);
@@ -92,6 +124,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
             ttl,
             idle_timeout,
             io_limit,
+            size,
             labels,
             session_env,
         } => {
@@ -111,6 +144,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
                 env,
                 secrets,
                 secret_refs,
+                resources: size.resources(),
             })
             .await
             .map_err(st)?

@@ -378,7 +378,11 @@ fn a_disk_grown_since_the_snapshot_is_served_larger_and_the_guest_told() {
         0,
         "a configuration change is pending for the driver"
     );
-    assert_eq!(restored.save().unwrap().sectors, 64, "later snapshots keep the new size");
+    assert_eq!(
+        restored.save().unwrap().sectors,
+        64,
+        "later snapshots keep the new size"
+    );
 
     // Restored at the size it had: nothing to tell.
     let irq = interrupt();
@@ -394,7 +398,10 @@ fn a_disk_grown_since_the_snapshot_is_served_larger_and_the_guest_told() {
     )
     .unwrap();
     assert_eq!(again.sectors(), 64);
-    assert_eq!(irq.status() & crate::devices::virtio::VIRTIO_MMIO_INT_CONFIG, 0);
+    assert_eq!(
+        irq.status() & crate::devices::virtio::VIRTIO_MMIO_INT_CONFIG,
+        0
+    );
 }
 
 /// VMM-side cost of one virtio-blk request (descriptor parsing, bounds checks,

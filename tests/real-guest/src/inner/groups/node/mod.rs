@@ -2,7 +2,8 @@
 //! snapshot of a booted guest with guest-init idle on vsock, a session on a
 //! repository (clone on `session/<id>`, exec allowed / denied / asked,
 //! a commit, the branch fetched back at Stop, the audit chain, usage), a
-//! session's secrets and environment (`secrets`), and how long
+//! session's secrets and environment (`secrets`), a session sized below its
+//! image (`sizing`), and how long
 //! CreateSession takes from a warm VM and from the golden snapshot.
 
 use std::path::{Path, PathBuf};
@@ -20,10 +21,12 @@ use crate::inner::{Check, Ctx};
 mod host_agent;
 mod records;
 mod secrets;
+mod sizing;
 
 pub use host_agent::HostAgent;
 use records::{audit_agrees, usage_covers};
 pub use secrets::secrets;
+pub use sizing::sizing;
 
 /// The image id the node and network groups register.
 pub(super) const IMAGE: &str = "real";
@@ -106,36 +109,15 @@ fn agent(ctx: &mut Ctx) -> Result<&HostAgent, String> {
 /// Registers the node image with the running host-agent (`ctx.fixtures.agent`)
 /// and builds its golden snapshot.
 pub(super) fn register_and_build(ctx: &mut Ctx) -> Result<(), String> {
-    let img = ctx.env.node_image.clone();
     let a = ctx.fixtures.agent.as_ref().ok_or("no host-agent")?;
     let ch = a.channel()?;
-    let mut cmdline =
-        "console=ttyS0 reboot=k panic=1 pci=off i8042.noaux i8042.nomux i8042.dumbkbd quiet \
-         root=/dev/vda rw init=/sbin/init"
-            .to_string();
-    if img.initrd.is_some() {
-        cmdline.push_str(" rdinit=/init");
-    }
+    let request = image_request(ctx, IMAGE, 1);
     let t0 = Instant::now();
     let built = a.block_on(async {
         let mut im = pb::images_client::ImagesClient::new(ch);
-        im.register_image(pb::RegisterImageRequest {
-            image_id: IMAGE.into(),
-            kernel_path: img.kernel.display().to_string(),
-            initrd_path: img
-                .initrd
-                .as_ref()
-                .map(|p| p.display().to_string())
-                .unwrap_or_default(),
-            rootfs_path: img.rootfs.display().to_string(),
-            cmdline,
-            mem_mib: 512,
-            vcpus: 1,
-            guest_init: true,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| format!("RegisterImage: {}", e.message()))?;
+        im.register_image(request)
+            .await
+            .map_err(|e| format!("RegisterImage: {}", e.message()))?;
         im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
             image_id: IMAGE.into(),
             ..Default::default()
@@ -149,10 +131,38 @@ pub(super) fn register_and_build(ctx: &mut Ctx) -> Result<(), String> {
         "node-golden",
         &format!(
             "golden snapshot {} in {:.0} s ({})",
-            built.golden_snapshot_dir, ctx.fixtures.golden_secs, img.kernel_origin
+            built.golden_snapshot_dir, ctx.fixtures.golden_secs, ctx.env.node_image.kernel_origin
         ),
     );
     Ok(())
+}
+
+/// RegisterImage of the node image (its kernel, initrd and root disk, 512
+/// MiB, guest-init) as `id` with `vcpus`.
+pub(super) fn image_request(ctx: &Ctx, id: &str, vcpus: u32) -> pb::RegisterImageRequest {
+    let img = &ctx.env.node_image;
+    let mut cmdline =
+        "console=ttyS0 reboot=k panic=1 pci=off i8042.noaux i8042.nomux i8042.dumbkbd quiet \
+         root=/dev/vda rw init=/sbin/init"
+            .to_string();
+    if img.initrd.is_some() {
+        cmdline.push_str(" rdinit=/init");
+    }
+    pb::RegisterImageRequest {
+        image_id: id.into(),
+        kernel_path: img.kernel.display().to_string(),
+        initrd_path: img
+            .initrd
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default(),
+        rootfs_path: img.rootfs.display().to_string(),
+        cmdline,
+        mem_mib: 512,
+        vcpus,
+        guest_init: true,
+        ..Default::default()
+    }
 }
 
 /// Copies what host-agent and its VMs logged (its own log, the golden
@@ -229,6 +239,7 @@ impl ExecResult {
         self.out.iter().find_map(|k| match k {
             Resp::Exit(pb::ExecExit {
                 status: Some(pb::exec_exit::Status::Code(c)),
+                ..
             }) => Some(*c),
             _ => None,
         })

@@ -1,0 +1,197 @@
+//! Scenario `node-sizing`: a session sized below its image inside the real
+//! guest. The node image registered again with two vCPUs (its own golden
+//! snapshot); a session of it asks for one vCPU, 256 MiB and a root disk
+//! 64 MiB larger. In the guest `nproc` says 1 (the other vCPU is offline),
+//! the session's commands run in a cgroup whose memory.max is 256 MiB, and
+//! the root filesystem has grown; on the node the jailed vmm's cgroup
+//! quota is one CPU. The image is deleted afterwards, so later scenarios
+//! (the warm pool) see only the node image.
+
+use proto::hostagent as pb;
+
+use super::{agent, exec, expect_ok, git, image_request, keep_logs};
+use crate::inner::{Check, Ctx};
+
+const SIZED_IMAGE: &str = "real-2cpu";
+const RULES: &str = "---\ndescription: the sizing scenario's agent\npermission:\n  bash:\n    \"*\": allow\n---\n# Coder\n";
+/// Added to the image's root disk.
+const GROWN_MIB: u64 = 64;
+
+/// A repository whose agent may run anything (the checks only read).
+fn repository(ctx: &Ctx) -> Result<std::path::PathBuf, String> {
+    let repo = ctx.scratch.join("sizing-repo");
+    if repo.join(".git").exists() {
+        return Ok(repo);
+    }
+    std::fs::create_dir_all(repo.join("agents")).map_err(|e| e.to_string())?;
+    git(&repo, &["init", "-q", "-b", "main"])?;
+    std::fs::write(repo.join("agents/coder.md"), RULES).map_err(|e| e.to_string())?;
+    std::fs::write(
+        repo.join("agent-manifest.yaml"),
+        "version: 1\nagents:\n  coder: {}\n",
+    )
+    .map_err(|e| e.to_string())?;
+    git(&repo, &["add", "-A"])?;
+    git(&repo, &["commit", "-q", "-m", "sizing"])?;
+    Ok(repo)
+}
+
+/// A session of one vCPU, 256 MiB and a larger disk in a two-vCPU image.
+pub fn sizing(ctx: &mut Ctx, name: &str) -> Check {
+    let result = sizing_flow(ctx, name);
+    keep_logs(ctx);
+    result
+}
+
+/// The first number in `s`.
+fn number(s: &str) -> Option<u64> {
+    s.split(|c: char| !c.is_ascii_digit())
+        .find(|w| !w.is_empty())
+        .and_then(|w| w.parse().ok())
+}
+
+fn sizing_flow(ctx: &mut Ctx, name: &str) -> Check {
+    let repo = repository(ctx)?;
+    let request = image_request(ctx, SIZED_IMAGE, 2);
+    let disk_mib = std::fs::metadata(&ctx.env.node_image.rootfs)
+        .map_err(|e| format!("the node image's root disk: {e}"))?
+        .len()
+        .div_ceil(1 << 20)
+        + GROWN_MIB;
+    let a = agent(ctx)?;
+    let ch = a.channel()?;
+    let s = a.block_on(async {
+        let mut im = pb::images_client::ImagesClient::new(ch.clone());
+        im.register_image(request)
+            .await
+            .map_err(|e| format!("RegisterImage {SIZED_IMAGE}: {}", e.message()))?;
+        im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+            image_id: SIZED_IMAGE.into(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| format!("BuildGoldenSnapshot {SIZED_IMAGE}: {}", e.message()))?;
+        pb::sessions_client::SessionsClient::new(ch.clone())
+            .create_session(pb::CreateSessionRequest {
+                image_id: SIZED_IMAGE.into(),
+                repository_path: repo.display().to_string(),
+                agent: "coder".into(),
+                base_ref: "main".into(),
+                resources: Some(pb::SessionResources {
+                    vcpus: 1,
+                    mem_mib: 256,
+                    cpu_millis: 0,
+                    disk_mib,
+                }),
+                ..Default::default()
+            })
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|e| format!("CreateSession: {}", e.message()))
+    })?;
+    if s.state != pb::SessionState::Running as i32 {
+        return Err(format!("the sized session is not RUNNING: {s:?}"));
+    }
+    let want = pb::SessionResources {
+        vcpus: 1,
+        mem_mib: 256,
+        cpu_millis: 1000,
+        disk_mib,
+    };
+    if s.resources.as_ref() != Some(&want) {
+        return Err(format!(
+            "the session's size is {:?}, not {want:?}",
+            s.resources
+        ));
+    }
+    let mut notes = Vec::new();
+    let checked = a.block_on(async {
+        let r = exec(ch.clone(), &s, &["nproc"]).await?;
+        expect_ok("nproc", &r)?;
+        if r.stdout.trim() != "1" {
+            return Err(format!("nproc printed {:?}, not 1", r.stdout));
+        }
+        let r = exec(ch.clone(), &s, &["cat", "/sys/devices/system/cpu/online"]).await?;
+        expect_ok("cat cpu/online", &r)?;
+        if r.stdout.trim() != "0" {
+            return Err(format!("online CPUs {:?}, not 0", r.stdout.trim()));
+        }
+        // The memory.max of the cgroup above the command's turn cgroup.
+        let script =
+            "cat \"/sys/fs/cgroup$(dirname \"$(cut -d: -f3 /proc/self/cgroup)\")/memory.max\"";
+        let r = exec(ch.clone(), &s, &["sh", "-c", script]).await?;
+        expect_ok(script, &r)?;
+        if r.stdout.trim() != (256u64 << 20).to_string() {
+            return Err(format!("the session's memory.max is {:?}", r.stdout.trim()));
+        }
+        let r = exec(ch.clone(), &s, &["df", "-B1M", "--output=size", "/"]).await?;
+        expect_ok("df /", &r)?;
+        let size = r
+            .stdout
+            .lines()
+            .nth(1)
+            .and_then(number)
+            .ok_or_else(|| format!("df printed {:?}", r.stdout))?;
+        Ok::<_, String>(size)
+    })?;
+    // ext4 keeps some of the disk for itself: compare with the growth.
+    if checked + GROWN_MIB / 2 < disk_mib {
+        return Err(format!(
+            "the root filesystem is {checked} MiB on a {disk_mib} MiB disk: it did not grow"
+        ));
+    }
+    notes.push(format!(
+        "nproc 1 of 2 vCPUs, memory.max 256 MiB, root filesystem {checked} MiB on a \
+         {disk_mib} MiB disk (+{GROWN_MIB})"
+    ));
+    let quota = jail_cpu_quota(s.vmm_pid)?;
+    if quota != "100000 100000" {
+        return Err(format!("the jail's CPU quota is {quota:?}, not one CPU"));
+    }
+    notes.push("the jail's cpu.max is one CPU".into());
+    a.block_on(async {
+        let mut se = pb::sessions_client::SessionsClient::new(ch.clone());
+        let call = pb::SessionCall {
+            session_id: s.session_id.clone(),
+            idempotency_key: String::new(),
+        };
+        se.stop_session(call.clone())
+            .await
+            .map_err(|e| format!("StopSession: {}", e.message()))?;
+        se.delete_session(call)
+            .await
+            .map_err(|e| format!("DeleteSession: {}", e.message()))?;
+        pb::images_client::ImagesClient::new(ch.clone())
+            .delete_image(pb::DeleteImageRequest {
+                image_id: SIZED_IMAGE.into(),
+                idempotency_key: String::new(),
+            })
+            .await
+            .map_err(|e| format!("DeleteImage: {}", e.message()))?;
+        Ok::<_, String>(())
+    })?;
+    ctx.info(name, &notes.join("; "));
+    Ok(notes.join("; "))
+}
+
+/// The cpu.max (`QUOTA PERIOD`) of the cgroup of the jailed vmm under the
+/// jailer `pid` (the session's recorded pid); cgroup v2, as the outer VM
+/// mounts it.
+fn jail_cpu_quota(jailer: u32) -> Result<String, String> {
+    let children = std::fs::read_to_string(format!("/proc/{jailer}/task/{jailer}/children"))
+        .map_err(|e| format!("the jailer {jailer}'s children: {e}"))?;
+    let vmm = children
+        .split_whitespace()
+        .next()
+        .ok_or_else(|| format!("no jailed vmm under {jailer}"))?;
+    let cgroup = std::fs::read_to_string(format!("/proc/{vmm}/cgroup"))
+        .map_err(|e| format!("the vmm's cgroup: {e}"))?;
+    let path = cgroup
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .ok_or_else(|| format!("no cgroup2 entry in {cgroup:?}"))?;
+    let file = format!("/sys/fs/cgroup{path}/cpu.max");
+    std::fs::read_to_string(&file)
+        .map(|s| s.trim().to_string())
+        .map_err(|e| format!("{file}: {e}"))
+}
