@@ -7,6 +7,7 @@
 //! * [`exec`]: running commands with streamed output.
 //! * [`files`]: file operations in the workspace for the Files API.
 //! * [`policy`]: rules, wrappers, manifest, egress and secrets.
+//! * [`clone_safety`]: each restore's own random state, hostname and machine id.
 //! * [`sizing`]: a session's vCPUs and root disk within the VM.
 //! * [`turn`]: grouping a turn's processes and killing them.
 //! * [`audit`]: the hash-chained audit log and its verifier.
@@ -21,6 +22,7 @@ pub mod agent;
 pub mod audit;
 pub mod channel;
 pub mod clock;
+pub mod clone_safety;
 pub mod exec;
 pub mod files;
 pub mod pid1;

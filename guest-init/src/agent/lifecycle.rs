@@ -23,6 +23,9 @@ impl Session {
         );
         // Before the clone: a grown disk has room for it.
         let (turns, size_note) = size_session(&req, &cfg).await?;
+        // Before anything runs: this restore's own random state and name.
+        let fresh = fresh_machine(&cfg, &req.session_id, &req.entropy, true)
+            .map_err(|e| error(Code::Internal, format!("session not started: {e}"), ""))?;
         let branch = session::branch_for(&req.session_id)
             .map_err(|e| error(Code::InvalidArgument, e.to_string(), ""))?;
         let ws = cfg.workspace.clone();
@@ -116,6 +119,7 @@ impl Session {
         })
         .await;
         s.audit_clock(clock).await;
+        s.audit_fresh(fresh).await;
         if !size_note.is_empty() {
             s.audit(Entry {
                 actor: "host",
@@ -228,8 +232,38 @@ impl Session {
         })
         .await;
         self.audit_clock(clock).await;
+        // A resume may be a restore of this session's snapshot: a clone.
+        match fresh_machine(&self.cfg, &self.id, &req.entropy, false) {
+            Ok(fresh) => self.audit_fresh(fresh).await,
+            Err(e) => {
+                tracing::error!(error = %e, "the restored guest's random state was not reseeded");
+                self.audit(Entry {
+                    actor: "guest-init",
+                    action: "machine.fresh",
+                    resource: &self.branch,
+                    result: &e,
+                    ..Default::default()
+                })
+                .await;
+            }
+        }
         tracing::info!(session = %self.id, "session resumed on a new connection");
         self.send_ready().await;
+    }
+
+    /// Records what [`fresh_machine`] did, if anything.
+    async fn audit_fresh(&self, done: Vec<String>) {
+        if done.is_empty() {
+            return;
+        }
+        self.audit(Entry {
+            actor: "guest-init",
+            action: "machine.fresh",
+            resource: &self.branch,
+            result: &done.join("; "),
+            ..Default::default()
+        })
+        .await;
     }
 
     /// Records a clock step (or a failed one) from [`crate::clock::sync_to`].
@@ -446,3 +480,46 @@ async fn size_session(req: &StartSession, cfg: &Config) -> Result<(Turns, String
 
 /// How long a grown root disk may take to show its size in the guest.
 const DISK_GROW_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Makes this restore its own machine (see [`crate::clone_safety`]) where
+/// guest-init runs it: reseeds the kernel's CRNG with the host's `entropy`
+/// (none given: nothing to mix) and, for a new session (`identity`), names
+/// the machine after session `id`. Returns what was done, for the audit
+/// log; an error when the random state could not be reseeded (a clone
+/// that shares its randomness with others must not run).
+fn fresh_machine(
+    cfg: &Config,
+    id: &str,
+    entropy: &[u8],
+    identity: bool,
+) -> Result<Vec<String>, String> {
+    use crate::clone_safety as cs;
+    let mut done = Vec::new();
+    if !cfg.own_machine {
+        return Ok(done);
+    }
+    if !entropy.is_empty() {
+        cs::reseed(std::path::Path::new("/dev/random"), entropy)
+            .map_err(|e| format!("cannot reseed the kernel's random state: {e}"))?;
+        done.push(format!(
+            "CRNG reseeded with {} bytes from the host",
+            entropy.len()
+        ));
+    }
+    if !identity {
+        return Ok(done);
+    }
+    if let Some(name) = cs::hostname_for(id) {
+        match crate::pid1::net::set_hostname(&name) {
+            Ok(()) => done.push(format!("hostname {name}")),
+            Err(e) => tracing::warn!(error = %e, "cannot set the session's hostname"),
+        }
+    }
+    if let Some(line) = cs::machine_id_for(id) {
+        match std::fs::write("/etc/machine-id", &line) {
+            Ok(()) => done.push(format!("machine-id {}", line.trim())),
+            Err(e) => tracing::warn!(error = %e, "cannot write /etc/machine-id"),
+        }
+    }
+    Ok(done)
+}

@@ -69,6 +69,7 @@ impl Manager {
                 env,
                 // At most 86400 s (Config::validate): fits in u32 ms.
                 ask_timeout_ms: (self.cfg.ask_timeout_seconds * 1000) as u32,
+                entropy: fresh_entropy()?,
                 ..sizing
             }))
             .await?;
@@ -175,6 +176,7 @@ impl Manager {
             audit_seq_seen,
             audit_hash_seen,
             host_time_unix_ns: unix_now_ns(),
+            entropy: fresh_entropy()?,
         }))
         .await?;
         // One deadline for the whole wait: other messages do not extend it.
@@ -260,6 +262,22 @@ fn guest_sizing(image: &ImageRow, resources: &str) -> StartSession {
         },
         ..StartSession::default()
     }
+}
+
+/// Bytes of host randomness sent with each StartSession and ResumeSession.
+const ENTROPY_BYTES: usize = 64;
+
+/// Fresh random bytes for a guest's kernel CRNG: every VM is a restore of a
+/// snapshot, and guest-init reseeds from these before Ready.
+fn fresh_entropy() -> Result<Vec<u8>> {
+    let mut buf = vec![0u8; ENTROPY_BYTES];
+    getrandom::fill(&mut buf).map_err(|e| {
+        Error::io(
+            "reading the host's random bytes for the guest",
+            std::io::Error::other(e.to_string()),
+        )
+    })?;
+    Ok(buf)
 }
 
 pub(super) fn unix_now_ns() -> i64 {

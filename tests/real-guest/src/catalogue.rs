@@ -63,6 +63,7 @@ pub const GROUPS: &[Group] = &[
             "node-golden",
             "node-session",
             "node-secrets",
+            "node-clones",
             "node-sizing",
             "pool-timing",
         ],

@@ -70,6 +70,7 @@ pub fn run(ctx: &mut Ctx, name: &str) -> Check {
         "node-golden" => node::golden(ctx, name),
         "node-session" => node::session(ctx, name),
         "node-secrets" => node::secrets(ctx, name),
+        "node-clones" => node::clones(ctx, name),
         "node-sizing" => node::sizing(ctx, name),
         "pool-timing" => node::pool_timing(ctx, name),
         "net-resolve" => network::resolve(ctx, name),

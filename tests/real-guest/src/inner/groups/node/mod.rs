@@ -2,7 +2,8 @@
 //! snapshot of a booted guest with guest-init idle on vsock, a session on a
 //! repository (clone on `session/<id>`, exec allowed / denied / asked,
 //! a commit, the branch fetched back at Stop, the audit chain, usage), a
-//! session's secrets and environment (`secrets`), a session sized below its
+//! session's secrets and environment (`secrets`), two clones of one golden
+//! snapshot that are two machines (`clones`), a session sized below its
 //! image (`sizing`), and how long
 //! CreateSession takes from a warm VM and from the golden snapshot.
 
@@ -18,11 +19,13 @@ use tonic::transport::Channel;
 
 use crate::inner::{Check, Ctx};
 
+mod clones;
 mod host_agent;
 mod records;
 mod secrets;
 mod sizing;
 
+pub use clones::clones;
 pub use host_agent::HostAgent;
 use records::{audit_agrees, usage_covers};
 pub use secrets::secrets;

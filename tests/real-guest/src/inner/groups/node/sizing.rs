@@ -13,13 +13,14 @@ use super::{agent, exec, expect_ok, git, image_request, keep_logs};
 use crate::inner::{Check, Ctx};
 
 const SIZED_IMAGE: &str = "real-2cpu";
-const RULES: &str = "---\ndescription: the sizing scenario's agent\npermission:\n  bash:\n    \"*\": allow\n---\n# Coder\n";
+const RULES: &str = "---\ndescription: the sizing and clones scenarios' agent\npermission:\n  bash:\n    \"*\": allow\n---\n# Coder\n";
 /// Added to the image's root disk.
 const GROWN_MIB: u64 = 64;
 
-/// A repository whose agent may run anything (the checks only read).
-fn repository(ctx: &Ctx) -> Result<std::path::PathBuf, String> {
-    let repo = ctx.scratch.join("sizing-repo");
+/// A repository whose agent may run anything (the checks only read), for
+/// the sizing and clones scenarios.
+pub(super) fn open_repository(ctx: &Ctx) -> Result<std::path::PathBuf, String> {
+    let repo = ctx.scratch.join("open-repo");
     if repo.join(".git").exists() {
         return Ok(repo);
     }
@@ -51,7 +52,7 @@ fn number(s: &str) -> Option<u64> {
 }
 
 fn sizing_flow(ctx: &mut Ctx, name: &str) -> Check {
-    let repo = repository(ctx)?;
+    let repo = open_repository(ctx)?;
     let request = image_request(ctx, SIZED_IMAGE, 2);
     let disk_mib = std::fs::metadata(&ctx.env.node_image.rootfs)
         .map_err(|e| format!("the node image's root disk: {e}"))?
