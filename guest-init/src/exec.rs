@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
+use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -59,6 +60,13 @@ pub enum ExecError {
 /// Starts `spec` with piped stdio, registered with the reaper (see
 /// [`crate::reaper::spawn`]) so the orphan reaper never takes its status.
 pub fn spawn(spec: &Spec) -> Result<Child, ExecError> {
+    spawn_on(spec, None)
+}
+
+/// Starts `spec` like [`spawn`]; with `terminal` (the slave of a
+/// [`crate::pty`] pair), that terminal is its stdin, stdout, stderr and
+/// controlling terminal instead of pipes.
+pub fn spawn_on(spec: &Spec, terminal: Option<OwnedFd>) -> Result<Child, ExecError> {
     let program = spec.argv.first().ok_or(ExecError::EmptyArgv)?;
     for a in &spec.argv {
         if a.contains('\0') {
@@ -78,10 +86,26 @@ pub fn spawn(spec: &Spec) -> Result<Child, ExecError> {
         .env("HOME", &spec.home)
         .env("LANG", "C.UTF-8")
         .envs(&spec.env)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         .kill_on_drop(false);
+    let controlling_tty = terminal.is_some();
+    match terminal {
+        Some(slave) => {
+            let dup = |fd: &OwnedFd| {
+                fd.try_clone().map_err(|source| ExecError::Spawn {
+                    program: program.clone(),
+                    source,
+                })
+            };
+            cmd.stdin(Stdio::from(dup(&slave)?))
+                .stdout(Stdio::from(dup(&slave)?))
+                .stderr(Stdio::from(slave));
+        }
+        None => {
+            cmd.stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+        }
+    }
     let cgroup = match &spec.cgroup_procs {
         Some(p) => Some(
             CString::new(p.as_os_str().as_bytes())
@@ -91,12 +115,17 @@ pub fn spawn(spec: &Spec) -> Result<Child, ExecError> {
     };
     let identity = spec.identity;
     // SAFETY: the closure runs in the forked child before exec and only makes
-    // async-signal-safe system calls (setsid, open, write, close, prctl,
-    // setgroups, setgid, setuid) on data prepared before the fork; it does not
-    // allocate or take locks.
+    // async-signal-safe system calls (setsid, ioctl, open, write, close,
+    // prctl, setgroups, setgid, setuid) on data prepared before the fork; it
+    // does not allocate or take locks.
     unsafe {
         cmd.pre_exec(move || {
             if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // stdin is the terminal's slave by now: make it the new
+            // session's controlling terminal.
+            if controlling_tty && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             if let Some(path) = &cgroup {

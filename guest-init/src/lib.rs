@@ -6,6 +6,7 @@
 //! * [`session`]: cloning the repository from a bundle and cutting the branch.
 //! * [`exec`]: running commands with streamed output.
 //! * [`files`]: file operations in the workspace for the Files API.
+//! * [`pty`]: pseudo-terminals for commands that ask for one.
 //! * [`policy`]: rules, wrappers, manifest, egress and secrets.
 //! * [`clone_safety`]: each restore's own random state, hostname and machine id.
 //! * [`sizing`]: a session's vCPUs and root disk within the VM.
@@ -28,6 +29,7 @@ pub mod files;
 pub mod pid1;
 pub mod policy;
 pub mod privilege;
+pub mod pty;
 pub mod reaper;
 pub mod session;
 pub mod sizing;

@@ -34,6 +34,17 @@ impl Session {
             .await;
             return;
         }
+        if let Some(size) = &e.pty {
+            if let Err(err) = crate::pty::check_size(size.rows, size.cols) {
+                self.send(error(
+                    Code::InvalidArgument,
+                    format!("pty: {err}"),
+                    &e.exec_id,
+                ))
+                .await;
+                return;
+            }
+        }
         if !lock(&self.exec_ids).insert(e.exec_id.clone()) {
             self.send(error(
                 Code::InvalidArgument,
@@ -126,7 +137,16 @@ impl Session {
             identity: self.cfg.identity,
             cgroup_procs: placement.cgroup_procs,
         };
-        let mut child = match exec::spawn(&spec) {
+        let (master, slave) = match e.pty.as_ref().map(|p| crate::pty::open(p.rows, p.cols)) {
+            None => (None, None),
+            Some(Ok((m, s))) => (Some(Arc::new(m)), Some(s)),
+            Some(Err(err)) => {
+                self.reject(&e.exec_id, &e.turn_id, &err.to_string(), "")
+                    .await;
+                return;
+            }
+        };
+        let mut child = match exec::spawn_on(&spec, slave) {
             Ok(c) => c,
             Err(err) => {
                 self.reject(&e.exec_id, &e.turn_id, &err.to_string(), "")
@@ -147,37 +167,32 @@ impl Session {
             })
             .await;
         }
-        let stdin_tx = {
-            let mut stdin = child.stdin.take();
-            let initial = e.stdin.clone();
-            let (tx, mut rx) = mpsc::channel::<(Vec<u8>, bool)>(64);
-            let keep = e.keep_stdin_open;
-            tokio::spawn(async move {
-                let Some(w) = stdin.as_mut() else { return };
-                if !initial.is_empty() && w.write_all(&initial).await.is_err() {
-                    return;
-                }
-                if !keep {
-                    return;
-                }
-                while let Some((data, eof)) = rx.recv().await {
-                    if w.write_all(&data).await.is_err() || eof {
-                        return;
-                    }
-                }
-            });
-            e.keep_stdin_open.then_some(tx)
+        let stdin_tx = match &master {
+            // A terminal's input stays open; its EOF is a character.
+            Some(m) => Some(terminal::feed(
+                crate::pty::Shared(m.clone()),
+                e.stdin.clone(),
+                true,
+                Some(crate::pty::EOF_CHAR),
+            )),
+            None => child.stdin.take().and_then(|w| {
+                let tx = terminal::feed(w, e.stdin.clone(), e.keep_stdin_open, None);
+                e.keep_stdin_open.then_some(tx)
+            }),
         };
         lock(&self.running).insert(
             e.exec_id.clone(),
             Running {
                 pid,
                 stdin: stdin_tx,
+                pty: master.clone(),
             },
         );
+        let redactor = self.secrets.redactor();
         self.send(msg(Out::ExecStarted(ExecStarted {
             exec_id: e.exec_id.clone(),
             pid,
+            argv: e.argv.iter().map(|a| redactor.redact(a)).collect(),
         })))
         .await;
         self.audit(Entry {
@@ -190,6 +205,15 @@ impl Session {
         })
         .await;
         let pumps = [
+            master.map(|m| {
+                tokio::spawn(pump(
+                    crate::pty::Shared(m),
+                    output::Stream::Stdout,
+                    e.exec_id.clone(),
+                    self.secrets.redactor().clone(),
+                    self.outbox(),
+                ))
+            }),
             child.stdout.take().map(|r| {
                 tokio::spawn(pump(
                     r,
@@ -209,7 +233,7 @@ impl Session {
                 ))
             }),
         ];
-        let status = child.wait().await;
+        let (status, reason) = terminal::wait(&mut child, pid, e.timeout_ms).await;
         reaper::release(Some(pid));
         // A daemonised descendant may keep the pipes open: wait briefly for
         // the output that is already there, then report the exit.
@@ -237,9 +261,15 @@ impl Session {
             }
             Err(err) => (None, format!("wait failed: {err}")),
         };
+        let text = if reason.is_empty() {
+            text
+        } else {
+            format!("{text} ({reason})")
+        };
         self.send(msg(Out::ExecExited(ExecExited {
             exec_id: e.exec_id.clone(),
             status,
+            reason,
         })))
         .await;
         self.audit(Entry {
@@ -293,9 +323,9 @@ impl Session {
                 exec_id,
             ));
         }
-        let pid = lock(&self.running)
+        let (pid, pty) = lock(&self.running)
             .get(exec_id)
-            .map(|r| r.pid)
+            .map(|r| (r.pid, r.pty.clone()))
             .ok_or_else(|| {
                 error(
                     Code::InvalidArgument,
@@ -303,7 +333,7 @@ impl Session {
                     exec_id,
                 )
             })?;
-        exec::signal_group(pid, sig).map_err(|e| {
+        terminal::signal(pid, pty.as_deref(), sig).map_err(|e| {
             error(
                 Code::Internal,
                 format!("cannot signal {exec_id}: {e}"),

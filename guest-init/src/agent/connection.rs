@@ -210,6 +210,14 @@ impl Conn {
                 }
                 Err(m) => self.send(m).await,
             },
+            In::Resize(r) => match self.session() {
+                Ok(s) => {
+                    if let Err(m) = s.resize(&r.exec_id, r.size) {
+                        self.send(m).await;
+                    }
+                }
+                Err(m) => self.send(m).await,
+            },
             In::EndTurn(t) => match self.session() {
                 Ok(s) => {
                     tokio::spawn(async move { s.end_turn(&t.turn_id).await });

@@ -13,7 +13,8 @@
 //! By responsibility: `connection` (Hello, reading and dispatching frames,
 //! StartSession, ResumeSession, Shutdown), `lifecycle` (a session opened,
 //! reattached, audited, its branch fetched back, ended), `commands` (Exec,
-//! stdin, signals, turns), `approvals` (ask and Answer), `network` (the
+//! stdin, signals, turns), `terminal` (commands on a terminal: input,
+//! resize, signals; timeouts), `approvals` (ask and Answer), `network` (the
 //! egress rules). This file keeps the configuration, `serve`, and the
 //! session's state.
 //!
@@ -25,6 +26,7 @@ mod connection;
 mod files;
 mod lifecycle;
 mod network;
+mod terminal;
 
 use connection::handle_connection;
 use network::resolve;
@@ -184,6 +186,8 @@ fn error(code: Code, message: impl Into<String>, exec_id: &str) -> Failure {
 struct Running {
     pid: u32,
     stdin: Option<mpsc::Sender<(Vec<u8>, bool)>>,
+    /// Its terminal, for a command started with `pty`.
+    pty: Option<Arc<crate::pty::Master>>,
 }
 
 /// One session's state.
