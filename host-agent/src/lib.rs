@@ -20,6 +20,7 @@ pub mod clock;
 pub mod config;
 pub mod error;
 pub mod events;
+pub mod execs;
 pub mod guest;
 pub mod images;
 pub mod io_limits;

@@ -120,7 +120,8 @@ async fn a_flooding_guest_cannot_grow_host_agent_and_other_sessions_keep_working
         out.iter().any(|k| matches!(
             k,
             Resp::Exit(pb::ExecExit {
-                status: Some(pb::exec_exit::Status::Code(0))
+                status: Some(pb::exec_exit::Status::Code(0)),
+                ..
             })
         )),
         "{out:?}"

@@ -1,10 +1,12 @@
-//! `hostagent.v1.Exec`: a bidirectional stream relayed to guest-init, and
-//! EndTurn.
+//! `hostagent.v1.Exec`: a bidirectional stream relayed to guest-init,
+//! EndTurn, and (in [`super::attach`]) Attach and ListExecs.
 //!
 //! The first request must be `start`, naming the session and its current
 //! execution id (a stale id is refused). Sessions of images without
 //! guest-init have nobody to run commands and are refused with
-//! FAILED_PRECONDITION.
+//! FAILED_PRECONDITION. The command's output goes into its record
+//! ([`crate::execs`]); the stream is one reader of it, so the command
+//! outlives the stream.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -18,11 +20,10 @@ use super::owned_session;
 use crate::auth::layer::caller_of;
 use crate::auth::Caller;
 use crate::error::Error;
+use crate::execs::attach::{self, Opening};
+use crate::execs::record::{End, Meta};
 use crate::sessions::{state_name, Manager};
-use proto::guest::{
-    exec_exited, guest_message::Kind as Out, host_message::Kind as In, output, Exec as GExec,
-    Signal as GSignal, StdinData,
-};
+use proto::guest::{host_message::Kind as In, Exec as GExec, TerminalSize as GTerminalSize};
 
 /// The Exec service.
 pub struct ExecApi(pub Arc<Manager>);
@@ -98,6 +99,7 @@ impl Exec for ExecApi {
         if start.argv.is_empty() || start.argv[0].is_empty() {
             return Err(Error::invalid("argv must name a program").into());
         }
+        super::attach::check_start(&start)?;
         let guest_init = check_execution(&self.0, &caller, &start.session_id, &start.execution_id)?;
         if !guest_init {
             return Err(Error::FailedPrecondition(format!(
@@ -119,97 +121,78 @@ impl Exec for ExecApi {
         // Opens the channel again if a host-agent restart (or a broken vsock) lost it.
         let conn = self.0.guest_channel(&sess).await?;
         let exec_id = uuid::Uuid::new_v4().to_string();
-        let rx = conn.route_exec(&exec_id)?;
         let turn_id = if start.turn_id.is_empty() {
             format!("turn-{exec_id}")
         } else {
             start.turn_id.clone()
         };
-        conn.send(In::Exec(GExec {
-            exec_id: exec_id.clone(),
-            turn_id,
-            argv: start.argv.clone(),
-            cwd: start.cwd.clone().into_bytes(),
-            env: start.env.clone(),
-            stdin: Vec::new(),
-            keep_stdin_open: start.keep_stdin_open,
-        }))
-        .await?;
-        let conn2 = conn.clone();
-        let id2 = exec_id.clone();
-        // Input is forwarded once the guest has started the command (it
-        // refuses stdin for a command it has not started yet).
-        let (started_tx, mut started_rx) = tokio::sync::watch::channel(false);
-        tokio::spawn(async move {
-            if started_rx.wait_for(|s| *s).await.is_err() {
-                return;
+        let rec = sess.execs.begin(
+            Meta {
+                exec_id: exec_id.clone(),
+                session_id: start.session_id.clone(),
+                turn_id: turn_id.clone(),
+                pty: start.pty.is_some(),
+                stdin_open: start.keep_stdin_open || start.pty.is_some(),
+                timeout_ms: start.timeout_ms,
+                started_at: crate::sessions::now_ms(),
+            },
+            start.argv.clone(),
+        )?;
+        let rx = match conn.route_exec(&exec_id) {
+            Ok(rx) => rx,
+            Err(e) => {
+                rec.finish(End::Lost(e.to_string()));
+                return Err(e.into());
             }
-            while let Some(Ok(req)) = input.next().await {
-                let m = match req.kind {
-                    Some(pb::exec_request::Kind::Stdin(data)) => In::Stdin(StdinData {
-                        exec_id: id2.clone(),
-                        data,
-                        eof: false,
-                    }),
-                    Some(pb::exec_request::Kind::StdinEof(_)) => In::Stdin(StdinData {
-                        exec_id: id2.clone(),
-                        data: Vec::new(),
-                        eof: true,
-                    }),
-                    Some(pb::exec_request::Kind::Signal(signal)) => In::Signal(GSignal {
-                        exec_id: id2.clone(),
-                        signal,
-                    }),
-                    _ => continue,
-                };
-                if conn2.send(m).await.is_err() {
-                    return;
-                }
-            }
-        });
-        let session_id = start.session_id.clone();
-        let out = tokio_stream::wrappers::ReceiverStream::new(rx).filter_map(move |m| {
-            use pb::exec_response::Kind as R;
-            let kind = match m.kind? {
-                Out::ExecStarted(e) => {
-                    let _ = started_tx.send(true);
-                    R::Started(format!("{} {}", e.exec_id, e.pid))
-                }
-                Out::Output(o) => {
-                    if o.stream == output::Stream::Stderr as i32 {
-                        R::Stderr(o.data)
-                    } else {
-                        R::Stdout(o.data)
-                    }
-                }
-                Out::ExecExited(e) => R::Exit(pb::ExecExit {
-                    status: e.status.map(|s| match s {
-                        exec_exited::Status::Code(c) => pb::exec_exit::Status::Code(c),
-                        exec_exited::Status::Signal(n) => pb::exec_exit::Status::Signal(n),
-                    }),
+        };
+        // The command's output goes into its record, whoever reads it.
+        tokio::spawn(crate::execs::pump(
+            rec.clone(),
+            sess.execs.clone(),
+            rx,
+            conn.exec_output_dropped(),
+        ));
+        if let Err(e) = conn
+            .send(In::Exec(GExec {
+                exec_id: exec_id.clone(),
+                turn_id,
+                argv: start.argv.clone(),
+                cwd: start.cwd.clone().into_bytes(),
+                env: start.env.clone(),
+                stdin: Vec::new(),
+                keep_stdin_open: start.keep_stdin_open,
+                pty: start.pty.map(|p| GTerminalSize {
+                    rows: p.rows,
+                    cols: p.cols,
                 }),
-                Out::ExecRejected(r) => R::Rejected(if r.rule.is_empty() {
-                    r.reason
-                } else {
-                    format!("{} ({})", r.reason, r.rule)
-                }),
-                Out::AskRequest(a) => R::Ask(pb::Ask {
-                    ask_id: a.ask_id,
-                    session_id: session_id.clone(),
-                    exec_id: a.exec_id,
-                    turn_id: a.turn_id,
-                    tool: a.tool,
-                    subject: a.subject,
-                    rule: a.rule,
-                    asked_at: crate::sessions::now_ms(),
-                }),
-                Out::Error(e) => {
-                    return Some(Err(Status::aborted(format!("guest-init: {}", e.message))))
-                }
-                _ => return None,
-            };
-            Some(Ok(pb::ExecResponse { kind: Some(kind) }))
-        });
+                timeout_ms: start.timeout_ms,
+            }))
+            .await
+        {
+            rec.finish(End::Lost(format!("it could not be sent to the guest: {e}")));
+            return Err(e.into());
+        }
+        let (out, fail) = attach::open(rec.clone(), Opening::Exec);
+        // Input is forwarded once the guest has started the command; when
+        // this stream drops, the command goes on (Attach reaches it again).
+        tokio::spawn(attach::forward_input(rec, conn, input, fail));
         Ok(Response::new(Box::pin(out)))
+    }
+
+    type AttachStream = ExecStream;
+
+    async fn attach(
+        &self,
+        req: Request<Streaming<pb::ExecRequest>>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        let out = super::attach::attach(&self.0, req).await?;
+        Ok(Response::new(Box::pin(out)))
+    }
+
+    async fn list_execs(
+        &self,
+        req: Request<pb::ListExecsRequest>,
+    ) -> Result<Response<pb::ListExecsResponse>, Status> {
+        super::attach::list_execs(&self.0, req).map(Response::new)
     }
 }

@@ -13,6 +13,7 @@ use crate::sessions::{now_ms, Manager, Session};
 use crate::store::{EventRow, ImageRow, SessionRow, UsageRow};
 
 pub mod approvals;
+pub mod attach;
 pub mod events;
 pub mod exec;
 pub mod files;

@@ -44,7 +44,8 @@ pub fn required(path: &str) -> Access {
             _ => Unknown,
         },
         "hostagent.v1.Exec" => match method {
-            "Exec" | "EndTurn" => Needs(Sessions),
+            "Exec" | "EndTurn" | "Attach" => Needs(Sessions),
+            "ListExecs" => Needs(Read),
             _ => Unknown,
         },
         "hostagent.v1.Approvals" => match method {

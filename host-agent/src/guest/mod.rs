@@ -307,6 +307,12 @@ impl GuestConn {
         Ok(rx)
     }
 
+    /// Turns true when exec output is no longer waited for
+    /// ([`Self::drop_exec_output`]).
+    pub fn exec_output_dropped(&self) -> watch::Receiver<bool> {
+        self.shared.draining.subscribe()
+    }
+
     /// Ends every exec's stream and drops exec output from now on, so the
     /// channel is read again whatever the clients do (before Stop).
     pub fn drop_exec_output(&self) {

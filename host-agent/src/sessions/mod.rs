@@ -167,6 +167,8 @@ pub struct Session {
     guest_open: tokio::sync::Mutex<()>,
     inner: Mutex<Inner>,
     state: watch::Sender<i32>,
+    /// Its commands (Exec), running and ended.
+    pub execs: Arc<crate::execs::ExecTable>,
 }
 
 impl Session {
@@ -419,6 +421,7 @@ impl Manager {
             id: row.id.clone(),
             op: tokio::sync::Mutex::new(()),
             guest_open: tokio::sync::Mutex::new(()),
+            execs: Arc::default(),
             inner: Mutex::new(Inner {
                 row,
                 image,

@@ -399,6 +399,7 @@ async fn exec(agent: &str, exec_id: &str, ctx: &Ctx, tx: &Tx) {
     tx.send(Out::ExecStarted(ExecStarted {
         exec_id: exec_id.to_string(),
         pid: 1,
+        ..Default::default()
     }))
     .await;
     if agent == "flood" {
@@ -443,6 +444,7 @@ async fn exec(agent: &str, exec_id: &str, ctx: &Ctx, tx: &Tx) {
     tx.send(Out::ExecExited(ExecExited {
         exec_id: exec_id.to_string(),
         status: Some(proto::guest::exec_exited::Status::Code(0)),
+        ..Default::default()
     }))
     .await;
 }

@@ -128,7 +128,8 @@ async fn asks_show_in_the_exec_stream_and_as_events_with_their_answers() {
         out.iter().any(|k| matches!(
             k,
             Resp::Exit(pb::ExecExit {
-                status: Some(pb::exec_exit::Status::Code(0))
+                status: Some(pb::exec_exit::Status::Code(0)),
+                ..
             })
         )),
         "{out:?}"
