@@ -9,7 +9,8 @@ use clap::{Parser, Subcommand};
 mod cli;
 
 use cli::client::{
-    run_client, ApprovalsCmd, ClientTls, EventsCmd, FilesCmd, ImagesCmd, SessionsCmd, TurnsCmd,
+    run_client, ApprovalsCmd, ClientTls, EventsCmd, ExecArgs, FilesCmd, ImagesCmd, SessionsCmd,
+    TurnsCmd,
 };
 use cli::demo::{run_demo, DemoArgs};
 use cli::serve::{run_serve, ServeArgs};
@@ -77,23 +78,9 @@ enum Cmd {
     /// Node capacity and version.
     Node,
     /// Run a command in a guest-init session; stdin is forwarded, output
-    /// printed, and the command's exit code becomes this one's.
-    Exec {
-        /// Session id.
-        session: String,
-        /// Execution id (default: the session's current one).
-        #[arg(long)]
-        execution_id: Option<String>,
-        /// Turn id (default: one per command).
-        #[arg(long, default_value = "")]
-        turn: String,
-        /// Forward this process's stdin to the command.
-        #[arg(long)]
-        stdin: bool,
-        /// The command and its arguments.
-        #[arg(last = true, required = true)]
-        argv: Vec<String>,
-    },
+    /// printed, and the command's exit code becomes this one's. `exec
+    /// attach` reattaches to a command, `exec list` lists them.
+    Exec(ExecArgs),
     /// Turns of guest-init sessions.
     #[command(subcommand)]
     Turns(TurnsCmd),

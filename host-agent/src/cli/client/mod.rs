@@ -24,6 +24,7 @@ mod usage;
 
 pub use approvals::ApprovalsCmd;
 pub use events::EventsCmd;
+pub use exec::ExecArgs;
 pub use files::FilesCmd;
 pub use images::ImagesCmd;
 pub use sessions::SessionsCmd;
@@ -108,13 +109,7 @@ pub async fn run_client(
         Cmd::Sessions(c) => sessions::run(ch, bearer, out, c).await,
         Cmd::Events(c) => events::run(ch, bearer, out, c).await,
         Cmd::Usage { session, since } => usage::run(ch, bearer, out, session, since).await,
-        Cmd::Exec {
-            session,
-            execution_id,
-            turn,
-            stdin,
-            argv,
-        } => exec::run(ch, bearer, session, execution_id, turn, stdin, argv).await,
+        Cmd::Exec(args) => exec::run(ch, bearer, out, args).await,
         Cmd::Node => node::run(ch, bearer, out).await,
         Cmd::Turns(c) => turns::run(ch, bearer, out, c).await,
         Cmd::Approvals(c) => approvals::run(ch, bearer, out, c).await,
