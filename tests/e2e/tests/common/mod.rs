@@ -53,11 +53,16 @@ impl Drop for Guest {
 
 /// guest-init serving on a Unix socket, a repository, and the CONNECT shim.
 pub async fn start_guest() -> Guest {
+    start_guest_with_rules(RULES).await
+}
+
+/// As [`start_guest`], with `rules` as the coder agent's rules.
+pub async fn start_guest_with_rules(rules: &str) -> Guest {
     let dir = tempfile::tempdir().unwrap();
     repo_with_files(
         dir.path(),
         &[
-            ("agents/coder.md", RULES),
+            ("agents/coder.md", rules),
             ("agent-manifest.yaml", "version: 1\nagents:\n  coder: {}\n"),
             ("README.md", "hello\n"),
         ],
@@ -132,6 +137,7 @@ pub fn exit_code(out: &[Resp]) -> Option<i32> {
     out.iter().find_map(|k| match k {
         Resp::Exit(pb::ExecExit {
             status: Some(pb::exec_exit::Status::Code(c)),
+            ..
         }) => Some(*c),
         _ => None,
     })
