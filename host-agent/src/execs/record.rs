@@ -72,8 +72,46 @@ pub struct State {
     pub stdin_closed: bool,
 }
 
-/// Asks kept per command for the streams attached.
+/// Asks kept per command for the streams attached (dropped when it ends).
 pub const MAX_ASKS_KEPT: usize = 16;
+/// Most bytes of argv a record keeps (the rest is cut, and said so).
+pub const MAX_ARGV_BYTES: usize = 16 * 1024;
+/// Most bytes of a rejection, error or exit reason a record keeps.
+pub const MAX_DETAIL_BYTES: usize = 4 * 1024;
+
+/// `argv` cut to [`MAX_ARGV_BYTES`]: whole arguments while they fit, then
+/// one saying how many bytes were left out. A guest (or a client) cannot
+/// make a record hold more.
+pub fn bounded_argv(argv: Vec<String>) -> Vec<String> {
+    let total: usize = argv.iter().map(String::len).sum();
+    if total <= MAX_ARGV_BYTES {
+        return argv;
+    }
+    let mut kept = Vec::new();
+    let mut used = 0;
+    for a in argv {
+        if used + a.len() > MAX_ARGV_BYTES {
+            break;
+        }
+        used += a.len();
+        kept.push(a);
+    }
+    kept.push(format!("[{} more bytes not kept]", total - used));
+    kept
+}
+
+/// `s` cut to at most `max` bytes (on a character boundary).
+pub fn cut(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push_str("[...]");
+    }
+    s
+}
 
 /// One command.
 #[derive(Debug)]
@@ -90,7 +128,7 @@ impl ExecRecord {
         Self {
             meta,
             state: Mutex::new(State {
-                argv,
+                argv: bounded_argv(argv),
                 pid: None,
                 end: None,
                 ended_at: 0,
@@ -135,7 +173,7 @@ impl ExecRecord {
             let mut st = self.lock();
             st.pid = Some(pid);
             if !argv.is_empty() {
-                st.argv = argv;
+                st.argv = bounded_argv(argv);
             }
         }
         self.notify();
@@ -155,8 +193,18 @@ impl ExecRecord {
         self.notify();
     }
 
-    /// Records its end (the first one counts).
+    /// Records its end (the first one counts); texts are cut to
+    /// [`MAX_DETAIL_BYTES`], and its asks are dropped.
     pub fn finish(&self, end: End) {
+        let end = match end {
+            End::Exited(mut e) => {
+                e.reason = cut(e.reason, MAX_DETAIL_BYTES);
+                End::Exited(e)
+            }
+            End::Rejected(r) => End::Rejected(cut(r, MAX_DETAIL_BYTES)),
+            End::Failed(r) => End::Failed(cut(r, MAX_DETAIL_BYTES)),
+            End::Lost(r) => End::Lost(cut(r, MAX_DETAIL_BYTES)),
+        };
         {
             let mut st = self.lock();
             if st.end.is_some() {
@@ -164,6 +212,7 @@ impl ExecRecord {
             }
             st.end = Some(end);
             st.ended_at = now_ms();
+            st.asks = Vec::new();
         }
         self.notify();
     }
@@ -251,5 +300,42 @@ impl ExecRecord {
             timeout_ms: self.meta.timeout_ms,
             attached: u32::try_from(st.cursors.len()).unwrap_or(u32::MAX),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_a_record_keeps_is_bounded() {
+        let short = vec!["echo".to_string(), "hi".to_string()];
+        assert_eq!(bounded_argv(short.clone()), short);
+        let long = vec!["a".repeat(10_000), "b".repeat(10_000), "c".into()];
+        let kept = bounded_argv(long);
+        assert_eq!(kept.len(), 2);
+        assert_eq!(kept[1], "[10001 more bytes not kept]");
+        let c = cut("ünïcode".repeat(1000), 4);
+        assert_eq!(c, "ün[...]");
+        let rec = ExecRecord::new(
+            Meta {
+                exec_id: "e".into(),
+                session_id: "s".into(),
+                turn_id: "t".into(),
+                pty: false,
+                stdin_open: false,
+                timeout_ms: 0,
+                started_at: 0,
+            },
+            vec![],
+        );
+        rec.ask(pb::Ask::default());
+        rec.finish(End::Rejected("x".repeat(1 << 20)));
+        let st = rec.lock();
+        assert!(st.asks.is_empty());
+        let Some(End::Rejected(r)) = &st.end else {
+            panic!("{:?}", st.end)
+        };
+        assert!(r.len() <= MAX_DETAIL_BYTES + 5);
     }
 }
