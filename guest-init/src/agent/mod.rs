@@ -3,7 +3,7 @@
 //!
 //! Per connection: the host sends Hello (protocol version 1) first; then
 //! StartSession and the repository bundle; then Exec, StdinData, Signal,
-//! EndTurn, Answer, FetchBranch and finally Shutdown. Frames that do not
+//! Resize, EndTurn, Answer, FetchBranch and finally Shutdown. Frames that do not
 //! decode, are too large, or arrive out of order are answered with an Error
 //! and the connection goes on. When a connection closes, its session's turns
 //! are killed (and audited) but the session is kept; the next connection may

@@ -134,6 +134,11 @@ async fn stream(
 ) -> Result<(), String> {
     let (tx, rx) = mpsc::channel(16);
     let _ = tx.send(pb::ExecRequest { kind: Some(first) }).await;
+    if tty && attach {
+        // The command's terminal takes this one's size.
+        let resize = pb::exec_request::Kind::Resize(terminal::size());
+        let _ = tx.send(pb::ExecRequest { kind: Some(resize) }).await;
+    }
     // Raw mode for as long as this lives (restored on drop).
     let _raw = if tty { terminal::raw_mode() } else { None };
     if tty && _raw.is_some() {
