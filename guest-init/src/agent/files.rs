@@ -24,6 +24,8 @@ pub const WRITE_WINDOW: u32 = 8;
 const MAX_WINDOW: u32 = 64;
 /// Entries per listing page.
 const LIST_PAGE: usize = 1000;
+/// About the most bytes of entries per listing page (frames are at most 4 MiB).
+const LIST_PAGE_BYTES: usize = 1 << 20;
 
 /// An open request's inputs.
 struct Open {
@@ -345,17 +347,32 @@ impl Task {
         let Some(credit) = self.credit.clone() else {
             return Ok(None);
         };
-        let pages: Vec<_> = entries.chunks(LIST_PAGE).map(<[_]>::to_vec).collect();
-        let n = pages.len().max(1);
-        let mut pages = pages.into_iter();
-        for i in 0..n {
+        // Pages of at most LIST_PAGE entries and about LIST_PAGE_BYTES
+        // encoded (an entry's path and link target can be 4 KiB each).
+        let mut pages: Vec<Vec<proto::guest::FileInfo>> = vec![Vec::new()];
+        let mut bytes = 0;
+        for e in entries {
+            let len = proto::Message::encoded_len(&e);
+            let full =
+                pages.last().is_some_and(|p| p.len() >= LIST_PAGE) || bytes + len > LIST_PAGE_BYTES;
+            if full && pages.last().is_some_and(|p| !p.is_empty()) {
+                pages.push(Vec::new());
+                bytes = 0;
+            }
+            bytes += len;
+            if let Some(p) = pages.last_mut() {
+                p.push(e);
+            }
+        }
+        let n = pages.len();
+        for (i, page) in pages.into_iter().enumerate() {
             let Ok(p) = credit.acquire().await else {
                 return Ok(None);
             };
             p.forget();
             let last = i + 1 == n;
             let page = R::Entries(FileEntries {
-                entries: pages.next().unwrap_or_default(),
+                entries: page,
                 last,
                 truncated: last && truncated,
             });

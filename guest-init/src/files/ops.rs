@@ -66,7 +66,10 @@ pub fn info_of(rel: &RelPath, st: &libc::stat, target: String) -> FileInfo {
         kind: kind as i32,
         size: st.st_size.max(0) as u64,
         permissions: st.st_mode & 0o7777,
-        modified_unix_ns: st.st_mtime.saturating_mul(1_000_000_000) + st.st_mtime_nsec,
+        modified_unix_ns: st
+            .st_mtime
+            .saturating_mul(1_000_000_000)
+            .saturating_add(st.st_mtime_nsec),
         link_target: target,
     }
 }
