@@ -10,7 +10,10 @@
 //! and the rest of the channel keep flowing whatever a file call's client
 //! does. Dropping a [`FileCall`] unroutes it and tells the guest to cancel.
 
-use proto::guest::{file_request::Op, FileCancel, FileRequest, FileResponse};
+use proto::guest::{
+    file_request::Op, file_response::Result as R, FileCancel, FileChunk, FileDone, FileError,
+    FileRequest, FileResponse,
+};
 
 use super::*;
 
@@ -20,6 +23,21 @@ pub const MAX_FILE_CALLS: usize = 16;
 pub const MAX_FILE_WINDOW: u32 = 8;
 /// Responses queued per call: the window, the final message and an error.
 const FILE_QUEUE: usize = MAX_FILE_WINDOW as usize + 2;
+/// Largest chunk a write sends the guest.
+pub const WRITE_CHUNK: usize = 256 * 1024;
+/// How long a write waits for the guest's credit or answer.
+pub const WRITE_IDLE: Duration = Duration::from_secs(60);
+
+/// Why a file call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum FileCallError {
+    /// guest-init refused or failed the operation (its code and field).
+    #[error("guest-init: {}: {}", .0.field, .0.message)]
+    Refused(FileError),
+    /// The channel failed, timed out, or the guest broke the protocol.
+    #[error(transparent)]
+    Channel(#[from] Error),
+}
 
 /// The routes of open file calls.
 #[derive(Default)]
@@ -35,6 +53,8 @@ pub struct FileCall {
     out: mpsc::Sender<HostMessage>,
     shared: Arc<Shared>,
     finished: bool,
+    /// Chunks the guest has room for (a write).
+    credit: u32,
 }
 
 impl GuestConn {
@@ -64,6 +84,7 @@ impl GuestConn {
             out: self.out.clone(),
             shared: self.shared.clone(),
             finished: false,
+            credit: 0,
         };
         call.send(op).await?;
         Ok(call)
@@ -108,6 +129,66 @@ impl FileCall {
     pub fn finished(&mut self) {
         self.finished = true;
     }
+
+    /// A write's next answer: credit is counted, an error ends the call.
+    async fn write_answer(&mut self) -> Result<Option<FileDone>, FileCallError> {
+        match self.next(Some(WRITE_IDLE)).await?.result {
+            Some(R::Credit(c)) => {
+                // More than the guest's window is never needed.
+                self.credit = self.credit.saturating_add(c.messages).min(64);
+                Ok(None)
+            }
+            Some(R::Done(d)) => {
+                self.finished = true;
+                Ok(Some(d))
+            }
+            Some(R::Error(e)) => {
+                self.finished = true;
+                Err(FileCallError::Refused(e))
+            }
+            _ => Err(
+                Error::Guest("guest-init answered a write with an unexpected message".into())
+                    .into(),
+            ),
+        }
+    }
+
+    /// Sends `data` to an open write in chunks of at most [`WRITE_CHUNK`],
+    /// each once the guest has room for it; `last` ends the file (an empty
+    /// last chunk is sent if needed).
+    pub async fn write(&mut self, data: &[u8], last: bool) -> Result<(), FileCallError> {
+        let mut pieces: Vec<&[u8]> = data.chunks(WRITE_CHUNK).collect();
+        if pieces.is_empty() && last {
+            pieces.push(&[]);
+        }
+        let n = pieces.len();
+        for (i, piece) in pieces.into_iter().enumerate() {
+            while self.credit == 0 {
+                if self.write_answer().await?.is_some() {
+                    return Err(Error::Guest(
+                        "guest-init ended the write before its last chunk".into(),
+                    )
+                    .into());
+                }
+            }
+            self.credit -= 1;
+            self.send(Op::Chunk(FileChunk {
+                data: piece.to_vec(),
+                last: last && i + 1 == n,
+            }))
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// After the last chunk: the guest's answer (bytes written, the file).
+    pub async fn write_result(&mut self) -> Result<FileDone, FileCallError> {
+        loop {
+            if let Some(d) = self.write_answer().await? {
+                return Ok(d);
+            }
+        }
+    }
 }
 
 impl Drop for FileCall {
@@ -137,5 +218,70 @@ impl Reader {
             g.files.calls.remove(&id);
             metrics::guest_dropped("file_overrun");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto::guest::{FileChunk, FileRead, Hello};
+
+    fn frame(kind: Out) -> Vec<u8> {
+        encode_frame(&GuestMessage { kind: Some(kind) }, DEFAULT_MAX_FRAME).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_guest_over_its_credit_loses_the_call_but_never_stalls_the_channel() {
+        let (host, mut guest) = UnixStream::pair().unwrap();
+        guest
+            .write_all(&frame(Out::Hello(Hello {
+                protocol_version: proto::guest::PROTOCOL_VERSION,
+                software: "fake".into(),
+            })))
+            .await
+            .unwrap();
+        let conn = GuestConn::open(host, "s", None).await.unwrap();
+        let mut call = conn
+            .file_call(Op::Read(FileRead {
+                path: b"f".to_vec(),
+                window: 1,
+                ..Default::default()
+            }))
+            .await
+            .unwrap();
+        // Far more than the call's queue, nobody reading it, then a control
+        // message: the reader must get to it.
+        let mut flood = Vec::new();
+        for _ in 0..(FILE_QUEUE * 4) {
+            flood.extend(frame(Out::File(FileResponse {
+                request_id: 1,
+                result: Some(R::Data(FileChunk {
+                    data: vec![0; 1024],
+                    last: false,
+                })),
+            })));
+        }
+        flood.extend(frame(Out::Error(proto::guest::Error {
+            message: "after the flood".into(),
+            ..Default::default()
+        })));
+        guest.write_all(&flood).await.unwrap();
+        let ctl = conn.next_control(Duration::from_secs(30)).await.unwrap();
+        assert!(matches!(ctl.kind, Some(Out::Error(e)) if e.message == "after the flood"));
+        // The call got what fitted, then ended.
+        let mut got = 0;
+        while call.next(Some(Duration::from_secs(30))).await.is_ok() {
+            got += 1;
+        }
+        assert_eq!(got, FILE_QUEUE);
+        assert!(conn.shared.routes().files.calls.is_empty());
+        // Responses for calls nobody opened are dropped.
+        guest
+            .write_all(&frame(Out::File(FileResponse {
+                request_id: 99,
+                result: None,
+            })))
+            .await
+            .unwrap();
     }
 }

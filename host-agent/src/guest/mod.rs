@@ -46,7 +46,7 @@ pub mod limits;
 mod reader;
 
 use audit::AuditChain;
-pub use files::{FileCall, MAX_FILE_CALLS, MAX_FILE_WINDOW};
+pub use files::{FileCall, FileCallError, MAX_FILE_CALLS, MAX_FILE_WINDOW, WRITE_CHUNK};
 use reader::Reader;
 
 /// The stop reasons of [`Violation`]s, as they appear in events.

@@ -62,3 +62,11 @@ pub fn guest_status(e: FileError) -> Status {
         _ => Status::internal(format!("guest-init: {text}")),
     }
 }
+
+/// The status of a failed file call.
+pub fn call_status(e: crate::guest::FileCallError) -> Status {
+    match e {
+        crate::guest::FileCallError::Refused(e) => guest_status(e),
+        crate::guest::FileCallError::Channel(e) => e.into(),
+    }
+}

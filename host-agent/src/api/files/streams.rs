@@ -3,21 +3,18 @@
 //! chunk sent only with the guest's credit).
 
 use proto::guest::{
-    file_request::Op, file_response::Result as R, FileChunk, FileCredit, FileList, FileRead,
-    FileWatch,
+    file_request::Op, file_response::Result as R, FileCredit, FileList, FileRead, FileWatch,
 };
 use proto::hostagent as pb;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
-use super::convert::{change_pb, guest_status, info_pb};
+use super::convert::{call_status, change_pb, guest_status, info_pb};
 use super::{BoxStream, GUEST_IDLE};
 use crate::error::Error;
 use crate::guest::{FileCall, GuestConn, MAX_FILE_WINDOW};
 
-/// Largest chunk sent to the guest.
-pub const WRITE_CHUNK: usize = 256 * 1024;
 /// Most bytes one Write call carries (16 GiB, as guest-init allows).
 pub const MAX_WRITE_BYTES: u64 = 16 << 30;
 
@@ -158,29 +155,24 @@ pub async fn watch(
     }))
 }
 
-/// Write: waits for the guest's credit before each chunk; the end of the
-/// client's stream ends the file.
+/// Write: the client's data relayed with the guest's credit (see
+/// [`FileCall::write`]); the end of the client's stream ends the file.
 pub async fn write(
     mut call: FileCall,
     mut input: Streaming<pb::WriteFileRequest>,
 ) -> Result<pb::WriteFileResponse, Status> {
-    let mut credit = 0u32;
     let mut total = 0u64;
-    let mut done = false;
-    while !done {
-        let data = match input.message().await? {
+    loop {
+        let (data, last) = match input.message().await? {
             Some(pb::WriteFileRequest {
                 kind: Some(pb::write_file_request::Kind::Data(d)),
-            }) => d,
+            }) => (d, false),
             Some(_) => {
                 return Err(
-                    Error::invalid("data: only the first message of a write is start").into(),
+                    Error::invalid("start: only the first message of a write is start").into(),
                 )
             }
-            None => {
-                done = true;
-                Vec::new()
-            }
+            None => (Vec::new(), true),
         };
         total += data.len() as u64;
         if total > MAX_WRITE_BYTES {
@@ -189,45 +181,14 @@ pub async fn write(
             ))
             .into());
         }
-        let mut pieces: Vec<&[u8]> = data.chunks(WRITE_CHUNK).collect();
-        if done {
-            pieces.push(&[]);
-        }
-        let n = pieces.len();
-        for (i, piece) in pieces.into_iter().enumerate() {
-            while credit == 0 {
-                match call.next(Some(GUEST_IDLE)).await?.result {
-                    Some(R::Credit(c)) => credit = c.messages.min(64),
-                    Some(R::Error(e)) => {
-                        call.finished();
-                        return Err(guest_status(e));
-                    }
-                    _ => return Err(unexpected("write")),
-                }
-            }
-            credit -= 1;
-            call.send(Op::Chunk(FileChunk {
-                data: piece.to_vec(),
-                last: done && i + 1 == n,
-            }))
-            .await?;
+        call.write(&data, last).await.map_err(call_status)?;
+        if last {
+            break;
         }
     }
-    loop {
-        match call.next(Some(GUEST_IDLE)).await?.result {
-            Some(R::Credit(_)) => continue,
-            Some(R::Done(d)) => {
-                call.finished();
-                return Ok(pb::WriteFileResponse {
-                    bytes_written: d.count,
-                    info: d.info.map(info_pb),
-                });
-            }
-            Some(R::Error(e)) => {
-                call.finished();
-                return Err(guest_status(e));
-            }
-            _ => return Err(unexpected("write")),
-        }
-    }
+    let d = call.write_result().await.map_err(call_status)?;
+    Ok(pb::WriteFileResponse {
+        bytes_written: d.count,
+        info: d.info.map(info_pb),
+    })
 }
