@@ -23,7 +23,7 @@ pub struct Cli {
     /// Measured runs per metric (after warm-up) [default: per scenario:
     /// cold-boot 20, restore 30, creation-rate 5 rounds, memory-overhead 5,
     /// snapshot-write 10, net-throughput 10, net-latency 10 rounds,
-    /// network-setup 20].
+    /// network-setup 20, files-throughput 3].
     #[arg(long, value_name = "N")]
     pub runs: Option<u32>,
     /// Warm-up runs discarded before measuring [default: 2, 1 with --quick].
@@ -88,6 +88,8 @@ pub enum ScenarioArg {
     NetLatency,
     /// One VM's network made cold, handed over warm, removed (host-agent).
     NetworkSetup,
+    /// MB/s of the Files service's upload and download (stand-in guest).
+    FilesThroughput,
     /// Every scenario, in the order above.
     All,
 }
@@ -104,6 +106,7 @@ impl ScenarioArg {
             ScenarioArg::NetThroughput => "net-throughput",
             ScenarioArg::NetLatency => "net-latency",
             ScenarioArg::NetworkSetup => "network-setup",
+            ScenarioArg::FilesThroughput => "files-throughput",
             ScenarioArg::All => "all",
         }
     }

@@ -4,6 +4,7 @@
 
 pub mod cold_boot;
 pub mod creation_rate;
+pub mod files_throughput;
 pub mod memory_overhead;
 pub mod net_guest;
 pub mod net_latency;
@@ -67,6 +68,11 @@ pub const ALL: &[Scenario] = &[
         name: net_setup::NAME,
         plan: net_setup::plan,
         run: net_setup::run,
+    },
+    Scenario {
+        name: files_throughput::NAME,
+        plan: files_throughput::plan,
+        run: files_throughput::run,
     },
 ];
 
