@@ -88,6 +88,9 @@ fn clones_flow(ctx: &mut Ctx, name: &str) -> Check {
         }
         Ok::<_, String>(())
     })?;
+    for s in &sessions {
+        super::delete_stopped(a, &ch, &s.session_id)?;
+    }
     let note = format!(
         "first urandom reads {}… and {}… differ; hostname and machine-id are each session's; \
          machine.fresh audited",

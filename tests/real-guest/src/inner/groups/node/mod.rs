@@ -494,8 +494,26 @@ fn session_flow(ctx: &mut Ctx, name: &str, repo: &Path) -> Check {
     notes.push(format!("{branch} fetched back with the guest's commit"));
     notes.push(audit_agrees(ctx, &s, &guest_init)?);
     notes.push(usage_covers(ctx, &stopped)?);
+    let a = agent(ctx)?;
+    delete_stopped(a, &a.channel()?, &s.session_id)?;
     ctx.info(name, &notes.join("; "));
     Ok(notes.join("; "))
+}
+
+/// Deletes the STOPPED session `id`: its disk copy and snapshots go (the
+/// scratch space in the outer VM's memory holds only so many 1 GiB disks;
+/// its events, usage and audit stay).
+pub(super) fn delete_stopped(a: &HostAgent, ch: &Channel, id: &str) -> Result<(), String> {
+    a.block_on(async {
+        pb::sessions_client::SessionsClient::new(ch.clone())
+            .delete_session(pb::SessionCall {
+                session_id: id.into(),
+                idempotency_key: String::new(),
+            })
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("DeleteSession {id}: {}", e.message()))
+    })
 }
 
 fn median(v: &mut [f64]) -> f64 {

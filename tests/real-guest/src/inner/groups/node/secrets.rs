@@ -196,6 +196,8 @@ fn secrets_flow(ctx: &mut Ctx, name: &str) -> Check {
         "no value in events, audit, host-agent's logs or its {searched} state files up to 16 MiB \
          (the database among them)"
     ));
+    let a = agent(ctx)?;
+    super::delete_stopped(a, &a.channel()?, &s.session_id)?;
     ctx.info(name, &notes.join("; "));
     Ok(notes.join("; "))
 }
