@@ -64,6 +64,7 @@ pub const GROUPS: &[Group] = &[
             "node-session",
             "node-secrets",
             "node-clones",
+            "node-agent-api",
             "node-sizing",
             "pool-timing",
         ],

@@ -71,6 +71,7 @@ pub fn run(ctx: &mut Ctx, name: &str) -> Check {
         "node-session" => node::session(ctx, name),
         "node-secrets" => node::secrets(ctx, name),
         "node-clones" => node::clones(ctx, name),
+        "node-agent-api" => node::agent_api(ctx, name),
         "node-sizing" => node::sizing(ctx, name),
         "pool-timing" => node::pool_timing(ctx, name),
         "net-resolve" => network::resolve(ctx, name),

@@ -3,7 +3,8 @@
 //! repository (clone on `session/<id>`, exec allowed / denied / asked,
 //! a commit, the branch fetched back at Stop, the audit chain, usage), a
 //! session's secrets and environment (`secrets`), two clones of one golden
-//! snapshot that are two machines (`clones`), a session sized below its
+//! snapshot that are two machines (`clones`), the Files service and
+//! terminal execs in a real guest (`agent_api`), a session sized below its
 //! image (`sizing`), and how long
 //! CreateSession takes from a warm VM and from the golden snapshot.
 
@@ -19,12 +20,14 @@ use tonic::transport::Channel;
 
 use crate::inner::{Check, Ctx};
 
+mod agent_api;
 mod clones;
 mod host_agent;
 mod records;
 mod secrets;
 mod sizing;
 
+pub use agent_api::agent_api;
 pub use clones::clones;
 pub use host_agent::HostAgent;
 use records::{audit_agrees, usage_covers};
