@@ -605,3 +605,81 @@ async fn one_gib_up_and_down_by_hash() {
     assert_eq!(n, N * PIECE);
     assert_eq!(hex::encode(got.finalize()), want);
 }
+
+/// `host-agent files ...` with `args`, its stdin `input`: (success, stdout, stderr).
+fn cli(agent: &Agent, args: &[&str], input: &[u8]) -> (bool, Vec<u8>, String) {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(test_harness::bin::host_agent_path())
+        .args(["--addr", &agent.addr, "files"])
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("host-agent runs");
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(input).unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        out.stdout,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_puts_gets_lists_moves_and_removes() {
+    let (_guest, agent, f) = setup().await;
+    let sid = f.s.session_id.as_str();
+    let run = |args: &[&str], input: &[u8]| {
+        let (ok, out, err) = cli(&agent, args, input);
+        assert!(ok, "files {args:?}: {err}");
+        (out, err)
+    };
+    let (_, err) = run(&["mkdir", "-p", sid, "cli/sub"], b"");
+    assert!(err.is_empty(), "{err}");
+    let (_, err) = run(&["put", sid, "cli/sub/a.txt"], b"from stdin\n");
+    assert!(err.contains("wrote 11 bytes"), "{err}");
+    let local = f.ws.with_file_name("local.txt");
+    std::fs::write(&local, b"from a file").unwrap();
+    run(
+        &[
+            "put",
+            sid,
+            "cli/b.txt",
+            "--from",
+            &local.display().to_string(),
+            "--permissions",
+            "600",
+        ],
+        b"",
+    );
+    let (out, _) = run(&["get", sid, "cli/sub/a.txt"], b"");
+    assert_eq!(out, b"from stdin\n");
+    let to = f.ws.with_file_name("got.txt");
+    run(
+        &["get", sid, "cli/b.txt", "--to", &to.display().to_string()],
+        b"",
+    );
+    assert_eq!(std::fs::read(&to).unwrap(), b"from a file");
+    let (out, _) = run(&["--output", "json", "ls", sid, "cli", "--depth", "2"], b"");
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let paths: Vec<&str> = rows.iter().map(|r| r["path"].as_str().unwrap()).collect();
+    assert_eq!(paths, ["cli/b.txt", "cli/sub", "cli/sub/a.txt"]);
+    assert_eq!(rows[0]["permissions"], "600");
+    run(&["mv", sid, "cli/b.txt", "cli/c.txt"], b"");
+    let (out, _) = run(&["stat", sid, "cli/c.txt"], b"");
+    assert!(String::from_utf8_lossy(&out).contains("cli/c.txt"));
+    let (_, err) = run(&["rm", "-r", sid, "cli"], b"");
+    assert!(err.contains("removed 4 entries"), "{err}");
+    let (ok, _, err) = cli(&agent, &["get", sid, "../etc/passwd"], b"");
+    assert!(
+        !ok && err.contains("InvalidArgument") && err.contains("path"),
+        "{err}"
+    );
+}
