@@ -83,9 +83,18 @@ impl Persist for MmioTransport {
         t.device_features_sel = state.device_features_sel;
         t.driver_features_sel = state.driver_features_sel;
         t.queue_sel = state.queue_sel;
-        t.config_generation = state.config_generation;
         t.size_refused.clone_from(&state.size_refused);
-        t.interrupt.set_status(state.interrupt_status);
+        // The device was restored first, on the same interrupt, and may have
+        // raised something already (a disk grown since the snapshot raises a
+        // configuration change): kept with the snapshot's pending bits, not
+        // overwritten by them, and a changed configuration is a new
+        // generation for the driver.
+        let raised = t.interrupt.status() & !state.interrupt_status;
+        t.interrupt.set_status(state.interrupt_status | raised);
+        let config_changed = raised & super::super::VIRTIO_MMIO_INT_CONFIG != 0;
+        t.config_generation = state
+            .config_generation
+            .wrapping_add(u32::from(config_changed));
         Ok(t)
     }
 }

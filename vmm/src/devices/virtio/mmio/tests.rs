@@ -6,6 +6,7 @@ use super::persist::{MmioConstructorArgs, MmioState};
 use super::*;
 use crate::devices::virtio::rng::Rng;
 use crate::devices::virtio::test_utils::{interrupt, memory};
+use crate::devices::virtio::VIRTIO_MMIO_INT_CONFIG;
 use crate::persist::Persist;
 
 fn transport() -> (MmioTransport, Arc<Mutex<Rng>>) {
@@ -245,6 +246,32 @@ fn transport_state_round_trips_and_bad_state_is_refused() {
     let mut bad = state.clone();
     bad.interrupt_status = 0xff;
     assert!(MmioTransport::restore(args(), &bad).is_err());
+    // A configuration change the device raised while being restored (a
+    // grown disk) survives the transport's restore, as a new generation.
+    let irq = interrupt();
+    irq.set_status(VIRTIO_MMIO_INT_CONFIG);
+    let mut changed = MmioTransport::restore(
+        MmioConstructorArgs {
+            device: rng.clone(),
+            mem: memory(1),
+            interrupt: irq.clone(),
+        },
+        &state,
+    )
+    .unwrap();
+    assert_eq!(
+        r(&mut changed, INTERRUPT_STATUS),
+        state.interrupt_status | VIRTIO_MMIO_INT_CONFIG
+    );
+    assert_eq!(
+        r(&mut changed, CONFIG_GENERATION),
+        state.config_generation.wrapping_add(1)
+    );
+    assert_eq!(
+        r(&mut restored, CONFIG_GENERATION),
+        state.config_generation,
+        "nothing raised: the snapshot's generation"
+    );
     // DRIVER_OK in the state but the device is not running.
     rng.lock().unwrap().reset();
     assert!(MmioTransport::restore(args(), &state).is_err());
