@@ -77,20 +77,37 @@ pub(super) fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
 
 /// The host repository sessions work on.
 fn repository(ctx: &Ctx) -> Result<PathBuf, String> {
-    let repo = ctx.scratch.join("repo");
+    scratch_repository(
+        ctx,
+        "repo",
+        &[
+            ("agents/coder.md", RULES),
+            ("agent-manifest.yaml", "version: 1\nagents:\n  coder: {}\n"),
+            ("README.md", "hello from the host repository\n"),
+        ],
+    )
+}
+
+/// A git repository `name` in the scratch space holding `files` (path,
+/// text) in one commit on `main`; made once, then reused.
+pub(super) fn scratch_repository(
+    ctx: &Ctx,
+    name: &str,
+    files: &[(&str, &str)],
+) -> Result<PathBuf, String> {
+    let repo = ctx.scratch.join(name);
     if repo.join(".git").exists() {
         return Ok(repo);
     }
-    std::fs::create_dir_all(repo.join("agents")).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&repo).map_err(|e| format!("creating {}: {e}", repo.display()))?;
     git(&repo, &["init", "-q", "-b", "main"])?;
-    std::fs::write(repo.join("agents/coder.md"), RULES).map_err(|e| e.to_string())?;
-    std::fs::write(
-        repo.join("agent-manifest.yaml"),
-        "version: 1\nagents:\n  coder: {}\n",
-    )
-    .map_err(|e| e.to_string())?;
-    std::fs::write(repo.join("README.md"), "hello from the host repository\n")
-        .map_err(|e| e.to_string())?;
+    for (path, text) in files {
+        let file = repo.join(path);
+        if let Some(dir) = file.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+        }
+        std::fs::write(&file, text).map_err(|e| format!("writing {}: {e}", file.display()))?;
+    }
     git(&repo, &["add", "-A"])?;
     git(&repo, &["commit", "-q", "-m", "initial"])?;
     Ok(repo)

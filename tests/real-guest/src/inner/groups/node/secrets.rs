@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use proto::hostagent as pb;
 use sha2::{Digest, Sha256};
 
-use super::{agent, exec, expect_ok, git, keep_logs, IMAGE};
+use super::{agent, exec, expect_ok, keep_logs, IMAGE};
 use crate::inner::{Check, Ctx};
 
 const RULES: &str = r#"---
@@ -36,17 +36,14 @@ const SEARCHED_FILE_LIMIT: u64 = 16 << 20;
 
 /// A repository whose manifest grants `coder` two of the secrets.
 fn repository(ctx: &Ctx) -> Result<PathBuf, String> {
-    let repo = ctx.scratch.join("secrets-repo");
-    if repo.join(".git").exists() {
-        return Ok(repo);
-    }
-    std::fs::create_dir_all(repo.join("agents")).map_err(|e| e.to_string())?;
-    git(&repo, &["init", "-q", "-b", "main"])?;
-    std::fs::write(repo.join("agents/coder.md"), RULES).map_err(|e| e.to_string())?;
-    std::fs::write(repo.join("agent-manifest.yaml"), MANIFEST).map_err(|e| e.to_string())?;
-    git(&repo, &["add", "-A"])?;
-    git(&repo, &["commit", "-q", "-m", "grant secrets"])?;
-    Ok(repo)
+    super::scratch_repository(
+        ctx,
+        "secrets-repo",
+        &[
+            ("agents/coder.md", RULES),
+            ("agent-manifest.yaml", MANIFEST),
+        ],
+    )
 }
 
 /// Granted secrets reach the agent's commands, ungranted ones do not, and

@@ -9,7 +9,7 @@
 
 use proto::hostagent as pb;
 
-use super::{agent, exec, expect_ok, git, image_request, keep_logs};
+use super::{agent, exec, expect_ok, image_request, keep_logs};
 use crate::inner::{Check, Ctx};
 
 const SIZED_IMAGE: &str = "real-2cpu";
@@ -18,23 +18,16 @@ const RULES: &str = "---\ndescription: the sizing and clones scenarios' agent\np
 const GROWN_MIB: u64 = 64;
 
 /// A repository whose agent may run anything (the checks only read), for
-/// the sizing and clones scenarios.
+/// the sizing, clones and agent API scenarios.
 pub(super) fn open_repository(ctx: &Ctx) -> Result<std::path::PathBuf, String> {
-    let repo = ctx.scratch.join("open-repo");
-    if repo.join(".git").exists() {
-        return Ok(repo);
-    }
-    std::fs::create_dir_all(repo.join("agents")).map_err(|e| e.to_string())?;
-    git(&repo, &["init", "-q", "-b", "main"])?;
-    std::fs::write(repo.join("agents/coder.md"), RULES).map_err(|e| e.to_string())?;
-    std::fs::write(
-        repo.join("agent-manifest.yaml"),
-        "version: 1\nagents:\n  coder: {}\n",
+    super::scratch_repository(
+        ctx,
+        "open-repo",
+        &[
+            ("agents/coder.md", RULES),
+            ("agent-manifest.yaml", "version: 1\nagents:\n  coder: {}\n"),
+        ],
     )
-    .map_err(|e| e.to_string())?;
-    git(&repo, &["add", "-A"])?;
-    git(&repo, &["commit", "-q", "-m", "sizing"])?;
-    Ok(repo)
 }
 
 /// A session of one vCPU, 256 MiB and a larger disk in a two-vCPU image.
