@@ -193,10 +193,14 @@ fn sizing_flow(ctx: &mut Ctx, name: &str) -> Check {
             .ok_or_else(|| format!("df printed {:?}", r.stdout))?;
         Ok::<_, String>(size)
     })?;
-    // ext4 keeps some of the disk for itself: compare with the growth.
-    if checked + GROWN_MIB / 2 < disk_mib {
+    // df leaves out what ext4 keeps for itself (some 5%), so the size is
+    // compared with the image's whole disk: only a grown filesystem is
+    // larger than the disk it was made on.
+    let image_disk_mib = disk_mib - GROWN_MIB;
+    if checked <= image_disk_mib {
         return Err(format!(
-            "the root filesystem is {checked} MiB on a {disk_mib} MiB disk: it did not grow"
+            "the root filesystem is {checked} MiB on a {disk_mib} MiB disk, no more than the \
+             image's {image_disk_mib} MiB disk: it did not grow"
         ));
     }
     notes.push(format!(
