@@ -19,6 +19,17 @@ fn sized(image: &str, key: &str, r: pb::SessionResources) -> pb::CreateSessionRe
     }
 }
 
+/// The node's capacity as GetCapacity reports it.
+async fn capacity(agent: &Agent) -> pb::Capacity {
+    agent
+        .node()
+        .await
+        .get_capacity(pb::GetCapacityRequest {})
+        .await
+        .expect("GetCapacity")
+        .into_inner()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_larger_disk_is_restored_grown_and_bad_sizes_name_their_field() {
     let t = tempfile::tempdir().unwrap();
@@ -128,13 +139,7 @@ async fn a_larger_disk_is_restored_grown_and_bad_sizes_name_their_field() {
     }
 
     // Committed: the one live session's memory.
-    let cap = agent
-        .node()
-        .await
-        .get_capacity(pb::GetCapacityRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let cap = capacity(&agent).await;
     assert_eq!(cap.memory_mib_used, 32, "{cap:?}");
     assert_eq!(cap.memory_overcommit_ratio, 1.0);
     assert_eq!(cap.memory_mib_limit, cap.memory_mib_total, "{cap:?}");
@@ -143,13 +148,7 @@ async fn a_larger_disk_is_restored_grown_and_bad_sizes_name_their_field() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_past_the_overcommit_ratio_is_refused_until_a_session_ends() {
     let agent = Agent::start(&["--no-jail", "--memory-overcommit-ratio", "0.1"]);
-    let cap = agent
-        .node()
-        .await
-        .get_capacity(pb::GetCapacityRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let cap = capacity(&agent).await;
     assert_eq!(cap.memory_overcommit_ratio, 0.1);
     let limit = cap.memory_mib_limit;
     assert_eq!(limit, (cap.memory_mib_total as f64 * 0.1) as u64, "{cap:?}");
@@ -192,13 +191,7 @@ async fn memory_past_the_overcommit_ratio_is_refused_until_a_session_ends() {
         "{}",
         e.message()
     );
-    let cap = agent
-        .node()
-        .await
-        .get_capacity(pb::GetCapacityRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let cap = capacity(&agent).await;
     assert_eq!(cap.memory_mib_used, u64::from(mem_mib));
 
     agent.stop(&first.session_id).await;
