@@ -106,17 +106,36 @@ fn sizing_flow(ctx: &mut Ctx, name: &str) -> Check {
         + GROWN_MIB;
     let a = agent(ctx)?;
     let ch = a.channel()?;
+    let mut boot_retried = None;
     let s = a.block_on(async {
         let mut im = pb::images_client::ImagesClient::new(ch.clone());
         im.register_image(request)
             .await
             .map_err(|e| format!("RegisterImage {SIZED_IMAGE}: {}", e.message()))?;
-        im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
-            image_id: SIZED_IMAGE.into(),
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| format!("BuildGoldenSnapshot {SIZED_IMAGE}: {}", e.message()))?;
+        // A two-vCPU boot under nested emulation has once triple-faulted
+        // after reaching user space (the boot group covers booting; this
+        // scenario is about sizing): one more boot, said in the result.
+        for attempt in 1..=2 {
+            let built = im
+                .build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+                    image_id: SIZED_IMAGE.into(),
+                    ..Default::default()
+                })
+                .await;
+            match built {
+                Ok(_) => break,
+                Err(e) if attempt == 1 && e.message().contains("before the guest was ready") => {
+                    let first = e.message().lines().next().unwrap_or_default().to_string();
+                    boot_retried = Some(first);
+                }
+                Err(e) => {
+                    return Err(format!(
+                        "BuildGoldenSnapshot {SIZED_IMAGE}: {}",
+                        e.message()
+                    ))
+                }
+            }
+        }
         pb::sessions_client::SessionsClient::new(ch.clone())
             .create_session(pb::CreateSessionRequest {
                 image_id: SIZED_IMAGE.into(),
@@ -151,6 +170,12 @@ fn sizing_flow(ctx: &mut Ctx, name: &str) -> Check {
         ));
     }
     let mut notes = Vec::new();
+    if let Some(first) = boot_retried {
+        let short: String = first.chars().take(160).collect();
+        notes.push(format!(
+            "the two-vCPU golden boot was retried once ({short})"
+        ));
+    }
     let checked = a.block_on(async {
         let r = exec(ch.clone(), &s, &["nproc"]).await?;
         expect_ok("nproc", &r)?;
