@@ -134,7 +134,7 @@ fn read_names(dir: &OwnedFd) -> std::io::Result<Vec<String>> {
 }
 
 /// Opens the subdirectory `name` of `dir`, never following a link.
-fn open_subdir(dir: &OwnedFd, name: &str) -> std::io::Result<OwnedFd> {
+pub(super) fn open_subdir(dir: &OwnedFd, name: &str) -> std::io::Result<OwnedFd> {
     let c = CString::new(name).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
     // SAFETY: `dir` is open and `c` NUL-terminated; the result is checked.
     let fd = unsafe {

@@ -13,7 +13,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use proto::guest::{file_change::Kind, FileChange, FileInfo};
 
-use super::ops::stat;
+use super::ops::{open_subdir, stat};
 use super::path::{RelPath, Workspace};
 use super::{FileError, Result};
 use proto::guest::file_error::Code;
@@ -35,23 +35,6 @@ pub struct Watcher {
     dirs: HashMap<i32, (RelPath, OwnedFd)>,
     recursive: bool,
     root: FileInfo,
-}
-
-fn open_dir_at(dir: &OwnedFd, name: &str) -> std::io::Result<OwnedFd> {
-    let c = CString::new(name).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: `dir` is open, `c` NUL-terminated; the result is checked.
-    let fd = unsafe {
-        libc::openat(
-            dir.as_raw_fd(),
-            c.as_ptr(),
-            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor, owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 impl Watcher {
@@ -110,7 +93,7 @@ impl Watcher {
             Vec::new()
         };
         for name in subdirs {
-            if let Ok(sub) = open_dir_at(&dir, &name) {
+            if let Ok(sub) = open_subdir(&dir, &name) {
                 self.add_tree(sub, rel.join(&name))?;
             }
         }
@@ -216,7 +199,7 @@ impl Watcher {
         let Some((_, parent)) = self.dirs.get(&parent_wd) else {
             return;
         };
-        if let Ok(fd) = open_dir_at(parent, name) {
+        if let Ok(fd) = open_subdir(parent, name) {
             if let Err(e) = self.add_tree(fd, rel) {
                 tracing::debug!(error = %e, "a new directory is not watched");
             }
