@@ -61,6 +61,21 @@ async fn rest(mut stream: tonic::Streaming<pb::ExecResponse>) -> Vec<Resp> {
 }
 
 /// The next event of `reason` from a watch stream.
+/// Every event of session `s`, from its first, then live.
+async fn watch_session(agent: &Agent, s: &pb::Session) -> tonic::Streaming<pb::Event> {
+    agent
+        .events()
+        .await
+        .watch(pb::WatchRequest {
+            since_seq: 0,
+            session_id: s.session_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("watch")
+        .into_inner()
+}
+
 async fn next_event(w: &mut tonic::Streaming<pb::Event>, reason: &str) -> pb::Event {
     loop {
         let e = tokio::time::timeout(Duration::from_secs(30), w.message())
@@ -81,17 +96,7 @@ async fn asks_show_in_the_exec_stream_and_as_events_with_their_answers() {
     let agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
     agent.guest_init_image().await;
     let s = guest_init_session(&agent, &guest).await;
-    let mut watch = agent
-        .events()
-        .await
-        .watch(pb::WatchRequest {
-            since_seq: 0,
-            session_id: s.session_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .expect("watch")
-        .into_inner();
+    let mut watch = watch_session(&agent, &s).await;
     let mut approvals = pb::approvals_client::ApprovalsClient::new(agent.channel().await);
 
     // `ls` falls to the rules' `"*": ask`: the ask comes in the Exec stream
@@ -243,17 +248,7 @@ async fn an_ask_nobody_answers_times_out_after_the_nodes_ask_timeout() {
     ]);
     agent.guest_init_image().await;
     let s = guest_init_session(&agent, &guest).await;
-    let mut watch = agent
-        .events()
-        .await
-        .watch(pb::WatchRequest {
-            since_seq: 0,
-            session_id: s.session_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .expect("watch")
-        .into_inner();
+    let mut watch = watch_session(&agent, &s).await;
     let (stream, first) = start_exec(&agent, &s, "t1", &["ls", "-a"]).await;
     let Some(Resp::Ask(ask)) = first.kind else {
         panic!("expected an ask, got {first:?}");
