@@ -210,7 +210,12 @@ async fn bad_requests_are_refused_with_a_message() {
             .await,
             "get",
         );
-        expect(code, se.pause_session(call(id)).await, "pause");
+        expect(
+            code,
+            se.pause_session(proto::hostagent::PauseSessionRequest::from(call(id)))
+                .await,
+            "pause",
+        );
         expect(code, se.resume_session(call(id)).await, "resume");
         expect(code, se.snapshot_session(call(id)).await, "snapshot");
         expect(code, se.stop_session(call(id)).await, "stop");

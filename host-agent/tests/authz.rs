@@ -244,16 +244,22 @@ async fn each_scope_allows_its_calls_and_refuses_the_others() {
     let mut se = SessionsClient::new(ch.clone());
     assert_eq!(
         code(
-            se.pause_session(req(Some(READER), call(&s.session_id)))
-                .await
+            se.pause_session(req(
+                Some(READER),
+                proto::hostagent::PauseSessionRequest::from(call(&s.session_id))
+            ))
+            .await
         ),
         Code::PermissionDenied,
         "read may not pause"
     );
     assert_eq!(
         code(
-            se.pause_session(req(Some(ALICE), call(&s.session_id)))
-                .await
+            se.pause_session(req(
+                Some(ALICE),
+                proto::hostagent::PauseSessionRequest::from(call(&s.session_id))
+            ))
+            .await
         ),
         Code::Ok
     );
@@ -291,7 +297,13 @@ async fn another_client_gets_not_found_for_a_session_it_does_not_own() {
                 .await,
             ),
         ),
-        ("pause", code(se.pause_session(bob(call(&id))).await)),
+        (
+            "pause",
+            code(
+                se.pause_session(bob(proto::hostagent::PauseSessionRequest::from(call(&id))))
+                    .await,
+            ),
+        ),
         ("resume", code(se.resume_session(bob(call(&id))).await)),
         ("snapshot", code(se.snapshot_session(bob(call(&id))).await)),
         ("stop", code(se.stop_session(bob(call(&id))).await)),

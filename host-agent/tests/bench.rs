@@ -82,10 +82,12 @@ async fn bench_create_and_get() {
         agent2
             .sessions()
             .await
-            .pause_session(pb::SessionCall {
-                session_id: s.session_id.clone(),
-                idempotency_key: String::new(),
-            })
+            .pause_session(proto::hostagent::PauseSessionRequest::from(
+                pb::SessionCall {
+                    session_id: s.session_id.clone(),
+                    idempotency_key: String::new(),
+                },
+            ))
             .await
             .unwrap();
         ids.push(s.session_id);

@@ -123,7 +123,9 @@ async fn sessions_run_jailed_through_their_whole_life() {
         session_id: s.session_id.clone(),
         idempotency_key: String::new(),
     };
-    c.pause_session(call()).await.expect("pause a jailed vmm");
+    c.pause_session(proto::hostagent::PauseSessionRequest::from(call()))
+        .await
+        .expect("pause a jailed vmm");
     c.resume_session(call()).await.expect("resume a jailed vmm");
     let snap = c
         .snapshot_session(call())
@@ -176,7 +178,7 @@ async fn sessions_run_jailed_through_their_whole_life() {
     agent.kill9();
     agent.spawn();
     let mut c = agent.sessions().await;
-    c.pause_session(call())
+    c.pause_session(proto::hostagent::PauseSessionRequest::from(call()))
         .await
         .expect("pause after the restart");
     c.resume_session(call())
@@ -224,10 +226,12 @@ async fn warm_vms_are_jailed_and_a_killed_jailer_fails_its_session() {
     agent
         .sessions()
         .await
-        .pause_session(pb::SessionCall {
-            session_id: s.session_id.clone(),
-            idempotency_key: String::new(),
-        })
+        .pause_session(proto::hostagent::PauseSessionRequest::from(
+            pb::SessionCall {
+                session_id: s.session_id.clone(),
+                idempotency_key: String::new(),
+            },
+        ))
         .await
         .expect("pause a warm VM taken from the pool");
 

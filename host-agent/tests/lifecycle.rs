@@ -46,7 +46,11 @@ async fn create_pause_snapshot_resume_stop_delete() {
         session_id: s.session_id.clone(),
         idempotency_key: key.into(),
     };
-    let p = c.pause_session(call("pause-1")).await.unwrap().into_inner();
+    let p = c
+        .pause_session(proto::hostagent::PauseSessionRequest::from(call("pause-1")))
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(p.state, S::Paused as i32);
     assert_eq!(p.reason, "requested");
     tokio::time::sleep(Duration::from_millis(600)).await;

@@ -85,10 +85,12 @@ async fn fifty_concurrent_creates_all_succeed() {
             let s = c.create_session(req).await.map(|r| r.into_inner())?;
             // Pause it, so 50 spinning guests do not starve the machine
             // (pausing an already paused session is a no-op).
-            c.pause_session(proto::hostagent::SessionCall {
-                session_id: s.session_id.clone(),
-                idempotency_key: String::new(),
-            })
+            c.pause_session(proto::hostagent::PauseSessionRequest::from(
+                proto::hostagent::SessionCall {
+                    session_id: s.session_id.clone(),
+                    idempotency_key: String::new(),
+                },
+            ))
             .await?;
             Ok::<_, tonic::Status>(s)
         }));

@@ -16,10 +16,12 @@ async fn sigkill_and_restart_loses_nothing() {
     let running = agent.create("counter", "run").await;
     let paused = agent.create("counter", "pause").await;
     let mut c = agent.sessions().await;
-    c.pause_session(pb::SessionCall {
-        session_id: paused.session_id.clone(),
-        idempotency_key: String::new(),
-    })
+    c.pause_session(proto::hostagent::PauseSessionRequest::from(
+        pb::SessionCall {
+            session_id: paused.session_id.clone(),
+            idempotency_key: String::new(),
+        },
+    ))
     .await
     .unwrap();
     tokio::time::sleep(Duration::from_millis(700)).await;
@@ -66,7 +68,11 @@ async fn sigkill_and_restart_loses_nothing() {
         idempotency_key: String::new(),
     };
     c.resume_session(call(&paused.session_id)).await.unwrap();
-    c.pause_session(call(&running.session_id)).await.unwrap();
+    c.pause_session(proto::hostagent::PauseSessionRequest::from(call(
+        &running.session_id,
+    )))
+    .await
+    .unwrap();
     let st = c
         .stop_session(call(&running.session_id))
         .await

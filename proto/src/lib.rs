@@ -38,6 +38,18 @@ pub mod hostagent {
     /// Encoded `FileDescriptorSet` of every .proto file, for gRPC reflection.
     pub const FILE_DESCRIPTOR_SET: &[u8] =
         include_bytes!(concat!(env!("OUT_DIR"), "/descriptor.bin"));
+
+    /// A plain pause (in memory) of the session `call` names: PauseSession
+    /// took a `SessionCall` before it could persist.
+    impl From<SessionCall> for PauseSessionRequest {
+        fn from(call: SessionCall) -> Self {
+            PauseSessionRequest {
+                session_id: call.session_id,
+                idempotency_key: call.idempotency_key,
+                persist: false,
+            }
+        }
+    }
 }
 
 pub use prost::Message;

@@ -175,6 +175,14 @@ impl Conn {
                 self.send(error(Code::Protocol, "Hello was already exchanged", ""))
                     .await
             }
+            In::ForkSession(_) => {
+                self.send(error(
+                    Code::Protocol,
+                    "ForkSession is not handled by this guest-init yet",
+                    "",
+                ))
+                .await
+            }
             In::StartSession(req) => {
                 if let Err(e) = self.start(req).await {
                     self.send(e).await;

@@ -127,6 +127,7 @@ pub fn image_pb(i: &ImageRow) -> pb::Image {
         golden_built_at: i.golden_built_at,
         initrd_path: i.initrd.clone(),
         io_limits: limits_pb(&i.io_limits),
+        source_session_id: String::new(),
     }
 }
 
@@ -167,6 +168,10 @@ pub fn session_pb(s: &SessionRow) -> pb::Session {
         network: None,
         io_limits: limits_pb(&s.io_limits),
         resources: crate::sessions::resources::Resources::decode(&s.resources).map(|r| r.to_pb()),
+        persisted: false,
+        snapshot_bytes: 0,
+        auto_resume: false,
+        parent_session_id: String::new(),
     }
 }
 
@@ -204,5 +209,6 @@ pub fn usage_pb(u: &UsageRow) -> pb::UsageRecord {
         net_tx_packets: u.net.tx_packets,
         egress_denied_packets: u.net.denied_packets,
         dns_denied_queries: u.net.dns_denied,
+        snapshot_gib_seconds: 0.0,
     }
 }

@@ -165,12 +165,34 @@ impl Sessions for SessionsApi {
 
     async fn pause_session(
         &self,
-        req: Request<pb::SessionCall>,
+        req: Request<pb::PauseSessionRequest>,
     ) -> Result<Response<pb::Session>, Status> {
-        self.on_session(req, "PauseSession", |mgr, id| async move {
+        let (meta, ext, r) = req.into_parts();
+        let persist = r.persist;
+        let call = Request::from_parts(
+            meta,
+            ext,
+            pb::SessionCall {
+                session_id: r.session_id,
+                idempotency_key: r.idempotency_key,
+            },
+        );
+        let method = if persist {
+            "PauseSession(persist)"
+        } else {
+            "PauseSession"
+        };
+        self.on_session(call, method, |mgr, id| async move {
             Ok(session_pb(&mgr.pause(&id, reason::REQUESTED).await?))
         })
         .await
+    }
+
+    async fn fork_session(
+        &self,
+        _req: Request<pb::ForkSessionRequest>,
+    ) -> Result<Response<pb::ForkSessionResponse>, Status> {
+        Err(Status::unimplemented("ForkSession is being built"))
     }
 
     async fn resume_session(

@@ -309,7 +309,13 @@ async fn session_steps(ch: &Channel, golden_s: f64, secs: u64) -> Result<(), Str
     usage.run_for(secs).await?;
 
     step("pausing (billing stops while paused)");
-    sessions.pause_session(call()).await.map_err(status)?;
+    sessions
+        .pause_session(pb::PauseSessionRequest {
+            session_id: id.clone(),
+            ..Default::default()
+        })
+        .await
+        .map_err(status)?;
     usage.run_for(secs.min(1)).await?;
     step("resuming");
     sessions.resume_session(call()).await.map_err(status)?;

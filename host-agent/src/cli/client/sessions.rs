@@ -41,13 +41,22 @@ pub enum SessionsCmd {
         labels: LabelArgs,
         #[command(flatten)]
         session_env: Box<super::session_env::SessionEnvArgs>,
+        /// Resume the session from disk on any exec or files call while it
+        /// is paused to disk.
+        #[arg(long)]
+        auto_resume: bool,
     },
     /// List sessions (filtered, a page at a time).
     List(ListArgs),
     /// Show a session.
     Get { id: String },
-    /// Pause a session.
-    Pause { id: String },
+    /// Pause a session (in memory, or to disk with --persist).
+    Pause {
+        id: String,
+        /// Write its memory to disk (a diff snapshot) and stop its vmm.
+        #[arg(long)]
+        persist: bool,
+    },
     /// Resume a session.
     Resume { id: String },
     /// Stop a session.
@@ -127,6 +136,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
             size,
             labels,
             session_env,
+            auto_resume,
         } => {
             let (env, secrets, secret_refs) = session_env.fields(std::io::stdin())?;
             cl.create_session(pb::CreateSessionRequest {
@@ -145,6 +155,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
                 secrets,
                 secret_refs,
                 resources: size.resources(),
+                auto_resume,
             })
             .await
             .map_err(st)?
@@ -156,7 +167,15 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
             .await
             .map_err(st)?
             .into_inner(),
-        SessionsCmd::Pause { id } => cl.pause_session(call(id)).await.map_err(st)?.into_inner(),
+        SessionsCmd::Pause { id, persist } => cl
+            .pause_session(pb::PauseSessionRequest {
+                session_id: id,
+                idempotency_key: String::new(),
+                persist,
+            })
+            .await
+            .map_err(st)?
+            .into_inner(),
         SessionsCmd::Resume { id } => cl.resume_session(call(id)).await.map_err(st)?.into_inner(),
         SessionsCmd::Stop { id } => cl.stop_session(call(id)).await.map_err(st)?.into_inner(),
         SessionsCmd::Delete { id } => {
