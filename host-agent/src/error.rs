@@ -41,6 +41,9 @@ pub enum Error {
     /// Making, changing or reading a VM's network failed.
     #[error("network: {0}")]
     Network(String),
+    /// A snapshot layer is missing, damaged or cannot be taken in.
+    #[error("snapshot: {0}")]
+    Snapshot(String),
     /// The state database failed.
     #[error("database: {0}")]
     Store(#[from] rusqlite::Error),
@@ -91,7 +94,7 @@ impl Error {
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::Timeout(_) => Code::DeadlineExceeded,
             Error::Vmm(_) | Error::Guest(_) | Error::Network(_) => Code::Unavailable,
-            Error::Store(_) | Error::Io { .. } => Code::Internal,
+            Error::Store(_) | Error::Io { .. } | Error::Snapshot(_) => Code::Internal,
             Error::ShuttingDown => Code::Unavailable,
         }
     }

@@ -26,6 +26,7 @@ pub mod images;
 pub mod io_limits;
 pub mod jail_uids;
 pub mod launch;
+pub mod layers;
 pub mod metrics;
 pub mod network;
 pub mod path_roots;

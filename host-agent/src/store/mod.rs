@@ -15,10 +15,12 @@ use rusqlite::{params, Connection, OptionalExtension, Row};
 use crate::error::{Error, Result};
 use schema::{migrate, SCHEMA};
 
+mod layers;
 mod listing;
 mod rows;
 mod schema;
 
+pub use layers::LayerRow;
 pub use listing::{Cursor, EventFilter, SessionQuery};
 pub use rows::{AuditRow, EventRow, ImageRow, SessionRow, UsageRow};
 

@@ -42,6 +42,16 @@ CREATE INDEX IF NOT EXISTS sessions_created ON sessions(created_at, id);
 -- Each labelled session's labels, kept after DeleteSession (as its events
 -- are) for Watch's label filter.
 CREATE TABLE IF NOT EXISTS session_labels(session_id TEXT PRIMARY KEY, labels TEXT NOT NULL);
+-- Snapshot layers (golden snapshots and diffs over them) and who holds
+-- each ("image:<id>", "session:<id>", "snapshots:<id>"); a layer is also
+-- held by its children (parent).
+CREATE TABLE IF NOT EXISTS layers(
+  id TEXT PRIMARY KEY, parent TEXT NOT NULL, kind TEXT NOT NULL, dir TEXT NOT NULL,
+  bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, owner_session TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS layers_parent ON layers(parent);
+CREATE TABLE IF NOT EXISTS layer_holds(
+  layer TEXT NOT NULL, holder TEXT NOT NULL, PRIMARY KEY(layer, holder));
+CREATE INDEX IF NOT EXISTS layer_holds_holder ON layer_holds(holder);
 CREATE TABLE IF NOT EXISTS idempotency(
   key TEXT PRIMARY KEY, method TEXT NOT NULL, fingerprint TEXT NOT NULL,
   response BLOB NOT NULL, at INTEGER NOT NULL);

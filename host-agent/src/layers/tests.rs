@@ -1,0 +1,348 @@
+//! The layer tree under random creates, forks, persists, snapshots and
+//! deletes: after every step nothing that is needed is gone and nothing
+//! unneeded is left, on disk and in the records.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::Arc;
+
+use super::*;
+use crate::store::{ImageRow, Store};
+
+/// A small deterministic generator (xorshift64*), so a failure replays.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// A snapshot directory as a vmm leaves it, in `run`.
+fn vmm_writes(run: &Path, name: &str) -> std::path::PathBuf {
+    let dir = run.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("manifest"),
+        br#"{"kind":"diff","parent":"/golden"}"#,
+    )
+    .unwrap();
+    std::fs::write(dir.join("state"), b"state").unwrap();
+    std::fs::write(dir.join("memory"), vec![7u8; 4096]).unwrap();
+    dir
+}
+
+fn golden_dir(images: &Path, image: &str, n: u32) -> String {
+    let dir = images.join(image).join(format!("golden-{n}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("manifest"), br#"{"kind":"full","parent":null}"#).unwrap();
+    std::fs::write(dir.join("memory"), vec![1u8; 4096]).unwrap();
+    std::fs::write(dir.join("state"), b"s").unwrap();
+    dir.display().to_string()
+}
+
+/// The model: what each session and image needs.
+#[derive(Default)]
+struct Model {
+    /// Session -> its base layer.
+    base: BTreeMap<String, String>,
+    /// Session -> its SnapshotSession layers.
+    snaps: BTreeMap<String, BTreeSet<String>>,
+    /// Image -> its golden layer.
+    golden: BTreeMap<String, String>,
+}
+
+/// Every layer some holder needs, with their ancestors.
+fn needed(layers: &Layers, m: &Model) -> BTreeSet<String> {
+    let mut roots: Vec<String> = m.base.values().cloned().collect();
+    roots.extend(m.snaps.values().flatten().cloned());
+    roots.extend(m.golden.values().cloned());
+    let mut out = BTreeSet::new();
+    for r in roots {
+        for l in layers.chain(&r).expect("a needed layer's chain is whole") {
+            out.insert(l.id);
+        }
+    }
+    out
+}
+
+fn check(layers: &Layers, m: &Model, step: usize) {
+    let want = needed(layers, m);
+    let have: BTreeSet<String> = layers
+        .store
+        .layers()
+        .unwrap()
+        .into_iter()
+        .map(|l| l.id)
+        .collect();
+    assert_eq!(
+        have, want,
+        "step {step}: recorded layers are exactly the needed ones"
+    );
+    let mut on_disk: BTreeSet<String> = std::fs::read_dir(layers.root())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    for l in layers.store.layers().unwrap() {
+        assert!(
+            Path::new(&l.dir).join("manifest").is_file(),
+            "step {step}: layer {} ({}) has its files",
+            l.id,
+            l.kind
+        );
+        on_disk.remove(&l.id);
+    }
+    assert!(
+        on_disk.is_empty(),
+        "step {step}: nothing unneeded on disk: {on_disk:?}"
+    );
+}
+
+fn run(seed: u64) {
+    let t = tempfile::tempdir().unwrap();
+    let state = t.path();
+    let store = Arc::new(Store::open(&state.join("db")).unwrap());
+    let layers = Layers::open(state, store.clone()).unwrap();
+    let images_dir = state.join("images");
+    let run_dir = state.join("run");
+    let mut rng = Rng(seed);
+    let mut m = Model::default();
+    let mut golden_n = 0;
+    let mut session_n = 0;
+    for step in 0..200 {
+        let sessions: Vec<String> = m.base.keys().cloned().collect();
+        match rng.below(8) {
+            // Build (or rebuild) an image's golden snapshot.
+            0 => {
+                let image = format!("img{}", rng.below(2));
+                golden_n += 1;
+                let row = ImageRow {
+                    id: image.clone(),
+                    golden_dir: golden_dir(&images_dir, &image, golden_n),
+                    golden_built_at: golden_n as i64,
+                    ..Default::default()
+                };
+                let new = layers.golden(&row).unwrap().unwrap();
+                if let Some(old) = m.golden.insert(image.clone(), new.id) {
+                    layers.release(Some(&old), &image_holder(&image)).unwrap();
+                }
+            }
+            // A session from an image's golden snapshot.
+            1 if !m.golden.is_empty() => {
+                let images: Vec<&String> = m.golden.keys().collect();
+                let image = images[rng.below(images.len())].clone();
+                let g = m.golden[&image].clone();
+                session_n += 1;
+                let s = format!("s{session_n}");
+                layers.hold(&g, &session_holder(&s)).unwrap();
+                m.base.insert(s, g);
+            }
+            // Persist (a diff over the base becomes the base).
+            2 | 3 if !sessions.is_empty() => {
+                let s = sessions[rng.below(sessions.len())].clone();
+                let base = layers.get(&m.base[&s]).unwrap();
+                let holder = session_holder(&s);
+                let written = vmm_writes(&run_dir, &format!("p{step}"));
+                let new = layers
+                    .adopt(
+                        &written,
+                        NewLayer {
+                            kind: kind::PAUSE,
+                            parent: Some(&base),
+                            owner_session: &s,
+                            holders: &[&holder],
+                            release: &[(&holder, &base.id)],
+                        },
+                    )
+                    .unwrap();
+                m.base.insert(s, new.id);
+            }
+            // Fork into 1..=3 sessions.
+            4 if !sessions.is_empty() => {
+                let s = sessions[rng.below(sessions.len())].clone();
+                let base = layers.get(&m.base[&s]).unwrap();
+                let holder = session_holder(&s);
+                let written = vmm_writes(&run_dir, &format!("f{step}"));
+                let fork = layers
+                    .adopt(
+                        &written,
+                        NewLayer {
+                            kind: kind::FORK,
+                            parent: Some(&base),
+                            owner_session: &s,
+                            holders: &[&holder],
+                            release: &[(&holder, &base.id)],
+                        },
+                    )
+                    .unwrap();
+                m.base.insert(s, fork.id.clone());
+                for _ in 0..=rng.below(3) {
+                    session_n += 1;
+                    let child = format!("s{session_n}");
+                    layers.hold(&fork.id, &session_holder(&child)).unwrap();
+                    m.base.insert(child, fork.id.clone());
+                }
+            }
+            // A SnapshotSession snapshot (full), which becomes the base too.
+            5 if !sessions.is_empty() => {
+                let s = sessions[rng.below(sessions.len())].clone();
+                let holder = session_holder(&s);
+                let snaps = snapshots_holder(&s);
+                let old = m.base[&s].clone();
+                let written = vmm_writes(&run_dir, &format!("n{step}"));
+                let snap = layers
+                    .adopt(
+                        &written,
+                        NewLayer {
+                            kind: kind::SNAPSHOT,
+                            parent: None,
+                            owner_session: &s,
+                            holders: &[&holder, &snaps],
+                            release: &[(&holder, &old)],
+                        },
+                    )
+                    .unwrap();
+                layers.collect(false).unwrap();
+                m.base.insert(s.clone(), snap.id.clone());
+                m.snaps.entry(s).or_default().insert(snap.id);
+            }
+            // Delete a session.
+            6 if !sessions.is_empty() => {
+                let s = sessions[rng.below(sessions.len())].clone();
+                layers.release(None, &session_holder(&s)).unwrap();
+                layers.release(None, &snapshots_holder(&s)).unwrap();
+                m.base.remove(&s);
+                m.snaps.remove(&s);
+            }
+            // Delete an image.
+            7 if !m.golden.is_empty() => {
+                let images: Vec<String> = m.golden.keys().cloned().collect();
+                let image = images[rng.below(images.len())].clone();
+                layers.release(None, &image_holder(&image)).unwrap();
+                m.golden.remove(&image);
+            }
+            _ => {}
+        }
+        check(&layers, &m, step);
+        // A dry run agrees that nothing is left to collect.
+        assert!(layers.collect(true).unwrap().is_empty(), "step {step}");
+    }
+    // Everything let go: nothing stays.
+    for s in m.base.keys().cloned().collect::<Vec<_>>() {
+        layers.release(None, &session_holder(&s)).unwrap();
+        layers.release(None, &snapshots_holder(&s)).unwrap();
+    }
+    for image in m.golden.keys() {
+        layers.release(None, &image_holder(image)).unwrap();
+    }
+    assert!(store.layers().unwrap().is_empty());
+    assert_eq!(std::fs::read_dir(layers.root()).unwrap().count(), 0);
+    assert!(
+        !images_dir.exists() || std::fs::read_dir(&images_dir).unwrap().count() == 0,
+        "golden snapshots (and their emptied image directories) went with their layers"
+    );
+}
+
+#[test]
+fn two_hundred_random_steps_keep_exactly_the_needed_layers() {
+    for seed in [0x9E37_79B9_7F4A_7C15, 42, 7_777_777] {
+        run(seed);
+    }
+}
+
+#[test]
+fn a_dry_run_lists_what_would_go_and_deletes_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(&t.path().join("db")).unwrap());
+    let layers = Layers::open(t.path(), store.clone()).unwrap();
+    let image = ImageRow {
+        id: "i".into(),
+        golden_dir: golden_dir(&t.path().join("images"), "i", 1),
+        ..Default::default()
+    };
+    let g = layers.golden(&image).unwrap().unwrap();
+    let written = vmm_writes(&t.path().join("run"), "x");
+    let d = layers
+        .adopt(
+            &written,
+            NewLayer {
+                kind: kind::PAUSE,
+                parent: Some(&g),
+                owner_session: "s",
+                holders: &["session:s"],
+                release: &[],
+            },
+        )
+        .unwrap();
+    store.release_layer(None, "session:s").unwrap();
+    store.release_layer(None, "image:i").unwrap();
+    let would: Vec<String> = layers
+        .collect(true)
+        .unwrap()
+        .into_iter()
+        .map(|l| l.id)
+        .collect();
+    assert_eq!(would, [d.id.clone(), g.id.clone()], "child before parent");
+    assert_eq!(
+        store.layers().unwrap().len(),
+        2,
+        "a dry run deletes nothing"
+    );
+    let gone: Vec<String> = layers
+        .collect(false)
+        .unwrap()
+        .into_iter()
+        .map(|l| l.id)
+        .collect();
+    assert_eq!(gone, would);
+    assert!(!Path::new(&image.golden_dir).exists());
+}
+
+#[test]
+fn at_start_a_directory_no_layer_names_is_removed_and_a_lost_layer_is_named() {
+    let t = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(&t.path().join("db")).unwrap());
+    let layers = Layers::open(t.path(), store.clone()).unwrap();
+    let image = ImageRow {
+        id: "i".into(),
+        golden_dir: golden_dir(&t.path().join("images"), "i", 1),
+        ..Default::default()
+    };
+    // A crash between the move into the store and the record.
+    vmm_writes(layers.root(), "crashed-before-record");
+    layers.check_at_start(std::slice::from_ref(&image)).unwrap();
+    let g = store.layer_by_dir(&image.golden_dir).unwrap().unwrap();
+    assert_eq!(store.held_by("image:i").unwrap(), [g.id.clone()]);
+    let names: Vec<String> = std::fs::read_dir(layers.root())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [g.id.clone()],
+        "only the golden snapshot's link stays"
+    );
+    // A layer whose files went: its chain says which.
+    let written = vmm_writes(&t.path().join("run"), "y");
+    let d = layers
+        .adopt(
+            &written,
+            NewLayer {
+                kind: kind::PAUSE,
+                parent: Some(&g),
+                owner_session: "s",
+                holders: &["session:s"],
+                release: &[],
+            },
+        )
+        .unwrap();
+    std::fs::remove_dir_all(&image.golden_dir).unwrap();
+    let err = layers.chain(&d.id).unwrap_err().to_string();
+    assert!(err.contains(&g.id) && err.contains("missing"), "{err}");
+}
