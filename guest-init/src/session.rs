@@ -117,7 +117,16 @@ pub fn git_command(dir: &Path, identity: Option<Identity>) -> Command {
 }
 
 async fn git(dir: &Path, args: &[&str]) -> Result<Vec<u8>, SessionError> {
-    let out = crate::reaper::output(git_command(dir, None).args(args))
+    git_as(dir, None, args).await
+}
+
+/// Runs git in `dir` as `identity` (None: as guest-init); its stdout.
+async fn git_as(
+    dir: &Path,
+    identity: Option<Identity>,
+    args: &[&str],
+) -> Result<Vec<u8>, SessionError> {
+    let out = crate::reaper::output(git_command(dir, identity).args(args))
         .await
         .map_err(io("cannot run git (is it installed?)"))?;
     if !out.status.success() {
@@ -193,6 +202,42 @@ async fn clone_inner(
     let commit = commit.ok_or_else(|| SessionError::UnknownRef(base_ref.to_string()))?;
     git(workspace, &["checkout", "--quiet", "-b", branch, &commit]).await?;
     git(workspace, &["remote", "remove", "origin"]).await?;
+    Ok(commit)
+}
+
+/// Puts the repository in `workspace` on the new branch of session
+/// `session_id` (`session/<id>`) at its HEAD commit, for a fork: the
+/// parent's branch (or whatever HEAD was on) stays where it is, and
+/// neither the working tree nor the index is touched, so uncommitted
+/// changes stay as they are. Returns that commit. Runs as `identity`, so
+/// the refs it writes are the agent's like the rest of the repository.
+/// Fails when HEAD has no commit or the branch already exists.
+pub async fn fork_branch(
+    workspace: &Path,
+    session_id: &str,
+    identity: Option<Identity>,
+) -> Result<String, SessionError> {
+    let branch = branch_for(session_id)?;
+    let out = git_as(
+        workspace,
+        identity,
+        &["rev-parse", "--verify", "--end-of-options", "HEAD^{commit}"],
+    )
+    .await?;
+    let commit = String::from_utf8_lossy(&out).trim().to_string();
+    git_as(
+        workspace,
+        identity,
+        &["branch", "--no-track", &branch, &commit],
+    )
+    .await?;
+    let full = format!("refs/heads/{branch}");
+    git_as(
+        workspace,
+        identity,
+        &["symbolic-ref", "-m", "guest-init: fork", "HEAD", &full],
+    )
+    .await?;
     Ok(commit)
 }
 

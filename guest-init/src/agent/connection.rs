@@ -1,7 +1,7 @@
 //! One connection from host-agent: the Hello exchange, reading frames
 //! and dispatching them, and the messages that start, resume or end the
 //! connection's session (StartSession and the repository bundle,
-//! ResumeSession, Shutdown).
+//! ResumeSession, ForkSession, Shutdown).
 
 use super::*;
 
@@ -175,13 +175,10 @@ impl Conn {
                 self.send(error(Code::Protocol, "Hello was already exchanged", ""))
                     .await
             }
-            In::ForkSession(_) => {
-                self.send(error(
-                    Code::Protocol,
-                    "ForkSession is not handled by this guest-init yet",
-                    "",
-                ))
-                .await
+            In::ForkSession(f) => {
+                if let Err(e) = self.fork(&f).await {
+                    self.send(e).await;
+                }
             }
             In::StartSession(req) => {
                 if let Err(e) = self.start(req).await {
@@ -402,6 +399,45 @@ impl Conn {
                 Err(error(
                     Code::Protocol,
                     format!("cannot resume session {session_id:?}: {what}"),
+                    "",
+                ))
+            }
+        }
+    }
+
+    /// Makes the session an earlier connection left (the parent, as
+    /// restored from its snapshot) the new session `req.session_id` on this
+    /// connection.
+    pub(super) async fn fork(&mut self, req: &ForkSession) -> Result<(), Failure> {
+        let parent = req.parent_session_id.as_str();
+        if self.session.is_some() || self.pending.is_some() {
+            return Err(error(
+                Code::Protocol,
+                "a session is already active or starting on this connection: ForkSession \
+                 must be the first message after Hello",
+                "",
+            ));
+        }
+        match self.detached.take() {
+            Some(s) if s.id == parent => match s.fork(self.out.clone(), req).await {
+                Ok(child) => {
+                    self.session = Some(child);
+                    Ok(())
+                }
+                Err(e) => {
+                    self.detached = Some(s);
+                    Err(e)
+                }
+            },
+            kept => {
+                let what = match &kept {
+                    Some(s) => format!("this guest's session is {:?}", s.id),
+                    None => "this guest has no session".to_string(),
+                };
+                self.detached = kept;
+                Err(error(
+                    Code::Protocol,
+                    format!("cannot fork session {parent:?}: {what}"),
                     "",
                 ))
             }

@@ -77,10 +77,7 @@ impl Session {
                 )
             })?;
         }
-        let log_path = cfg
-            .state_dir
-            .join(format!("audit-{}.jsonl", req.session_id));
-        let audit = AuditLog::open(Some(&log_path), &req.session_id, redactor.clone())
+        let audit = open_audit(&cfg, &req.session_id, redactor.clone())
             .map_err(|e| fail(Code::Internal, e.to_string()))?;
         let secrets = Secrets::scope(
             &policy.grant.secrets,
@@ -252,7 +249,7 @@ impl Session {
     }
 
     /// Records what [`fresh_machine`] did, if anything.
-    async fn audit_fresh(&self, done: Vec<String>) {
+    pub(super) async fn audit_fresh(&self, done: Vec<String>) {
         if done.is_empty() {
             return;
         }
@@ -424,6 +421,17 @@ impl Session {
     }
 }
 
+/// A new audit chain for session `id`: `<state-dir>/audit-<id>.jsonl`,
+/// created empty, whose first record will be seq 1 after the genesis hash.
+pub(super) fn open_audit(
+    cfg: &Config,
+    id: &str,
+    redactor: Redactor,
+) -> Result<AuditLog, crate::audit::AuditError> {
+    let path = cfg.state_dir.join(format!("audit-{id}.jsonl"));
+    AuditLog::open(Some(&path), id, redactor)
+}
+
 /// Gives the session its size within the VM (StartSession's `vcpus`,
 /// `mem_mib`, `root_disk_bytes`; see [`crate::sizing`]): returns its turns
 /// (with the memory limit) and what was done, for the audit log. The vCPUs
@@ -487,7 +495,7 @@ const DISK_GROW_TIMEOUT: Duration = Duration::from_secs(10);
 /// the machine after session `id`. Returns what was done, for the audit
 /// log; an error when the random state could not be reseeded (a clone
 /// that shares its randomness with others must not run).
-fn fresh_machine(
+pub(super) fn fresh_machine(
     cfg: &Config,
     id: &str,
     entropy: &[u8],

@@ -7,12 +7,15 @@
 //! decode, are too large, or arrive out of order are answered with an Error
 //! and the connection goes on. When a connection closes, its session's turns
 //! are killed (and audited) but the session is kept; the next connection may
-//! take it over with ResumeSession, or replace it with StartSession.
+//! take it over with ResumeSession, or replace it with StartSession. In a
+//! VM restored from another session's snapshot, ForkSession makes the kept
+//! session (the parent) a new one.
 //! Shutdown ends the session and makes [`serve`] return.
 //!
 //! By responsibility: `connection` (Hello, reading and dispatching frames,
-//! StartSession, ResumeSession, Shutdown), `lifecycle` (a session opened,
-//! reattached, audited, its branch fetched back, ended), `commands` (Exec,
+//! StartSession, ResumeSession, ForkSession, Shutdown), `lifecycle` (a
+//! session opened, reattached, audited, its branch fetched back, ended),
+//! `fork` (a kept session made a new one), `commands` (Exec,
 //! stdin, signals, turns), `terminal` (commands on a terminal: input,
 //! resize, signals; timeouts), `approvals` (ask and Answer), `network` (the
 //! egress rules). This file keeps the configuration, `serve`, and the
@@ -24,6 +27,7 @@ mod approvals;
 mod commands;
 mod connection;
 mod files;
+mod fork;
 mod lifecycle;
 mod network;
 mod terminal;
@@ -40,8 +44,8 @@ use proto::framing::FrameError;
 use proto::guest::{
     answer::Reply, error::Code, exec_exited, guest_message::Kind as Out, host_message::Kind as In,
     output, AskRequest, AuditEvent, BundleChunk, Error as ErrorMsg, Exec, ExecExited, ExecRejected,
-    ExecStarted, GuestMessage, Hello, HostMessage, KilledProcess, Output, Ready, ResumeSession,
-    ShutdownStarted, StartSession, TurnEnded, PROTOCOL_VERSION,
+    ExecStarted, ForkSession, GuestMessage, Hello, HostMessage, KilledProcess, Output, Ready,
+    ResumeSession, ShutdownStarted, StartSession, TurnEnded, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};

@@ -195,6 +195,12 @@ impl AuditLog {
         self.seq
     }
 
+    /// The hash of the last event appended ([`GENESIS`] when none was): what
+    /// the next one chains after.
+    pub fn last_hash(&self) -> &str {
+        &self.prev_hash
+    }
+
     /// Continues numbering after `seq` (when it is ahead): a guest restored from
     /// an older snapshot must not reuse numbers the host already holds for
     /// events of the future it was rolled back from. The hash chain goes on
@@ -294,6 +300,8 @@ mod tests {
         assert_eq!(lines[1].hash, second.hash);
         let memory = AuditLog::open(None, "s1", Redactor::default()).unwrap();
         assert!(memory.lines().unwrap().is_empty());
+        assert_eq!(memory.last_hash(), GENESIS);
+        assert_eq!(log.last_hash(), lines[2].hash);
 
         // Rolled back behind the host: numbering continues after the host's.
         log.skip_to(10);
