@@ -40,6 +40,12 @@ pub struct VmNetwork {
     pub node_netns: Option<String>,
 }
 
+/// The sysctls of a VM's namespace set once its rules are loaded: IPv4
+/// forwarding (IPv6's is set with its other settings), and conntrack's TCP
+/// window tracking liberal, so that only segments of connections it does
+/// not know are invalid there.
+const NAMESPACE_FORWARDING: &str = "echo 1 > /proc/sys/net/ipv4/ip_forward && echo 1 > /proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal";
+
 /// Who owns the tap (the jailed vmm's uid and gid; `None`: root).
 pub type TapOwner = Option<(u32, u32)>;
 
@@ -314,8 +320,19 @@ impl VmNetwork {
             &mut ip(ns, &["-batch", "-"]),
             Some(&(vm_side.join("\n") + "\n")),
         )?;
-        enable_forwarding(ns, false)?;
-        apply_rules(ns, &vm_ruleset(policy, &self.slot, &self.veth_vm))
+        apply_rules(ns, &vm_ruleset(policy, &self.slot, &self.veth_vm))?;
+        // After the rules: they load conntrack, whose settings appear in
+        // the namespace only then. Forwarding on, and conntrack liberal
+        // about TCP windows: the rules reset every guest segment conntrack
+        // finds invalid (see `rules::untracked_tcp`), and a segment of a
+        // live connection outside conntrack's idea of the window must not
+        // be one of them.
+        run(
+            "turning on forwarding and liberal TCP tracking in the VM's namespace",
+            &mut in_netns(ns, "sh", &["-c", NAMESPACE_FORWARDING]),
+            None,
+        )
+        .map(|_| ())
     }
 
     /// Gives the namespace's rules the sets of `policy` (allowlist, deny

@@ -7,28 +7,35 @@
 //! 1. replies of connections already allowed pass;
 //! 2. anything from the tap not sourced at the guest's address
 //!    ([`GUEST_IP`], [`GUEST_IP6`]) is dropped (a guest forging addresses);
-//! 3. [`EgressPolicy::always_deny`] (link-local with the cloud metadata
+//! 3. a guest TCP segment of a connection this namespace's conntrack does
+//!    not know is answered with a reset ([`untracked_tcp`]): a fork wakes
+//!    up holding its source's connections, which exist only in the source's
+//!    namespace, and its copies of them end at their first segment instead
+//!    of reaching the peer as duplicates;
+//! 4. [`EgressPolicy::always_deny`] (link-local with the cloud metadata
 //!    address, loopback, the node's own addresses, the VM pools: other VMs;
 //!    for IPv6 also the prefixes that carry IPv4 inside, such as NAT64) is
 //!    dropped whatever the allowlist says;
-//! 4. private ranges are dropped unless the node's policy names them;
-//! 5. the allowlist: whole destinations, or protocol, destination and port;
+//! 5. private ranges are dropped unless the node's policy names them;
+//! 6. the allowlist: whole destinations, or protocol, destination and port;
 //!    then what the session's DNS resolver learned (the addresses allowed
 //!    names resolved to, [`LEARNED_ANY`] and [`LEARNED_PORT`], each element
 //!    expiring with its record's TTL);
-//! 6. everything else is dropped.
+//! 7. everything else is dropped.
 //!
-//! The input chains let the guest reach nothing of the namespace but the
-//! resolver (UDP and TCP port 53 at [`GATEWAY_IP`]) and, for IPv6, neighbour
-//! discovery (solicitations and advertisements from the link itself: hop
-//! limit 255); router advertisements, redirects and DHCPv6 from the guest
-//! are dropped. A VM without an IPv6 slot gets an `ip6` table that forwards
-//! nothing.
+//! The input chains reset untracked guest TCP segments the same way (a
+//! fork's copies of its source's exposed-port and resolver connections),
+//! and let the guest reach nothing of the namespace but the resolver (UDP
+//! and TCP port 53 at [`GATEWAY_IP`]) and, for IPv6, neighbour discovery
+//! (solicitations and advertisements from the link itself: hop limit 255);
+//! router advertisements, redirects and DHCPv6 from the guest are dropped.
+//! A VM without an IPv6 slot gets an `ip6` table that forwards nothing.
 //!
-//! Drops are counted in each table's `denied` counter, never logged per
-//! packet. ARP from the tap is believed only for the guest's own address
-//! (table `arp agentvm`): a guest cannot put the node's or anyone else's
-//! address in the namespace's neighbour table.
+//! Drops are counted in each table's `denied` counter, resets of untracked
+//! segments in its `untracked` counter, never logged per packet. ARP from
+//! the tap is believed only for the guest's own address (table `arp
+//! agentvm`): a guest cannot put the node's or anyone else's address in the
+//! namespace's neighbour table.
 
 use std::fmt::Write as _;
 
@@ -40,6 +47,9 @@ use super::addressing::{Cidr, Slot, GATEWAY_IP, GUEST_IP, GUEST_IP6, TAP_NAME};
 pub const TABLE: &str = "agentvm";
 /// Name of the counter of dropped guest packets in that table.
 pub const DENIED_COUNTER: &str = "denied";
+/// Name of the counter of guest TCP segments answered with a reset
+/// because conntrack knows no connection of theirs ([`untracked_tcp`]).
+pub const UNTRACKED_COUNTER: &str = "untracked";
 /// Set of whole addresses the DNS resolver learned (timeouts).
 pub const LEARNED_ANY: &str = "learned_any";
 /// Set of `address . protocol . port` the DNS resolver learned (timeouts).
@@ -354,6 +364,36 @@ table arp {TABLE} {{
     out
 }
 
+/// The rules that answer with a TCP reset every guest TCP segment that
+/// belongs to no connection this namespace's conntrack knows, for a chain
+/// of the table of family `f`: a segment that would open a conntrack entry
+/// without being a bare SYN (a mid-stream ACK or PSH, which conntrack
+/// would pick up), and one conntrack finds invalid (a FIN or RST without a
+/// connection). Only segments from the tap sourced at the guest's address
+/// are answered, so a reset goes nowhere but to the guest.
+///
+/// Why: every VM namespace has its own conntrack, and a fork (a VM restored
+/// from a snapshot of another running session) wakes up holding its
+/// source's established connections. Its namespace knows none of them; the
+/// source's own namespace keeps them, so the source, and a session resumed
+/// from disk into that namespace, keep their connections. The clone's
+/// copies are reset at their first segment, before anything reaches the
+/// peer (a dropped segment would be retransmitted for minutes instead).
+/// A segment of a known connection is not invalid for lying outside
+/// conntrack's idea of the TCP window, so it is never reset for that: the
+/// namespace's conntrack is liberal about windows
+/// (`nf_conntrack_tcp_be_liberal`, set by [`super::namespace`]).
+pub fn untracked_tcp(f: Family) -> String {
+    let t = f.table();
+    let tap = TAP_NAME;
+    let guest = f.guest();
+    let from_guest = format!("iifname \"{tap}\" {t} saddr {guest}");
+    format!(
+        "{from_guest} ct state new tcp flags & (fin | syn | rst | ack) != syn counter name {UNTRACKED_COUNTER} reject with tcp reset\n    \
+         {from_guest} meta l4proto tcp ct state invalid counter name {UNTRACKED_COUNTER} reject with tcp reset"
+    )
+}
+
 /// Writes the table of family `f`: its sets from `policy`, its learned
 /// sets, its counter, its chains and the NAT of the guest to `vm_ip`.
 fn family_table(out: &mut String, f: Family, policy: &EgressPolicy, vm_ip: IpAddr, veth: &str) {
@@ -382,8 +422,10 @@ fn family_table(out: &mut String, f: Family, policy: &EgressPolicy, vm_ip: IpAdd
         "  set {LEARNED_ANY} {{\n    type {ty}; flags timeout\n  }}\n  set {LEARNED_PORT} {{\n    type {ty} . inet_proto . inet_service; flags timeout\n  }}"
     );
     let _ = writeln!(out, "  counter {DENIED_COUNTER} {{}}");
+    let _ = writeln!(out, "  counter {UNTRACKED_COUNTER} {{}}");
     let tap = TAP_NAME;
     let guest = f.guest();
+    let untracked = untracked_tcp(f);
     // What the guest may reach of the namespace itself.
     let local = match f {
         Family::V4 => format!(
@@ -399,6 +441,7 @@ fn family_table(out: &mut String, f: Family, policy: &EgressPolicy, vm_ip: IpAdd
     type filter hook forward priority filter; policy drop;
     ct state established,related accept
     iifname "{tap}" {t} saddr != {guest} counter name {DENIED_COUNTER} drop
+    {untracked}
     iifname "{tap}" {t} daddr @always_deny counter name {DENIED_COUNTER} drop
     iifname "{tap}" {t} daddr @private {t} daddr != @private_allowed counter name {DENIED_COUNTER} drop
     iifname "{tap}" {t} daddr @allow_any accept
@@ -411,6 +454,7 @@ fn family_table(out: &mut String, f: Family, policy: &EgressPolicy, vm_ip: IpAdd
     type filter hook input priority filter; policy drop;
     ct state established,related accept
     iifname "lo" accept
+    {untracked}
     {local}
     iifname "{tap}" counter name {DENIED_COUNTER} drop
   }}

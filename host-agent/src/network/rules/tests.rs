@@ -335,3 +335,71 @@ fn an_ipv6_slot_gets_a_forwarding_ip6_table_with_its_own_sets() {
     assert!(flush_learned_script().contains("flush set ip6 agentvm learned_port"));
     assert!(flush_learned_script().contains("flush set ip agentvm learned_any"));
 }
+
+#[test]
+fn untracked_guest_tcp_is_reset_in_forward_and_input_of_both_families() {
+    let policy = EgressPolicy::new(vec![], &[], &[cidr("10.200.0.0/16")], vec![]);
+    let slot = Slot {
+        index: 0,
+        host_ip: Ipv4Addr::new(10, 200, 0, 1),
+        vm_ip: Ipv4Addr::new(10, 200, 0, 2),
+        v6: Some(Slot6 {
+            host_ip: Ipv6Addr::new(0xfd00, 0x200, 0, 0, 0, 0, 0, 1),
+            vm_ip: Ipv6Addr::new(0xfd00, 0x200, 0, 0, 0, 0, 0, 2),
+        }),
+    };
+    let rules = vm_ruleset(&policy, &slot, "avv0");
+    let v4 = &rules[..rules.find("table ip6").unwrap()];
+    let v6 = &rules[rules.find("table ip6 agentvm {\n").unwrap()..rules.find("table arp").unwrap()];
+    for (table, t, guest) in [(v4, "ip", "172.16.0.2"), (v6, "ip6", "fd00:ac10::2")] {
+        assert!(table.contains("counter untracked {}"), "{table}");
+        let new_not_syn = format!(
+            "iifname \"tap0\" {t} saddr {guest} ct state new tcp flags & (fin | syn | rst | ack) != syn counter name untracked reject with tcp reset"
+        );
+        let invalid = format!(
+            "iifname \"tap0\" {t} saddr {guest} meta l4proto tcp ct state invalid counter name untracked reject with tcp reset"
+        );
+        let forward =
+            &table[table.find("chain forward").unwrap()..table.find("chain input").unwrap()];
+        let input =
+            &table[table.find("chain input").unwrap()..table.find("chain postrouting").unwrap()];
+        for chain in [forward, input] {
+            let at = |what: &str| {
+                chain
+                    .find(what)
+                    .unwrap_or_else(|| panic!("{what}: {chain}"))
+            };
+            // After the connections conntrack knows, before anything that
+            // accepts a new one.
+            assert!(at("ct state established,related accept") < at(&new_not_syn));
+            assert!(at(&new_not_syn) < at(&invalid));
+            let accepts: Vec<usize> = chain.match_indices(" accept").map(|(i, _)| i).collect();
+            // Only the established and loopback accepts come before.
+            let before = accepts.iter().filter(|&&i| i < at(&new_not_syn)).count();
+            assert!(before <= 2, "{chain}");
+            assert!(accepts.iter().any(|&i| i > at(&invalid)), "{chain}");
+        }
+        // Forged sources are dropped before: no reset goes to an address
+        // the guest made up.
+        assert!(
+            forward.find(&format!("{t} saddr != {guest}")).unwrap()
+                < forward.find(&new_not_syn).unwrap(),
+            "{forward}"
+        );
+        assert!(
+            forward.find(&new_not_syn).unwrap() < forward.find("@always_deny").unwrap(),
+            "{forward}"
+        );
+        assert!(
+            input.find(&invalid).unwrap()
+                < input
+                    .find("iifname \"tap0\" counter name denied drop")
+                    .unwrap(),
+            "{input}"
+        );
+    }
+    // Without an IPv6 slot the ip6 table forwards nothing: nothing to reset.
+    let v4_only = vm_ruleset(&policy, &Slot { v6: None, ..slot }, "avv0");
+    let ip6 = &v4_only[v4_only.find("table ip6 agentvm {\n").unwrap()..];
+    assert!(!ip6.contains("reject"), "{ip6}");
+}
