@@ -59,7 +59,14 @@ pub fn save(fd: &VmFd) -> Result<VmState, VmStateError> {
 /// Restores VM-wide state into a VM created with the same irqchip and PIT.
 pub fn restore(fd: &VmFd, state: &VmState) -> Result<(), VmStateError> {
     fd.set_pit2(&state.pit).map_err(err("KVM_SET_PIT2"))?;
-    // Only KVM_CLOCK_REALTIME may be passed back; the other flags are informational.
+    // kvmclock goes back exactly as saved: flags 0, never KVM_CLOCK_REALTIME
+    // (with it, KVM would move the clock on by the host's wall-clock time
+    // since the save). The guest's CLOCK_MONOTONIC and CLOCK_BOOTTIME thus
+    // continue from the snapshot, without the time it spent paused or on
+    // disk, as after a suspend: timers armed on them do not all expire at
+    // once on restore. CLOCK_REALTIME is stepped to the host's by guest-init
+    // (StartSession/ResumeSession host_time_unix_ns). The vmm's README,
+    // "Clocks across a restore"; tests/restore_clock.rs checks it.
     let clock = kvm_clock_data {
         flags: 0,
         ..state.clock
