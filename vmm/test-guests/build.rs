@@ -22,6 +22,7 @@ const GUESTS: &[&str] = &[
     "i8042_probe",
     "serial_fifo",
     "acpi",
+    "clone_rng",
 ];
 
 const FLAGS: &[&str] = &[

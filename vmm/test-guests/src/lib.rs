@@ -33,6 +33,10 @@
 //!   contents, and reports them; with `action=1` powers off through the FADT's
 //!   sleep control register, `action=2` resets through its reset register,
 //!   `action=3` prints the VM generation ID whenever it changes.
+//! * `clone_rng`: seeds a generator at boot and keeps it only in memory; each
+//!   time the VM generation ID changes (a restore) prints the generator's next
+//!   outputs alone (the same in every restore of a snapshot) and with the new
+//!   ID mixed in (different in each).
 
 use std::path::PathBuf;
 
@@ -55,6 +59,7 @@ pub const ALL: &[&str] = &[
     "i8042_probe",
     "serial_fifo",
     "acpi",
+    "clone_rng",
 ];
 
 /// Path of the ELF image of test guest `name`, or `None` for an unknown name.
