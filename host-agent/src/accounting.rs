@@ -94,6 +94,10 @@ pub struct Meter {
     net: NetIo,
     /// The last raw network reading (`None`: the next one is a baseline).
     raw_net: Option<NetIo>,
+    /// Snapshot storage held for the session now, GiB, and its cumulative
+    /// GiB x ms (accrued whether or not the session is billable).
+    snapshot_gib: f64,
+    snapshot_gib_ms: f64,
     finished: bool,
 }
 
@@ -119,6 +123,8 @@ impl Meter {
             // A new session's network counters (its vmm process, resolver
             // and ruleset are new) start from zero.
             raw_net: Some(NetIo::default()),
+            snapshot_gib: 0.0,
+            snapshot_gib_ms: 0.0,
             finished: false,
         }
     }
@@ -146,6 +152,9 @@ impl Meter {
             // a restart is a baseline (what moved since the last record is
             // not counted).
             raw_net: None,
+            // Measured again at the next record.
+            snapshot_gib: 0.0,
+            snapshot_gib_ms: last.snapshot_gib_ms,
             finished: last.is_final,
         }
     }
@@ -175,7 +184,17 @@ impl Meter {
             self.mem_alloc_gib_ms += self.mem_alloc_gib * dt as f64;
             self.mem_resident_gib_ms += self.last_rss_gib * dt as f64;
         }
+        if dt > 0 {
+            self.snapshot_gib_ms += self.snapshot_gib * dt as f64;
+        }
         self.accrued_to = now;
+    }
+
+    /// The session holds `bytes` of snapshot storage from `now` on (the
+    /// time before is accrued at the previous size).
+    pub fn set_snapshot_bytes(&mut self, now: i64, bytes: u64) {
+        self.accrue(now);
+        self.snapshot_gib = bytes as f64 / GIB;
     }
 
     /// Marks the session billable or not from `now` on (READY/RUNNING are
@@ -286,6 +305,7 @@ impl Meter {
             raw_cpu_ns: self.raw_cpu_ns.unwrap_or(0),
             raw_disk: self.raw_disk.unwrap_or(0),
             net: self.net,
+            snapshot_gib_ms: self.snapshot_gib_ms,
         };
         self.record_start = self.accrued_to;
         row

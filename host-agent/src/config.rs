@@ -231,6 +231,17 @@ impl Default for LogLimits {
     }
 }
 
+/// Where the idle auto-pause puts a session (`idle_pause`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum IdlePause {
+    /// The vmm is paused and keeps its memory.
+    #[default]
+    Memory,
+    /// The session is paused to disk.
+    Disk,
+}
+
 /// Everything `host-agent serve` needs. Every field has a default, so an
 /// empty directory is enough to start.
 #[derive(Debug, Clone, Deserialize)]
@@ -262,6 +273,14 @@ pub struct Config {
     pub default_ttl_seconds: u64,
     /// Default idle timeout in seconds before auto-pause (0 = none).
     pub default_idle_timeout_seconds: u64,
+    /// Where the idle auto-pause puts a session: `memory` (the default: its
+    /// vmm stays, paused) or `disk` (PauseSession persist: a diff snapshot,
+    /// the vmm stopped, its memory freed).
+    pub idle_pause: IdlePause,
+    /// Bytes of snapshot layers sessions may keep on this node (persisted
+    /// pauses, fork points, SnapshotSession snapshots), MiB; 0 = no quota.
+    /// A pause to disk is refused once they take this much.
+    pub snapshot_quota_mib: u64,
     /// Hard cap on a session's lifetime in seconds (0 = none).
     pub max_lifetime_seconds: u64,
     /// Warm VMs kept restored and paused per image with a golden snapshot.
@@ -340,6 +359,8 @@ impl Default for Config {
             vmm: None,
             max_sessions: 256,
             memory_overcommit_ratio: 1.0,
+            idle_pause: IdlePause::Memory,
+            snapshot_quota_mib: 0,
             default_ttl_seconds: 0,
             default_idle_timeout_seconds: 0,
             max_lifetime_seconds: 0,

@@ -10,6 +10,7 @@ use vmm_api::command::{jail_id, Bind, DiskSpec, JailSpec, NetSpec, RestoreSpec, 
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::io_limits::IoLimits;
+use crate::layers::{LayerRow, LAYERS_IN_JAIL};
 use crate::network::addressing::{GUEST_MAC, TAP_NAME};
 use crate::store::ImageRow;
 use crate::supervisor::run_dirs;
@@ -43,6 +44,30 @@ pub fn restore_launch(
         ),
         // The VM's own snapshots are in its run directory, inside the jail if any.
         (Source::Own(name), _) => (inside.join("snapshots").join(name), vec![]),
+        // A chain of layers resolves in the layer store (a golden layer
+        // through its link there) ...
+        (Source::Chain(chain), false) => (
+            chain
+                .last()
+                .map(|l| PathBuf::from(&l.dir))
+                .unwrap_or_default(),
+            vec![],
+        ),
+        // ... or, in a jail, with each layer bound read-only under /layers.
+        (Source::Chain(chain), true) => (
+            chain
+                .last()
+                .map(|l| Path::new(LAYERS_IN_JAIL).join(&l.id))
+                .unwrap_or_default(),
+            chain
+                .iter()
+                .map(|l| Bind {
+                    host: PathBuf::from(&l.dir),
+                    jail: format!("{LAYERS_IN_JAIL}/{}", l.id),
+                    read_only: true,
+                })
+                .collect(),
+        ),
     };
     let overhead = cfg.jail.memory_overhead_mib;
     let jail = uid.map(|uid| JailSpec {
@@ -190,6 +215,9 @@ pub enum Source<'a> {
     Golden,
     /// One of the VM's own snapshots (SnapshotSession), by directory name.
     Own(&'a str),
+    /// A chain of snapshot layers, its full base first (see
+    /// [`crate::layers`]).
+    Chain(&'a [LayerRow]),
 }
 
 /// Where a jailed VM sees its image's golden snapshot.

@@ -68,7 +68,7 @@ impl Approvals for ApprovalsApi {
                 .into())
             }
         }
-        check_execution(&self.0, &caller, &r.session_id, &r.execution_id)?;
+        check_execution(&self.0, &caller, &r.session_id, &r.execution_id).await?;
         let sess = self.0.session(&r.session_id)?;
         let Some(conn) = sess.guest() else {
             return Err(Error::not_found("ask", r.ask_id).into());

@@ -32,9 +32,10 @@ type ExecStream = Pin<Box<dyn Stream<Item = Result<pb::ExecResponse, Status>> + 
 
 /// Checks that `session_id` exists, is `caller`'s to see, and that
 /// `execution_id` is its current one; returns whether its image runs
-/// guest-init.
-pub fn check_execution(
-    mgr: &Manager,
+/// guest-init. A session paused to disk with `auto_resume` is resumed
+/// (under a new execution id: the call goes on, aimed at it).
+pub async fn check_execution(
+    mgr: &Arc<Manager>,
     caller: &Caller,
     session_id: &str,
     execution_id: &str,
@@ -50,6 +51,7 @@ pub fn check_execution(
             row.execution_id
         )));
     }
+    mgr.wake_for_call(session_id).await?;
     mgr.touch(&sess);
     Ok(mgr
         .store
@@ -100,7 +102,8 @@ impl Exec for ExecApi {
             return Err(Error::invalid("argv must name a program").into());
         }
         super::attach::check_start(&start)?;
-        let guest_init = check_execution(&self.0, &caller, &start.session_id, &start.execution_id)?;
+        let guest_init =
+            check_execution(&self.0, &caller, &start.session_id, &start.execution_id).await?;
         if !guest_init {
             return Err(Error::FailedPrecondition(format!(
                 "session {} runs an image without guest-init; there is no agent to run commands",

@@ -59,6 +59,7 @@ impl Images for ImagesApi {
                     created_at: now_ms(),
                     golden_built_at: 0,
                     io_limits: crate::io_limits::IoLimits::from_pb(r.io_limits.as_ref())?.encode(),
+                    source_session: String::new(),
                 };
                 validate(&mut row, &mgr.image_roots)?;
                 mgr.store.insert_image(&row)?;
@@ -146,7 +147,25 @@ impl Images for ImagesApi {
                 }
                 mgr.pool.drain(&r.image_id);
                 mgr.store.delete_image(&r.image_id)?;
-                let _ = std::fs::remove_dir_all(mgr.image_dir(&r.image_id));
+                // Its golden snapshots go unless sessions (forks, sessions
+                // paused to disk) or images still descend from them; the
+                // rest of its directory goes now.
+                mgr.layers
+                    .release(None, &crate::layers::image_holder(&r.image_id))?;
+                let dir = mgr.image_dir(&r.image_id);
+                if let Ok(entries) = std::fs::read_dir(&dir) {
+                    for e in entries.flatten() {
+                        let path = e.path();
+                        if mgr
+                            .store
+                            .layer_by_dir(&path.display().to_string())?
+                            .is_none()
+                        {
+                            let _ = std::fs::remove_dir_all(&path);
+                        }
+                    }
+                }
+                let _ = std::fs::remove_dir(&dir);
                 Ok(pb::DeleteImageResponse {})
             },
         )

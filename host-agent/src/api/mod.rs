@@ -127,7 +127,7 @@ pub fn image_pb(i: &ImageRow) -> pb::Image {
         golden_built_at: i.golden_built_at,
         initrd_path: i.initrd.clone(),
         io_limits: limits_pb(&i.io_limits),
-        source_session_id: String::new(),
+        source_session_id: i.source_session.clone(),
     }
 }
 
@@ -168,10 +168,12 @@ pub fn session_pb(s: &SessionRow) -> pb::Session {
         network: None,
         io_limits: limits_pb(&s.io_limits),
         resources: crate::sessions::resources::Resources::decode(&s.resources).map(|r| r.to_pb()),
-        persisted: false,
+        persisted: s.persisted,
+        // Filled from the layer records where a Manager is at hand
+        // (`Manager::session_out`).
         snapshot_bytes: 0,
-        auto_resume: false,
-        parent_session_id: String::new(),
+        auto_resume: s.auto_resume,
+        parent_session_id: s.parent_session.clone(),
     }
 }
 
@@ -209,6 +211,6 @@ pub fn usage_pb(u: &UsageRow) -> pb::UsageRecord {
         net_tx_packets: u.net.tx_packets,
         egress_denied_packets: u.net.denied_packets,
         dns_denied_queries: u.net.dns_denied,
-        snapshot_gib_seconds: 0.0,
+        snapshot_gib_seconds: u.snapshot_gib_ms / 1000.0,
     }
 }

@@ -32,8 +32,8 @@ impl Node for NodeApi {
             warm_pool_ready: self.0.pool.ready() as u32,
             memory_mib_limit: self.0.memory_limit_mib(),
             memory_overcommit_ratio: self.0.cfg.memory_overcommit_ratio,
-            snapshot_bytes_used: 0,
-            snapshot_bytes_quota: 0,
+            snapshot_bytes_used: self.0.layers.session_bytes()?,
+            snapshot_bytes_quota: self.0.cfg.snapshot_quota_mib << 20,
         }))
     }
 

@@ -7,7 +7,7 @@ use proto::hostagent::sessions_server::Sessions;
 use tonic::{Request, Response, Status};
 
 use super::listing::{check_labels, list_page};
-use super::{check_key, idempotent, owned_session, session_pb};
+use super::{check_key, idempotent, owned_session};
 use crate::auth::layer::caller_of;
 use crate::auth::Caller;
 use crate::error::{Error, Result};
@@ -123,6 +123,7 @@ fn create_params(
         session_env_digest: session_env.fingerprint(&mgr.fingerprint_key),
         session_env: Arc::new(session_env),
         resources: r.resources,
+        auto_resume: r.auto_resume,
     })
 }
 
@@ -135,7 +136,7 @@ impl Sessions for SessionsApi {
         let caller = caller_of(&req)?;
         let p = create_params(&self.0, &caller, req.into_inner())?;
         let row = self.0.create(p).await?;
-        Ok(Response::new(session_pb(&row)))
+        Ok(Response::new(self.0.session_out(&row)))
     }
 
     async fn get_session(
@@ -145,7 +146,7 @@ impl Sessions for SessionsApi {
         let caller = caller_of(&req)?;
         let id = req.into_inner().session_id;
         let sess = owned_session(&self.0, &caller, &id)?;
-        let mut out = session_pb(&sess.row());
+        let mut out = self.0.session_out(&sess.row());
         out.network = network_pb(&self.0, &id);
         Ok(Response::new(out))
     }
@@ -156,7 +157,7 @@ impl Sessions for SessionsApi {
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
         let caller = caller_of(&req)?;
         let page = list_page(&self.0.store, &caller, req.into_inner(), |row| {
-            let mut out = session_pb(row);
+            let mut out = self.0.session_out(row);
             out.network = network_pb(&self.0, &row.id);
             out
         })?;
@@ -183,7 +184,12 @@ impl Sessions for SessionsApi {
             "PauseSession"
         };
         self.on_session(call, method, |mgr, id| async move {
-            Ok(session_pb(&mgr.pause(&id, reason::REQUESTED).await?))
+            let row = if persist {
+                mgr.persist(&id, reason::REQUESTED).await?
+            } else {
+                mgr.pause(&id, reason::REQUESTED).await?
+            };
+            Ok(mgr.session_out(&row))
         })
         .await
     }
@@ -200,7 +206,7 @@ impl Sessions for SessionsApi {
         req: Request<pb::SessionCall>,
     ) -> Result<Response<pb::Session>, Status> {
         self.on_session(req, "ResumeSession", |mgr, id| async move {
-            Ok(session_pb(&mgr.resume(&id).await?))
+            Ok(mgr.session_out(&mgr.resume(&id).await?))
         })
         .await
     }
@@ -212,7 +218,7 @@ impl Sessions for SessionsApi {
         self.on_session(req, "SnapshotSession", |mgr, id| async move {
             let (row, dir, pages) = mgr.snapshot(&id).await?;
             Ok(pb::SnapshotSessionResponse {
-                session: Some(session_pb(&row)),
+                session: Some(mgr.session_out(&row)),
                 snapshot_dir: dir,
                 pages_written: pages,
             })
@@ -236,7 +242,7 @@ impl Sessions for SessionsApi {
             &format!("{}\0{}", r.session_id, r.snapshot_dir),
             async {
                 let row = mgr.restore_session(&r.session_id, &r.snapshot_dir).await?;
-                Ok(session_pb(&row))
+                Ok(mgr.session_out(&row))
             },
         )
         .await?;
@@ -292,7 +298,7 @@ impl Sessions for SessionsApi {
         req: Request<pb::SessionCall>,
     ) -> Result<Response<pb::Session>, Status> {
         self.on_session(req, "StopSession", |mgr, id| async move {
-            Ok(session_pb(&mgr.stop(&id, reason::REQUESTED).await?))
+            Ok(mgr.session_out(&mgr.stop(&id, reason::REQUESTED).await?))
         })
         .await
     }

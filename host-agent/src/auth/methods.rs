@@ -35,6 +35,7 @@ pub fn required(path: &str) -> Access {
             | "PauseSession"
             | "ResumeSession"
             | "SnapshotSession"
+            | "ForkSession"
             | "RestoreSession"
             | "StopSession"
             | "DeleteSession"
@@ -66,6 +67,11 @@ pub fn required(path: &str) -> Access {
         },
         "hostagent.v1.Usage" => match method {
             "ListUsage" => Needs(Read),
+            _ => Unknown,
+        },
+        // The node's snapshot storage, every session's layers included.
+        "hostagent.v1.Snapshots" => match method {
+            "ListLayers" | "CollectGarbage" => Needs(Admin),
             _ => Unknown,
         },
         "hostagent.v1.Node" => match method {

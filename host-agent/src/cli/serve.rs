@@ -36,6 +36,12 @@ pub struct ServeArgs {
     /// Warm VMs per image.
     #[arg(long)]
     warm_pool: Option<u32>,
+    /// Where the idle auto-pause puts a session: memory or disk.
+    #[arg(long, value_enum)]
+    idle_pause: Option<host_agent::config::IdlePause>,
+    /// Snapshot storage sessions may keep on this node, MiB (0: no quota).
+    #[arg(long)]
+    snapshot_quota_mib: Option<u64>,
     /// Default session TTL, seconds.
     #[arg(long)]
     default_ttl: Option<u64>,
@@ -156,6 +162,12 @@ pub async fn run_serve(a: ServeArgs) -> Result<(), String> {
     }
     if let Some(v) = a.warm_pool {
         cfg.warm_pool_size = v;
+    }
+    if let Some(v) = a.idle_pause {
+        cfg.idle_pause = v;
+    }
+    if let Some(v) = a.snapshot_quota_mib {
+        cfg.snapshot_quota_mib = v;
     }
     if let Some(v) = a.default_ttl {
         cfg.default_ttl_seconds = v;

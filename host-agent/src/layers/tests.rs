@@ -318,14 +318,14 @@ fn at_start_a_directory_no_layer_names_is_removed_and_a_lost_layer_is_named() {
     vmm_writes(layers.root(), "crashed-before-record");
     layers.check_at_start(std::slice::from_ref(&image)).unwrap();
     let g = store.layer_by_dir(&image.golden_dir).unwrap().unwrap();
-    assert_eq!(store.held_by("image:i").unwrap(), [g.id.clone()]);
+    assert_eq!(store.held_by("image:i").unwrap(), vec![g.id.clone()]);
     let names: Vec<String> = std::fs::read_dir(layers.root())
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     assert_eq!(
         names,
-        [g.id.clone()],
+        vec![g.id.clone()],
         "only the golden snapshot's link stays"
     );
     // A layer whose files went: its chain says which.

@@ -91,6 +91,17 @@ impl Manager {
             }
             let id = uuid::Uuid::new_v4().to_string();
             let now = now_ms();
+            // The session holds the layer its memory descends from, so the
+            // golden snapshot stays while the session may need it (a pause
+            // to disk writes a diff over it).
+            let base = match self.layers.golden(&image)? {
+                Some(g) => {
+                    self.layers
+                        .hold(&g.id, &crate::layers::session_holder(&id))?;
+                    g.id
+                }
+                None => String::new(),
+            };
             let row = SessionRow {
                 id: id.clone(),
                 image_id: image.id.clone(),
@@ -122,6 +133,8 @@ impl Manager {
                 owner: p.owner.clone(),
                 io_limits: image.io_limits.clone(),
                 resources: size.encode(),
+                base_layer: base,
+                auto_resume: p.auto_resume,
                 ..Default::default()
             };
             if !p.idempotency_key.is_empty() {

@@ -161,17 +161,30 @@ impl Manager {
             return Err(e);
         }
         let old = PathBuf::from(&image.golden_dir);
+        let old_layer = match image.golden_dir.as_str() {
+            "" => None,
+            dir => mgr.store.layer_by_dir(dir)?,
+        };
         mgr.store
             .set_golden(id, &golden.display().to_string(), now_ms())?;
         mgr.pool.drain(id);
-        if !image.golden_dir.is_empty() && old != golden {
-            // Sessions restored from the old snapshot keep their private
-            // mappings of the unlinked memory file.
-            let _ = std::fs::remove_dir_all(&old);
-        }
-        mgr.store
+        let image = mgr
+            .store
             .image(id)?
-            .ok_or_else(|| Error::not_found("image", id))
+            .ok_or_else(|| Error::not_found("image", id))?;
+        mgr.layers.golden(&image)?;
+        match old_layer {
+            // The old snapshot stays while sessions that may pause to disk
+            // (diffs over it) hold it; it goes when the last lets go.
+            Some(l) => mgr
+                .layers
+                .release(Some(&l.id), &crate::layers::image_holder(id))?,
+            None if !old.as_os_str().is_empty() && old != golden => {
+                let _ = std::fs::remove_dir_all(&old);
+            }
+            None => {}
+        }
+        Ok(image)
     }
 }
 

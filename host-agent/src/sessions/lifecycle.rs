@@ -187,6 +187,18 @@ impl Manager {
             self.store.insert_usage(&u)?;
         }
         drop(guard);
+        if is_terminal(to) {
+            // Over: nothing will restore it, so its snapshot layers go
+            // unless forks or images still descend from them.
+            for holder in [
+                crate::layers::session_holder(&sess.id),
+                crate::layers::snapshots_holder(&sess.id),
+            ] {
+                if let Err(e) = self.layers.release(None, &holder) {
+                    tracing::warn!(session = %sess.id, error = %e, "letting go of its snapshot layers");
+                }
+            }
+        }
         tracing::info!(session = %sess.id, seq, from = state_name(from), to = state_name(to), reason, detail, "transition");
         self.events.committed(seq);
         sess.state.send_replace(to);

@@ -2,12 +2,16 @@
 //! node lifetime and idle limits.
 
 use super::*;
+use crate::config::IdlePause;
 
 impl Manager {
     /// Writes one usage record for every metered, unfinished session.
     pub fn sample_usage(&self) {
         let now = now_ms();
         for sess in self.all() {
+            // Read before the session's lock is taken (the layer records
+            // are the database's).
+            let snapshot_bytes = self.layers.bytes_of_session(&sess.id);
             let mut i = sess.lock();
             let pid = i.vmm.as_ref().and_then(|v| v.sample_pid());
             let reading = net_usage::take_reading(&mut i);
@@ -17,6 +21,12 @@ impl Manager {
             }
             if let Some(r) = reading {
                 m.absorb_net(r);
+            }
+            match snapshot_bytes {
+                Ok(b) => m.set_snapshot_bytes(now, b),
+                Err(e) => {
+                    tracing::warn!(session = %sess.id, error = %e, "reading its snapshot storage")
+                }
             }
             let row = m.record(now, pid.and_then(read_sample));
             if let Err(e) = self.store.insert_usage(&row) {
@@ -63,7 +73,9 @@ impl Manager {
             let Some(why) = action else { continue };
             let mgr = self.clone();
             tokio::spawn(async move {
-                let r = if why == reason::IDLE {
+                let r = if why == reason::IDLE && mgr.cfg.idle_pause == IdlePause::Disk {
+                    mgr.persist(&sess.id, why).await.map(|_| ())
+                } else if why == reason::IDLE {
                     mgr.pause(&sess.id, why).await.map(|_| ())
                 } else {
                     mgr.stop(&sess.id, why).await.map(|_| ())

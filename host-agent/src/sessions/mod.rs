@@ -21,6 +21,7 @@ mod limits;
 mod net_usage;
 mod network;
 mod ops;
+mod persist;
 mod ports;
 mod recover;
 mod resolver;
@@ -94,6 +95,8 @@ pub struct CreateParams {
     pub session_env_digest: String,
     /// The session's size as asked (checked against the image at create).
     pub resources: Option<proto::hostagent::SessionResources>,
+    /// Exec and Files calls resume it when it is paused to disk.
+    pub auto_resume: bool,
 }
 
 impl CreateParams {
@@ -117,6 +120,9 @@ impl CreateParams {
                 " size:{}/{}/{}/{}",
                 r.vcpus, r.mem_mib, r.cpu_millis, r.disk_mib
             ));
+        }
+        if self.auto_resume {
+            f.push_str(" auto_resume");
         }
         // Only a keyed digest of the environment and secrets, and only when
         // there are some (so keys stored before them still match).
@@ -242,6 +248,8 @@ pub struct Manager {
     /// Keys the digest of CreateSession's env and secrets in idempotency
     /// fingerprints.
     pub fingerprint_key: crate::session_env::fingerprint::Key,
+    /// The node's snapshot layers.
+    pub layers: Arc<crate::layers::Layers>,
 }
 
 impl Manager {
@@ -271,6 +279,7 @@ impl Manager {
         )?;
         let store = Arc::new(Store::open(&cfg.state_dir.join("host-agent.db"))?);
         let fingerprint_key = crate::session_env::fingerprint::Key::load_or_create(&cfg.state_dir)?;
+        let layers = Arc::new(crate::layers::Layers::open(&cfg.state_dir, store.clone())?);
         let events = EventBus::new(&store)?;
         let vmm_path = cfg.vmm_path();
         let jail_uids = Arc::new(JailUids::new(cfg.jail.uid_range));
@@ -294,6 +303,7 @@ impl Manager {
             image_roots,
             repository_roots,
             fingerprint_key,
+            layers,
         }))
     }
 
@@ -346,7 +356,8 @@ impl Manager {
         self.all()
             .iter()
             .map(|s| s.lock())
-            .filter(|i| !is_terminal(i.row.state))
+            // A session paused to disk has no VM.
+            .filter(|i| !is_terminal(i.row.state) && !i.row.persisted)
             .fold((0, 0), |(c, m), i| {
                 let (vcpus, mem) = match resources::Resources::decode(&i.row.resources) {
                     Some(r) => (r.vcpus, r.mem_mib),
@@ -402,6 +413,17 @@ impl Manager {
             let i = s.lock();
             i.row.image_id == image && !is_terminal(i.row.state)
         })
+    }
+
+    /// Session `row` as the API reports it, with what the layer records
+    /// say of it (its snapshot storage).
+    pub fn session_out(&self, row: &SessionRow) -> proto::hostagent::Session {
+        let mut out = crate::api::session_pb(row);
+        out.snapshot_bytes = self.layers.bytes_of_session(&row.id).unwrap_or_else(|e| {
+            tracing::warn!(session = %row.id, error = %e, "reading its snapshot storage");
+            0
+        });
+        out
     }
 
     /// Records API activity on a session (for the idle timeout).

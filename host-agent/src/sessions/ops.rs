@@ -26,8 +26,9 @@ impl Manager {
         Ok(sess.row())
     }
 
-    /// Resumes a PAUSED session.
-    pub async fn resume(&self, id: &str) -> Result<SessionRow> {
+    /// Resumes a PAUSED session (one paused to disk: restored from its
+    /// snapshot layers).
+    pub async fn resume(self: &Arc<Self>, id: &str) -> Result<SessionRow> {
         let sess = self.session(id)?;
         let _op = sess.op.lock().await;
         let state = sess.row().state;
@@ -40,6 +41,10 @@ impl Manager {
                 state_name(state)
             )));
         }
+        if sess.row().persisted {
+            self.resume_from_disk(&sess, "resumed").await?;
+            return Ok(sess.row());
+        }
         let vmm = sess
             .vmm()
             .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
@@ -49,8 +54,9 @@ impl Manager {
         Ok(sess.row())
     }
 
-    /// Writes a full snapshot of the session (pausing it meanwhile); returns
-    /// the session, the snapshot directory and the pages written.
+    /// Writes a full snapshot of the session (pausing it meanwhile) as a
+    /// snapshot layer the session keeps until it is deleted; returns the
+    /// session, the layer's directory and the pages written.
     pub async fn snapshot(&self, id: &str) -> Result<(SessionRow, String, u64)> {
         let sess = self.session(id)?;
         let _op = sess.op.lock().await;
@@ -62,33 +68,28 @@ impl Manager {
                 state_name(state)
             )));
         }
+        if sess.row().persisted {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is paused to disk; resume it first"
+            )));
+        }
         let vmm = sess
             .vmm()
             .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
-        // A jailed vmm writes into its own run directory; both names of the place
-        // follow. Prepared before the pause, so a failure here changes nothing.
-        let (run_host, run_inside) =
-            supervisor::run_dirs(&PathBuf::from(sess.row().dir), vmm.jailed);
-        let snaps = run_host.join("snapshots");
-        let owner = vmm.jail_uid.filter(|_| vmm.jailed).map(|u| (u, u));
-        crate::safe_fs::ensure_dir(&snaps, owner)
-            .map_err(|e| Error::io(format!("preparing {}", snaps.display()), e))?;
+        let run_host = supervisor::run_dirs(&PathBuf::from(sess.row().dir), vmm.jailed).0;
         if was_running {
             vmm.pause().await?;
             self.transition(&sess, S::Paused, "snapshot", "")?;
         }
-        let name = format!("{}-{}", now_ms(), uuid::Uuid::new_v4().simple());
-        let dir = snaps.join(&name);
-        let mut result = vmm
-            .snapshot(
-                &run_inside.join("snapshots").join(&name),
-                SnapshotKind::Full,
-            )
+        let snaps = crate::layers::snapshots_holder(id);
+        let mut result = self
+            .write_layer(&sess, &vmm, crate::layers::kind::SNAPSHOT, true, &[&snaps])
             .await;
         // The disk goes with the memory (its page cache is in it), copied while
         // paused, to a place the vmm cannot write.
-        if result.is_ok() && !sess.lock().image.rootfs.is_empty() {
-            let kept = snapshot_disk(&PathBuf::from(sess.row().dir), &name);
+        let has_disk = !sess.lock().image.rootfs.is_empty();
+        if let (Ok(w), true) = (&result, has_disk) {
+            let kept = snapshot_disk(&PathBuf::from(sess.row().dir), &w.layer.id);
             let copied = match kept.parent() {
                 Some(p) => std::fs::create_dir_all(p)
                     .map_err(|e| Error::io(format!("creating {}", p.display()), e)),
@@ -100,7 +101,9 @@ impl Manager {
             };
             if let Err(e) = copied {
                 let _ = std::fs::remove_file(&kept);
-                let _ = std::fs::remove_dir_all(&dir);
+                // The layer stays the session's base (its vmm's memory
+                // descends from it); only the rollback target goes.
+                let _ = self.layers.release(Some(&w.layer.id), &snaps);
                 result = Err(e);
             }
         }
@@ -108,9 +111,9 @@ impl Manager {
             vmm.resume().await?;
             self.transition(&sess, S::Running, "snapshot", "")?;
         }
-        let pages = result?.pages_written;
+        let w = result?;
         self.touch(&sess);
-        Ok((sess.row(), dir.display().to_string(), pages))
+        Ok((sess.row(), w.layer.dir, w.pages))
     }
 
     /// Rolls a RUNNING or PAUSED session back to `snapshot_dir`, one of its own
@@ -151,11 +154,10 @@ impl Manager {
         }
         let dir = PathBuf::from(sess.row().dir);
         let (run_host, _) = supervisor::run_dirs(&dir, old.jailed);
-        let snapshot = own_snapshot(&run_host.join("snapshots"), snapshot_dir)?;
-        let name = snapshot
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let layer = self.own_snapshot(id, snapshot_dir)?;
+        let chain = self.layers.chain(&layer.id)?;
+        let snapshot = PathBuf::from(&layer.dir);
+        let name = layer.id.clone();
         let image = sess.lock().image.clone();
         // Stage the snapshot's disk copy where the vmm cannot reach it.
         let staged = dir.join(format!(".restore-{VM_DISK}"));
@@ -221,7 +223,7 @@ impl Manager {
             &image,
             &dir,
             false,
-            Source::Own(&name),
+            Source::Chain(&chain),
             old.jail_uid,
             netns.as_deref(),
         );
@@ -240,13 +242,23 @@ impl Manager {
             )
             .map_err(fail)?,
         );
+        // Its memory descends from the snapshot from here on.
+        let holder = crate::layers::session_holder(id);
+        let old_base = sess.row().base_layer;
+        self.layers.hold(&layer.id, &holder).map_err(fail)?;
         let recorded = {
             let mut i = sess.lock();
             i.vmm = Some(vmm.clone());
             i.row.vmm_pid = vmm.pid;
             i.row.vmm_start_ticks = vmm.start_ticks;
+            i.row.base_layer = layer.id.clone();
             self.store.put_session(&i.row)
         };
+        if !old_base.is_empty() && old_base != layer.id {
+            if let Err(e) = self.layers.release(Some(&old_base), &holder) {
+                tracing::warn!(session = %id, error = %e, "letting go of the old snapshot layer");
+            }
+        }
         self.watch_exit(sess.clone(), vmm.clone());
         let started = match recorded {
             Ok(()) => {
@@ -270,12 +282,22 @@ impl Manager {
     }
 
     /// Stops a session with `why` and waits until it is STOPPED (or FAILED).
-    pub async fn stop(&self, id: &str, why: &str) -> Result<SessionRow> {
+    /// A guest-init session paused to disk is resumed first, so its branch
+    /// comes back as usual (not on host-agent's shutdown).
+    pub async fn stop(self: &Arc<Self>, id: &str, why: &str) -> Result<SessionRow> {
         let sess = self.session(id)?;
         let _op = sess.op.lock().await;
         let state = sess.row().state;
         if is_terminal(state) {
             return Ok(sess.row());
+        }
+        if sess.row().persisted && sess.guest_init() && why != reason::HOST_AGENT_SHUTDOWN {
+            if let Err(e) = self.resume_from_disk(&sess, "stopping").await {
+                tracing::warn!(session = %id, error = %e, "resuming to fetch the branch before the stop");
+            }
+            if is_terminal(sess.row().state) {
+                return Ok(sess.row());
+            }
         }
         // A stop for what the guest sent says what that was.
         let detail = sess
@@ -348,39 +370,34 @@ impl Manager {
         }
         self.store.delete_session(id)?;
         self.map().remove(id);
+        // Its snapshot layers go, unless a fork or an image still needs them.
+        self.layers
+            .release(None, &crate::layers::session_holder(id))?;
+        self.layers
+            .release(None, &crate::layers::snapshots_holder(id))?;
         Ok(())
     }
 }
 
-/// `requested`, checked to name a snapshot directory directly under `snaps`
-/// (where SnapshotSession writes this session's snapshots). The check is on
-/// the name: the directory may belong to a jailed vmm, so nothing in it is
-/// followed here (the vmm validates the snapshot itself when it restores).
-pub(super) fn own_snapshot(snaps: &std::path::Path, requested: &str) -> Result<PathBuf> {
-    let not_ours = || {
-        Error::invalid(format!(
-            "snapshot_dir {requested:?} is not a snapshot of this session (use a snapshot_dir that \
-             SnapshotSession returned for it)"
-        ))
-    };
-    let path = std::path::Path::new(requested);
-    let name = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or_default();
-    let valid_name = !name.is_empty()
-        && name.len() <= 128
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
-    if !valid_name || path.parent() != Some(snaps) {
-        return Err(not_ours());
+impl Manager {
+    /// The snapshot layer of session `id` whose directory is `requested`
+    /// (a snapshot_dir SnapshotSession returned for it, which it keeps).
+    fn own_snapshot(&self, id: &str, requested: &str) -> Result<crate::layers::LayerRow> {
+        let not_ours = || {
+            Error::invalid(format!(
+                "snapshot_dir {requested:?} is not a snapshot of this session (use a snapshot_dir \
+                 that SnapshotSession returned for it)"
+            ))
+        };
+        for layer_id in self.store.held_by(&crate::layers::snapshots_holder(id))? {
+            if let Some(layer) = self.store.layer(&layer_id)? {
+                if layer.dir == requested {
+                    return Ok(layer);
+                }
+            }
+        }
+        Err(not_ours())
     }
-    let manifest = std::fs::symlink_metadata(path.join("manifest")).map_err(|_| not_ours())?;
-    if !manifest.is_file() {
-        return Err(not_ours());
-    }
-    Ok(path.to_path_buf())
 }
 
 /// Where the copy of a session's disk taken with snapshot `name` is kept:

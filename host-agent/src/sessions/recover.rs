@@ -10,6 +10,9 @@ impl Manager {
     /// processes; sessions whose vmm is gone become FAILED (vmm_crash).
     pub async fn recover(self: &Arc<Self>) -> Result<()> {
         Pool::clean_leftovers(&self.pool_dir());
+        // Before any session is looked at: their layers are checked against
+        // the files, and what nothing needs is deleted.
+        self.layers.check_at_start(&self.store.images()?)?;
         let rows = self.store.sessions()?;
         // Every uid a session that is not over holds stays its own, before
         // anything (the warm pool included) is handed one.
@@ -119,6 +122,15 @@ impl Manager {
             m.set_billable(row.ready_at, billable(state));
             sess.lock().meter = Some(m);
         }
+        if row.persisted {
+            // Paused to disk: no vmm to find. A crash between writing its
+            // layer and recording the pause leaves it RUNNING on record
+            // (its vmm, stopping then, is killed as an orphan below).
+            if state == S::Running as i32 || state == S::Ready as i32 {
+                self.transition(&sess, S::Paused, "reconciled", "paused to disk")?;
+            }
+            return Ok(());
+        }
         let vmm = supervisor::attach(row.vmm_pid, row.vmm_start_ticks, &PathBuf::from(&row.dir));
         let Some(vmm) = vmm else {
             let detail = "vmm process gone while host-agent was not running";
@@ -183,7 +195,7 @@ impl Manager {
     }
 
     /// Stops every live session with reason `host_agent_shutdown`.
-    pub async fn stop_all(&self) {
+    pub async fn stop_all(self: &Arc<Self>) {
         for sess in self.all() {
             if !is_terminal(sess.row().state) {
                 if let Err(e) = self.stop(&sess.id, reason::HOST_AGENT_SHUTDOWN).await {

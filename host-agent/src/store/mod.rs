@@ -57,13 +57,17 @@ fn image_from_row(r: &Row<'_>) -> rusqlite::Result<ImageRow> {
         golden_built_at: r.get(9)?,
         initrd: r.get(10)?,
         io_limits: r.get(11)?,
+        source_session: r.get(12)?,
     })
 }
+
+const IMAGE_COLS: &str = "id, kernel, rootfs, cmdline, mem_mib, vcpus, guest_init, golden_dir, \
+    created_at, golden_built_at, initrd, io_limits, source_session";
 
 const SESSION_COLS: &str = "id, image_id, state, execution_id, reason, detail, created_at, \
     ready_at, ended_at, vmm_pid, vmm_start_ticks, dir, ttl_s, idle_s, labels, branch, \
     head_commit, last_activity, repository, agent, base_ref, owner, jail_uid, io_limits, \
-    vm_addresses, resources";
+    vm_addresses, resources, base_layer, persisted, auto_resume, parent_session";
 
 fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
     let labels: String = r.get(14)?;
@@ -95,12 +99,17 @@ fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
         io_limits: r.get(23)?,
         vm_addresses: r.get(24)?,
         resources: r.get(25)?,
+        base_layer: r.get(26)?,
+        persisted: r.get(27)?,
+        auto_resume: r.get(28)?,
+        parent_session: r.get(29)?,
     })
 }
 
 const USAGE_COLS: &str = "seq, session_id, execution_id, interval_start, interval_end, \
     billed_ms, vcpu_ns, mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk, \
-    net_rx_bytes, net_rx_packets, net_tx_bytes, net_tx_packets, net_denied, dns_denied";
+    net_rx_bytes, net_rx_packets, net_tx_bytes, net_tx_packets, net_denied, dns_denied, \
+    snapshot_gib_ms";
 
 fn usage_from_row(r: &Row<'_>) -> rusqlite::Result<UsageRow> {
     Ok(UsageRow {
@@ -125,6 +134,7 @@ fn usage_from_row(r: &Row<'_>) -> rusqlite::Result<UsageRow> {
             denied_packets: r.get::<_, i64>(17)? as u64,
             dns_denied: r.get::<_, i64>(18)? as u64,
         },
+        snapshot_gib_ms: r.get(19)?,
     })
 }
 
@@ -165,7 +175,9 @@ impl Store {
     pub fn insert_image(&self, img: &ImageRow) -> Result<()> {
         let n = self.with(|c| {
             c.execute(
-                "INSERT OR IGNORE INTO images VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12)",
+                "INSERT OR IGNORE INTO images(id, kernel, rootfs, cmdline, mem_mib, vcpus, \
+                 guest_init, golden_dir, created_at, golden_built_at, initrd, io_limits, \
+                 source_session) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13)",
                 params![
                     img.id,
                     img.kernel,
@@ -178,7 +190,8 @@ impl Store {
                     img.created_at,
                     img.golden_built_at,
                     img.initrd,
-                    img.io_limits
+                    img.io_limits,
+                    img.source_session
                 ],
             )
         })?;
@@ -205,15 +218,19 @@ impl Store {
     /// Looks an image up.
     pub fn image(&self, id: &str) -> Result<Option<ImageRow>> {
         self.with(|c| {
-            c.query_row("SELECT * FROM images WHERE id=?1", [id], image_from_row)
-                .optional()
+            c.query_row(
+                &format!("SELECT {IMAGE_COLS} FROM images WHERE id=?1"),
+                [id],
+                image_from_row,
+            )
+            .optional()
         })
     }
 
     /// All images by id.
     pub fn images(&self) -> Result<Vec<ImageRow>> {
         self.with(|c| {
-            let mut st = c.prepare("SELECT * FROM images ORDER BY id")?;
+            let mut st = c.prepare(&format!("SELECT {IMAGE_COLS} FROM images ORDER BY id"))?;
             let rows = st.query_map([], image_from_row)?;
             rows.collect()
         })
@@ -324,8 +341,8 @@ impl Store {
                 "INSERT INTO usage(session_id, execution_id, interval_start, interval_end, billed_ms, \
                  vcpu_ns, mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk, \
                  net_rx_bytes, net_rx_packets, net_tx_bytes, net_tx_packets, net_denied, \
-                 dns_denied, owner) \
-                 VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18, \
+                 dns_denied, snapshot_gib_ms, owner) \
+                 VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19, \
                  COALESCE((SELECT owner FROM sessions WHERE id = ?1), 'legacy'))",
                 params![
                     u.session_id,
@@ -345,7 +362,8 @@ impl Store {
                     u.net.tx_bytes as i64,
                     u.net.tx_packets as i64,
                     u.net.denied_packets as i64,
-                    u.net.dns_denied as i64
+                    u.net.dns_denied as i64,
+                    u.snapshot_gib_ms
                 ],
             )?;
             Ok(c.last_insert_rowid() as u64)
@@ -515,7 +533,8 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
     c.execute(
         &format!(
             "INSERT OR REPLACE INTO sessions({SESSION_COLS}) VALUES \
-             (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21,?22,?23,?24,?25,?26)"
+             (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21,?22,?23,?24,?25,?26,\
+             ?27,?28,?29,?30)"
         ),
         params![
             s.id,
@@ -543,7 +562,11 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
             i64::from(s.jail_uid),
             s.io_limits,
             s.vm_addresses,
-            s.resources
+            s.resources,
+            s.base_layer,
+            s.persisted,
+            s.auto_resume,
+            s.parent_session
         ],
     )?;
     Ok(())

@@ -30,6 +30,9 @@ pub struct ImageRow {
     /// Its VMs' device rate limits, encoded by [`crate::io_limits::IoLimits`]
     /// (empty: none).
     pub io_limits: String,
+    /// For an image made from a session's snapshot: that session (its
+    /// golden snapshot is a layer of that session's chain).
+    pub source_session: String,
 }
 
 /// A session as persisted.
@@ -95,6 +98,15 @@ pub struct SessionRow {
     /// [`crate::sessions::resources::Resources`] (empty in a row from
     /// before sizes were recorded: the image's).
     pub resources: String,
+    /// The snapshot layer its memory descends from (the parent of its next
+    /// diff); empty for a session from before layers were recorded.
+    pub base_layer: String,
+    /// PAUSED to disk: no vmm; `base_layer` holds its memory.
+    pub persisted: bool,
+    /// Exec, Attach and Files calls resume it from disk.
+    pub auto_resume: bool,
+    /// The session it was forked from (or whose snapshot its image is).
+    pub parent_session: String,
 }
 
 /// One lifecycle event.
@@ -139,6 +151,8 @@ pub struct UsageRow {
     pub mem_alloc_gib_ms: f64,
     /// Cumulative GiB-milliseconds at resident size.
     pub mem_resident_gib_ms: f64,
+    /// Snapshot storage held for the session, GiB x ms, cumulative.
+    pub snapshot_gib_ms: f64,
     /// Cumulative disk bytes written.
     pub disk_bytes: u64,
     /// Last record of the session.

@@ -10,7 +10,8 @@ CREATE TABLE IF NOT EXISTS images(
   id TEXT PRIMARY KEY, kernel TEXT NOT NULL, rootfs TEXT NOT NULL, cmdline TEXT NOT NULL,
   mem_mib INTEGER NOT NULL, vcpus INTEGER NOT NULL, guest_init INTEGER NOT NULL,
   golden_dir TEXT NOT NULL, created_at INTEGER NOT NULL, golden_built_at INTEGER NOT NULL,
-  initrd TEXT NOT NULL DEFAULT '', io_limits TEXT NOT NULL DEFAULT '');
+  initrd TEXT NOT NULL DEFAULT '', io_limits TEXT NOT NULL DEFAULT '',
+  source_session TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS sessions(
   id TEXT PRIMARY KEY, image_id TEXT NOT NULL, state INTEGER NOT NULL, execution_id TEXT NOT NULL,
   reason TEXT NOT NULL, detail TEXT NOT NULL, created_at INTEGER NOT NULL, ready_at INTEGER NOT NULL,
@@ -20,7 +21,9 @@ CREATE TABLE IF NOT EXISTS sessions(
   repository TEXT NOT NULL, agent TEXT NOT NULL, base_ref TEXT NOT NULL,
   owner TEXT NOT NULL DEFAULT 'legacy', jail_uid INTEGER NOT NULL DEFAULT 0,
   io_limits TEXT NOT NULL DEFAULT '', vm_addresses TEXT NOT NULL DEFAULT '',
-  resources TEXT NOT NULL DEFAULT '');
+  resources TEXT NOT NULL DEFAULT '', base_layer TEXT NOT NULL DEFAULT '',
+  persisted INTEGER NOT NULL DEFAULT 0, auto_resume INTEGER NOT NULL DEFAULT 0,
+  parent_session TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS events(
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
   at INTEGER NOT NULL, from_state INTEGER NOT NULL, to_state INTEGER NOT NULL,
@@ -33,7 +36,8 @@ CREATE TABLE IF NOT EXISTS usage(
   owner TEXT NOT NULL DEFAULT 'legacy',
   net_rx_bytes INTEGER NOT NULL DEFAULT 0, net_rx_packets INTEGER NOT NULL DEFAULT 0,
   net_tx_bytes INTEGER NOT NULL DEFAULT 0, net_tx_packets INTEGER NOT NULL DEFAULT 0,
-  net_denied INTEGER NOT NULL DEFAULT 0, dns_denied INTEGER NOT NULL DEFAULT 0);
+  net_denied INTEGER NOT NULL DEFAULT 0, dns_denied INTEGER NOT NULL DEFAULT 0,
+  snapshot_gib_ms REAL NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS usage_session ON usage(session_id, seq);
 CREATE TABLE IF NOT EXISTS audit(
   session_id TEXT NOT NULL, guest_seq INTEGER NOT NULL, json TEXT NOT NULL,
@@ -119,6 +123,21 @@ pub(super) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     }
     if !has_column(conn, "sessions", "resources")? {
         conn.execute_batch("ALTER TABLE sessions ADD COLUMN resources TEXT NOT NULL DEFAULT '';")?;
+    }
+    // Snapshot layers: what a session's memory descends from, whether it
+    // is paused to disk, and where sessions and images came from.
+    for (table, column, ty) in [
+        ("sessions", "base_layer", "TEXT NOT NULL DEFAULT ''"),
+        ("sessions", "persisted", "INTEGER NOT NULL DEFAULT 0"),
+        ("sessions", "auto_resume", "INTEGER NOT NULL DEFAULT 0"),
+        ("sessions", "parent_session", "TEXT NOT NULL DEFAULT ''"),
+        ("images", "source_session", "TEXT NOT NULL DEFAULT ''"),
+        ("usage", "snapshot_gib_ms", "REAL NOT NULL DEFAULT 0"),
+    ] {
+        if !has_column(conn, table, column)? {
+            // Names and types are the constants just above.
+            conn.execute_batch(&format!("ALTER TABLE {table} ADD COLUMN {column} {ty};"))?;
+        }
     }
     // Sessions' labels outlive their rows, for watchers filtering events by
     // label (written with a session's first event since; a session deleted

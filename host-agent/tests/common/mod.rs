@@ -7,6 +7,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod capture;
+pub mod counts;
 pub mod fake_guest;
 pub mod netns;
 pub mod networked;

@@ -72,7 +72,7 @@ impl FilesApi {
         session_id: &str,
         execution_id: &str,
     ) -> Result<Arc<GuestConn>, Status> {
-        if !check_execution(&self.0, caller, session_id, execution_id)? {
+        if !check_execution(&self.0, caller, session_id, execution_id).await? {
             return Err(Error::FailedPrecondition(format!(
                 "session {session_id} runs an image without guest-init; there is no agent to reach its files"
             ))

@@ -1,0 +1,335 @@
+//! Sessions and their snapshot layers: writing a layer from a session's
+//! vmm (a diff over the layer its memory descends from, or a full
+//! snapshot), pausing a session to disk, and restoring it from its chain.
+
+use super::*;
+use crate::layers::{kind, session_holder, LayerRow, NewLayer, MAX_DIFF_CHAIN};
+
+/// A layer written from a session's vmm.
+pub(super) struct Written {
+    /// The new layer (the session's base from now on).
+    pub layer: LayerRow,
+    /// Pages of guest memory it holds.
+    pub pages: u64,
+    /// How long the vmm took to write it.
+    pub vmm_ms: f64,
+}
+
+impl Manager {
+    /// Has `sess`'s paused `vmm` write a snapshot and takes it in as a layer
+    /// of `kind`, held by the session (as its base) and by `also`: a diff
+    /// over the session's base, or a full snapshot when `full`, when the
+    /// base is unknown (a session from before layers) or when its chain is
+    /// [`MAX_DIFF_CHAIN`] long. The old base is let go (its layers stay
+    /// while anything else needs them). On failure nothing changes but a
+    /// removed partial snapshot.
+    pub(super) async fn write_layer(
+        &self,
+        sess: &Session,
+        vmm: &VmmProcess,
+        layer_kind: &str,
+        full: bool,
+        also: &[&str],
+    ) -> Result<Written> {
+        let row = sess.row();
+        let (run_host, run_inside) = supervisor::run_dirs(Path::new(&row.dir), vmm.jailed);
+        let snaps = run_host.join("snapshots");
+        let owner = vmm.jail_uid.filter(|_| vmm.jailed).map(|u| (u, u));
+        crate::safe_fs::ensure_dir(&snaps, owner)
+            .map_err(|e| Error::io(format!("preparing {}", snaps.display()), e))?;
+        let base = match row.base_layer.as_str() {
+            "" => None,
+            id => self.layers.chain(id).ok().map(|c| (c.len(), c)),
+        };
+        let parent = match base {
+            Some((depth, chain)) if !full && depth < MAX_DIFF_CHAIN => chain.last().cloned(),
+            _ => None,
+        };
+        let name = format!("{}-{}", now_ms(), uuid::Uuid::new_v4().simple());
+        let snap_kind = if parent.is_some() {
+            SnapshotKind::Diff
+        } else {
+            SnapshotKind::Full
+        };
+        let reply = vmm
+            .snapshot(&run_inside.join("snapshots").join(&name), snap_kind)
+            .await;
+        let written = snaps.join(&name);
+        let reply = match reply {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&written);
+                return Err(e);
+            }
+        };
+        let holder = session_holder(&sess.id);
+        let mut holders = vec![holder.as_str()];
+        holders.extend_from_slice(also);
+        let release: Vec<(&str, &str)> = if row.base_layer.is_empty() {
+            vec![]
+        } else {
+            vec![(holder.as_str(), row.base_layer.as_str())]
+        };
+        let layer = self.layers.adopt(
+            &written,
+            NewLayer {
+                kind: layer_kind,
+                parent: parent.as_ref(),
+                owner_session: &sess.id,
+                holders: &holders,
+                release: &release,
+            },
+        )?;
+        {
+            let mut i = sess.lock();
+            i.row.base_layer = layer.id.clone();
+            self.store.put_session(&i.row)?;
+        }
+        // A full snapshot frees the old chain unless something else holds it.
+        self.layers.collect(false)?;
+        tracing::info!(
+            session = %sess.id,
+            layer = %layer.id,
+            kind = layer_kind,
+            parent = %layer.parent,
+            bytes = layer.bytes,
+            pages = reply.pages_written,
+            "snapshot layer written"
+        );
+        Ok(Written {
+            pages: reply.pages_written,
+            vmm_ms: reply.ms,
+            layer,
+        })
+    }
+
+    /// Pauses session `id` to disk (`why`: requested or idle): a layer of
+    /// its memory is written, its vmm stopped; the session stays PAUSED
+    /// with `persisted` set, its disk and network where they are.
+    pub async fn persist(&self, id: &str, why: &str) -> Result<SessionRow> {
+        let sess = self.session(id)?;
+        let _op = sess.op.lock().await;
+        let row = sess.row();
+        if row.persisted {
+            return Ok(row);
+        }
+        let state = row.state;
+        let running = state == S::Running as i32 || state == S::Ready as i32;
+        if !running && state != S::Paused as i32 {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is {}; only a RUNNING or PAUSED session can be paused to disk",
+                state_name(state)
+            )));
+        }
+        let quota = self.cfg.snapshot_quota_mib << 20;
+        if quota > 0 {
+            let used = self.layers.session_bytes()?;
+            if used >= quota {
+                return Err(Error::ResourceExhausted(format!(
+                    "node snapshot storage: {} MiB of the {} MiB quota (snapshot_quota_mib) are \
+                     used; delete sessions or their snapshots first",
+                    used >> 20,
+                    quota >> 20
+                )));
+            }
+        }
+        let vmm = sess
+            .vmm()
+            .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
+        let t0 = Instant::now();
+        if running {
+            vmm.pause().await?;
+        }
+        let written = match self.write_layer(&sess, &vmm, kind::PAUSE, false, &[]).await {
+            Ok(w) => w,
+            Err(e) => {
+                if running {
+                    vmm.resume().await?;
+                }
+                return Err(e);
+            }
+        };
+        // The vmm goes: let go of it first, so its exit is not a crash.
+        {
+            let mut i = sess.lock();
+            i.vmm = None;
+            i.guest = None;
+            i.row.vmm_pid = 0;
+            i.row.vmm_start_ticks = 0;
+            i.row.persisted = true;
+            if let (Some(m), Some(s)) = (i.meter.as_mut(), vmm.sample_pid().and_then(read_sample)) {
+                m.observe(s);
+            }
+            self.store.put_session(&i.row)?;
+        }
+        if vmm.stop().await.is_err() {
+            vmm.kill();
+        }
+        if tokio::time::timeout(Duration::from_secs(10), vmm.wait())
+            .await
+            .is_err()
+        {
+            vmm.kill();
+            let _ = tokio::time::timeout(Duration::from_secs(10), vmm.wait()).await;
+        }
+        let run = supervisor::run_dirs(Path::new(&row.dir), vmm.jailed).0;
+        let _ = std::fs::remove_file(run.join("control.sock"));
+        let detail = format!(
+            "persisted: layer {} ({} bytes, {} pages; written in {:.0} ms) in {} ms",
+            written.layer.id,
+            written.layer.bytes,
+            written.pages,
+            written.vmm_ms,
+            t0.elapsed().as_millis()
+        );
+        if running {
+            self.transition(&sess, S::Paused, why, &detail)?;
+        } else {
+            self.note(&sess, "persisted", &detail)?;
+        }
+        Ok(sess.row())
+    }
+
+    /// Restores session `sess` (PAUSED to disk; its op lock held) from its
+    /// layers: RESTORING -> READY -> RUNNING with reason `why` and a new
+    /// execution id, the guest taken back over a new channel. A chain that
+    /// does not restore (a missing layer, a damaged file, a vmm that fails)
+    /// makes the session FAILED (restore_failed) with what went wrong.
+    pub(super) async fn resume_from_disk(
+        self: &Arc<Self>,
+        sess: &Arc<Session>,
+        why: &str,
+    ) -> Result<()> {
+        let row = sess.row();
+        let image = sess.lock().image.clone();
+        let jailed = row.jail_uid != 0;
+        if jailed != self.cfg.jailed() {
+            return Err(Error::FailedPrecondition(format!(
+                "session {} was paused to disk by a {} vmm but host-agent now runs {}; restart \
+                 host-agent with the jail setting the session started with to resume it",
+                row.id,
+                if jailed { "jailed" } else { "unjailed" },
+                if self.cfg.jailed() {
+                    "jailed"
+                } else {
+                    "unjailed (--no-jail)"
+                },
+            )));
+        }
+        let size = resources::Resources::decode(&row.resources);
+        let mem = size.map_or(image.mem_mib, |s| s.mem_mib);
+        let (_, mem_used) = self.used_resources();
+        let mem_limit = self.memory_limit_mib();
+        if mem_limit > 0 && mem_used + u64::from(mem) > mem_limit {
+            return Err(Error::ResourceExhausted(format!(
+                "node memory: {mem_used} MiB of {mem_limit} MiB are committed to live sessions; \
+                 resuming session {} needs {mem} MiB more",
+                row.id
+            )));
+        }
+        let t0 = Instant::now();
+        self.transition(sess, S::Restoring, why, "")?;
+        let fail = |e: Error| {
+            let _ = self.transition(sess, S::Failed, reason::RESTORE_FAILED, &e.to_string());
+            e
+        };
+        let chain = self.layers.chain(&row.base_layer).map_err(fail)?;
+        let execution_id = uuid::Uuid::new_v4().to_string();
+        {
+            let mut i = sess.lock();
+            if let Some(m) = i.meter.as_mut() {
+                m.set_execution_id(&execution_id);
+                m.new_process();
+            }
+            i.row.execution_id = execution_id;
+        }
+        let dir = PathBuf::from(&row.dir);
+        let run_host = supervisor::run_dirs(&dir, jailed).0;
+        if self.cfg.vsock_device && image.guest_init {
+            // The old vmm's socket: the new vmm binds its own at the same path.
+            let _ = std::fs::remove_file(self.cfg.vsock_path(&run_host));
+        }
+        let netns = sess.lock().network.as_ref().map(|n| n.netns.clone());
+        let uid = jailed.then_some(row.jail_uid);
+        let (args, mut jail) = restore_launch(
+            &self.cfg,
+            &image,
+            &dir,
+            false,
+            Source::Chain(&chain),
+            uid,
+            netns.as_deref(),
+        );
+        if let (Some(jail), Some(size)) = (jail.as_mut(), size) {
+            jail.cpu_max = size.cpu_max();
+        }
+        let vmm = Arc::new(
+            supervisor::spawn(
+                &self.vmm_path,
+                &dir,
+                args.into(),
+                jail.as_ref(),
+                netns.as_deref(),
+            )
+            .map_err(fail)?,
+        );
+        let recorded = {
+            let mut i = sess.lock();
+            i.vmm = Some(vmm.clone());
+            i.row.vmm_pid = vmm.pid;
+            i.row.vmm_start_ticks = vmm.start_ticks;
+            i.row.persisted = false;
+            self.store.put_session(&i.row)
+        };
+        let started = match recorded {
+            Ok(()) => {
+                supervisor::wait_for_state(&vmm, VmState::Running, Duration::from_secs(60)).await
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = started {
+            // Not watched yet: its exit is this failure, not a crash.
+            vmm.kill();
+            return Err(fail(e));
+        }
+        self.watch_exit(sess.clone(), vmm.clone());
+        let detail = format!(
+            "from {} snapshot layer(s) in {} ms",
+            chain.len(),
+            t0.elapsed().as_millis()
+        );
+        self.transition(sess, S::Ready, why, &detail)?;
+        self.transition(sess, S::Running, why, &detail)?;
+        metrics::restore_latency(t0.elapsed());
+        self.touch(sess);
+        if image.guest_init {
+            if let Err(e) = self.guest_channel(sess).await {
+                tracing::warn!(session = %sess.id, error = %e, "guest channel after resuming from disk (retried on the next exec)");
+            }
+        }
+        Ok(())
+    }
+
+    /// Session `id` ready for a call that reaches its guest: a session
+    /// paused to disk with `auto_resume` is resumed first (the caller has
+    /// checked the call's execution id against the persisted one: the call
+    /// was aimed at it); one without is refused.
+    pub async fn wake_for_call(self: &Arc<Self>, id: &str) -> Result<()> {
+        let sess = self.session(id)?;
+        let row = sess.row();
+        if !row.persisted {
+            return Ok(());
+        }
+        if !row.auto_resume {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is paused to disk; call ResumeSession first (or create sessions \
+                 with auto_resume)"
+            )));
+        }
+        let _op = sess.op.lock().await;
+        if sess.row().persisted {
+            self.resume_from_disk(&sess, "auto_resume").await?;
+        }
+        Ok(())
+    }
+}
