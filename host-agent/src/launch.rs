@@ -163,6 +163,18 @@ pub async fn prepare_disk(
     uid: Option<u32>,
     grow_to: u64,
 ) -> Result<()> {
+    prepare_disk_from(image, Path::new(&image.golden_dir), dir, uid, grow_to).await
+}
+
+/// [`prepare_disk`] from the disk kept in snapshot directory `snapshot`
+/// (a golden snapshot, or a snapshot layer that has one).
+pub async fn prepare_disk_from(
+    image: &ImageRow,
+    snapshot: &Path,
+    dir: &Path,
+    uid: Option<u32>,
+    grow_to: u64,
+) -> Result<()> {
     if image.rootfs.is_empty() {
         return Ok(());
     }
@@ -171,12 +183,7 @@ pub async fn prepare_disk(
         .map_err(|e| Error::io(format!("creating {}", run.display()), e))?;
     let owner = uid.map(|u| (u, u));
     let disk = run.join(VM_DISK);
-    copy_disk(
-        &Path::new(&image.golden_dir).join(GOLDEN_DISK),
-        &disk,
-        owner,
-    )
-    .await?;
+    copy_disk(&snapshot.join(GOLDEN_DISK), &disk, owner).await?;
     grow_disk(&disk, grow_to)
 }
 

@@ -196,9 +196,38 @@ impl Sessions for SessionsApi {
 
     async fn fork_session(
         &self,
-        _req: Request<pb::ForkSessionRequest>,
+        req: Request<pb::ForkSessionRequest>,
     ) -> Result<Response<pb::ForkSessionResponse>, Status> {
-        Err(Status::unimplemented("ForkSession is being built"))
+        let caller = caller_of(&req)?;
+        let r = req.into_inner();
+        check_key(&r.idempotency_key)?;
+        owned_session(&self.0, &caller, &r.session_id)?;
+        let labels = if r.labels.is_empty() {
+            None
+        } else {
+            Some(check_labels("labels", &r.labels)?)
+        };
+        let fp = format!("{:?}", (&r.session_id, r.count, &labels));
+        let mgr = self.0.clone();
+        let work = async {
+            let (source, made) = mgr
+                .fork(&r.session_id, r.count, labels, &caller.name)
+                .await?;
+            Ok(pb::ForkSessionResponse {
+                source: Some(mgr.session_out(&source)),
+                sessions: made.iter().map(|s| mgr.session_out(s)).collect(),
+            })
+        };
+        let answer = idempotent(
+            &self.0,
+            &caller,
+            &r.idempotency_key,
+            "ForkSession",
+            &fp,
+            work,
+        )
+        .await?;
+        Ok(Response::new(answer))
     }
 
     async fn resume_session(

@@ -44,6 +44,10 @@ impl Manager {
     /// Opens the guest channel and starts the session in guest-init:
     /// StartSession, the repository as a git bundle, then waits for Ready.
     pub(super) async fn start_guest(&self, sess: &Session) -> Result<GuestConn> {
+        let fork_of = sess.lock().fork_of.clone();
+        if let Some(origin) = fork_of {
+            return self.fork_guest(sess, &origin).await;
+        }
         let row = sess.row();
         let (secret_allowlist, secrets, env) = self.session_env_for(sess, &row).await?;
         let timeout = Duration::from_secs(self.cfg.guest_ready_timeout_seconds);
@@ -269,7 +273,7 @@ const ENTROPY_BYTES: usize = 64;
 
 /// Fresh random bytes for a guest's kernel CRNG: every VM is a restore of a
 /// snapshot, and guest-init reseeds from these before Ready.
-fn fresh_entropy() -> Result<Vec<u8>> {
+pub(super) fn fresh_entropy() -> Result<Vec<u8>> {
     let mut buf = vec![0u8; ENTROPY_BYTES];
     getrandom::fill(&mut buf).map_err(|e| {
         Error::io(

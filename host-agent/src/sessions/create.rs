@@ -291,10 +291,14 @@ impl Manager {
                 Err((e, _)) => return Err(e),
             }
         }
+        let from = match sess.lock().restore_from.as_ref().and_then(|c| c.last()) {
+            Some(top) => format!("from snapshot layer {}", top.id),
+            None => "from the golden snapshot".into(),
+        };
         Ok(if failures.is_empty() {
-            "from the golden snapshot".into()
+            from
         } else {
-            format!("from the golden snapshot ({})", failures.join("; "))
+            format!("{from} ({})", failures.join("; "))
         })
     }
 
@@ -448,7 +452,14 @@ impl Manager {
         }
         let size = resources::Resources::decode(&sess.row().resources);
         let grow_to = size.map_or(0, |s| s.disk_mib << 20);
-        prepare_disk(image, dir, uid, grow_to).await?;
+        // A fork's VM (or one of an image made from a session) restores a
+        // chain of layers, its disk the one kept with the top layer.
+        let chain = sess.lock().restore_from.clone();
+        let disk_from = match chain.as_ref().and_then(|c| c.last()) {
+            Some(top) => PathBuf::from(&top.dir),
+            None => PathBuf::from(&image.golden_dir),
+        };
+        crate::launch::prepare_disk_from(image, &disk_from, dir, uid, grow_to).await?;
         let netns = match grant {
             Some(grant) => Some(self.session_network(sess, dir, uid, grant).await?),
             None => None,
@@ -458,7 +469,10 @@ impl Manager {
             image,
             dir,
             false,
-            Source::Golden,
+            match &chain {
+                Some(chain) => Source::Chain(chain),
+                None => Source::Golden,
+            },
             uid,
             netns.as_deref(),
         );

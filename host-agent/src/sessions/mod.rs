@@ -15,6 +15,7 @@ mod asks;
 mod channel;
 mod create;
 mod exits;
+mod fork;
 mod golden;
 mod lifecycle;
 mod limits;
@@ -162,6 +163,13 @@ struct Inner {
     /// CreateSession until the session is started (or failed), then
     /// dropped, since guest-init keeps them from there.
     session_env: Option<Arc<SessionEnv>>,
+    /// Where its VM is restored from when not from the image's golden
+    /// snapshot: a chain of layers (a fork, an image made from a session),
+    /// its base first; the top layer holds the disk that goes with it.
+    restore_from: Option<Vec<crate::layers::LayerRow>>,
+    /// The session its guest becomes this one from (ForkSession instead of
+    /// StartSession on the guest channel).
+    fork_of: Option<fork::ForkOrigin>,
 }
 
 /// One session in memory.
@@ -461,6 +469,8 @@ impl Manager {
                 net_reading: None,
                 net_deny: vec![],
                 session_env: None,
+                restore_from: None,
+                fork_of: None,
             }),
             state,
         });

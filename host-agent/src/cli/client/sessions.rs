@@ -65,6 +65,15 @@ pub enum SessionsCmd {
     Delete { id: String },
     /// Write a snapshot of a session; prints its directory.
     Snapshot { id: String },
+    /// Make new sessions from a running or paused session; prints them.
+    Fork {
+        id: String,
+        /// How many (1..=64).
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, default_value = "")]
+        idempotency_key: String,
+    },
     /// Roll a session back to one of its snapshots.
     Restore { id: String, snapshot_dir: String },
     /// Replace a live session's egress allowlist and add denied blocks
@@ -180,6 +189,24 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
         SessionsCmd::Stop { id } => cl.stop_session(call(id)).await.map_err(st)?.into_inner(),
         SessionsCmd::Delete { id } => {
             cl.delete_session(call(id)).await.map_err(st)?;
+            return Ok(());
+        }
+        SessionsCmd::Fork {
+            id,
+            count,
+            idempotency_key,
+        } => {
+            let r = cl
+                .fork_session(pb::ForkSessionRequest {
+                    session_id: id,
+                    count,
+                    idempotency_key,
+                    labels: Default::default(),
+                })
+                .await
+                .map_err(st)?
+                .into_inner();
+            print_all(&r.sessions, out);
             return Ok(());
         }
         SessionsCmd::Snapshot { id } => {
