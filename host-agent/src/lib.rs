@@ -45,7 +45,7 @@ use std::time::Duration;
 use proto::hostagent::{
     approvals_server::ApprovalsServer, events_server::EventsServer, exec_server::ExecServer,
     images_server::ImagesServer, node_server::NodeServer, sessions_server::SessionsServer,
-    usage_server::UsageServer,
+    snapshots_server::SnapshotsServer, usage_server::UsageServer,
 };
 use tokio::net::TcpListener;
 
@@ -144,6 +144,9 @@ pub async fn serve(
         .set_serving::<UsageServer<api::usage::UsageApi>>()
         .await;
     health.set_serving::<NodeServer<api::node::NodeApi>>().await;
+    health
+        .set_serving::<SnapshotsServer<api::snapshots::SnapshotsApi>>()
+        .await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(proto::hostagent::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -181,7 +184,10 @@ pub async fn serve(
         ))
         .add_service(EventsServer::new(api::events::EventsApi(mgr.clone())))
         .add_service(UsageServer::new(api::usage::UsageApi(mgr.clone())))
-        .add_service(NodeServer::new(api::node::NodeApi(mgr.clone())));
+        .add_service(NodeServer::new(api::node::NodeApi(mgr.clone())))
+        .add_service(SnapshotsServer::new(api::snapshots::SnapshotsApi(
+            mgr.clone(),
+        )));
     let result = match listener {
         Listener::Tcp(l) => {
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);

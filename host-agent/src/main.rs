@@ -10,7 +10,7 @@ mod cli;
 
 use cli::client::{
     run_client, ApprovalsCmd, ClientTls, EventsCmd, ExecArgs, FilesCmd, ImagesCmd, SessionsCmd,
-    TurnsCmd,
+    SnapshotsCmd, TurnsCmd,
 };
 use cli::demo::{run_demo, DemoArgs};
 use cli::serve::{run_serve, ServeArgs};
@@ -99,6 +99,9 @@ enum Cmd {
         #[arg(long)]
         verify: bool,
     },
+    /// The node's snapshot layers: list them, collect those nothing holds.
+    #[command(subcommand)]
+    Snapshots(SnapshotsCmd),
 }
 
 fn main() -> ExitCode {

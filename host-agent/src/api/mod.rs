@@ -21,6 +21,7 @@ pub mod images;
 pub mod listing;
 pub mod node;
 pub mod sessions;
+pub mod snapshots;
 mod status;
 pub mod usage;
 

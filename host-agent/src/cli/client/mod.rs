@@ -1,6 +1,6 @@
 //! The operator client: the `images`, `sessions`, `events`, `usage`,
-//! `node`, `exec`, `turns`, `approvals`, `audit` and `files` subcommands over the
-//! gRPC API.
+//! `node`, `exec`, `turns`, `approvals`, `audit`, `files` and `snapshots`
+//! subcommands over the gRPC API.
 
 use std::path::PathBuf;
 
@@ -19,6 +19,7 @@ mod labels;
 mod node;
 mod session_env;
 mod sessions;
+mod snapshots;
 mod turns;
 mod usage;
 
@@ -28,6 +29,7 @@ pub use exec::ExecArgs;
 pub use files::FilesCmd;
 pub use images::ImagesCmd;
 pub use sessions::SessionsCmd;
+pub use snapshots::SnapshotsCmd;
 pub use turns::TurnsCmd;
 
 /// Client TLS settings from the global flags.
@@ -115,6 +117,7 @@ pub async fn run_client(
         Cmd::Approvals(c) => approvals::run(ch, bearer, out, c).await,
         Cmd::Files(c) => files::run(ch, bearer, out, c).await,
         Cmd::Audit { session, verify } => approvals::audit(ch, bearer, out, session, verify).await,
+        Cmd::Snapshots(c) => snapshots::run(ch, bearer, out, c).await,
     }
 }
 
