@@ -10,11 +10,77 @@ use super::{idempotent, image_pb};
 use crate::auth::layer::caller_of;
 use crate::error::Error;
 use crate::images::{valid_id, validate};
-use crate::sessions::{now_ms, Manager};
+use crate::sessions::{now_ms, FromSession, Manager};
 use crate::store::ImageRow;
 
 /// The Images service.
 pub struct ImagesApi(pub Arc<Manager>);
+
+impl ImagesApi {
+    /// RegisterImage from a session's snapshot (`from_session_id`).
+    async fn from_session(
+        &self,
+        caller: &crate::auth::Caller,
+        r: pb::RegisterImageRequest,
+    ) -> Result<Response<pb::Image>, Status> {
+        valid_id(&r.image_id)?;
+        let set: Vec<&str> = [
+            ("kernel_path", !r.kernel_path.is_empty()),
+            ("rootfs_path", !r.rootfs_path.is_empty()),
+            ("initrd_path", !r.initrd_path.is_empty()),
+            ("cmdline", !r.cmdline.is_empty()),
+            ("mem_mib", r.mem_mib != 0),
+            ("vcpus", r.vcpus != 0),
+            ("guest_init", r.guest_init),
+        ]
+        .into_iter()
+        .filter(|(_, given)| *given)
+        .map(|(name, _)| name)
+        .collect();
+        if !set.is_empty() {
+            return Err(Error::invalid(format!(
+                "{} must be left empty with from_session_id: an image made from a session \
+                 takes them from the session's image",
+                set.join(", ")
+            ))
+            .into());
+        }
+        let io_limits = match &r.io_limits {
+            Some(l) => Some(crate::io_limits::IoLimits::from_pb(Some(l))?.encode()),
+            None => None,
+        };
+        let fp = format!(
+            "{:?}",
+            (
+                &r.image_id,
+                &r.from_session_id,
+                &r.from_snapshot_dir,
+                &r.io_limits
+            )
+        );
+        let mgr = &self.0;
+        let img = idempotent(
+            mgr,
+            caller,
+            &r.idempotency_key,
+            "RegisterImage",
+            &fp,
+            async {
+                let row = mgr
+                    .image_from_session(FromSession {
+                        image_id: r.image_id.clone(),
+                        session_id: r.from_session_id.clone(),
+                        snapshot_dir: r.from_snapshot_dir.clone(),
+                        io_limits,
+                    })
+                    .await?;
+                Ok(image_pb(&row))
+            },
+        )
+        .await?;
+        Ok(Response::new(img))
+    }
+}
 
 #[tonic::async_trait]
 impl Images for ImagesApi {
@@ -24,6 +90,15 @@ impl Images for ImagesApi {
     ) -> Result<Response<pb::Image>, Status> {
         let caller = caller_of(&req)?;
         let r = req.into_inner();
+        if !r.from_session_id.is_empty() {
+            return self.from_session(&caller, r).await;
+        }
+        if !r.from_snapshot_dir.is_empty() {
+            return Err(Error::invalid(
+                "from_snapshot_dir needs from_session_id (the session it is a snapshot of)",
+            )
+            .into());
+        }
         let fp = format!(
             "{:?}",
             (

@@ -28,8 +28,11 @@ impl Manager {
             disk_bytes,
             self.cfg.jailed(),
         )?;
-        // Warm VMs are restored with the image's limits and size.
-        let warm = limits.encode() == image.io_limits && size.is_image_default(&image, disk_bytes);
+        // Warm VMs are restored with the image's limits and size (an image
+        // made from a session has none).
+        let warm = limits.encode() == image.io_limits
+            && size.is_image_default(&image, disk_bytes)
+            && image.source_session.is_empty();
         let image = ImageRow {
             io_limits: limits.encode(),
             ..image
@@ -146,7 +149,26 @@ impl Manager {
                     now,
                 )?;
             }
+            // Made from a session's snapshot: its chain of layers (checked
+            // before anything is recorded), and the guest becomes this
+            // session as a fork does.
+            let template = match image.source_session.is_empty() {
+                true => None,
+                false => Some(self.layers.chain(&row.base_layer).inspect_err(|_| {
+                    let holder = crate::layers::session_holder(&row.id);
+                    let _ = self.layers.release(Some(&row.base_layer), &holder);
+                })?),
+            };
             let sess = self.insert_session(row, image.clone());
+            if let Some(chain) = template {
+                let mut i = sess.lock();
+                i.restore_from = Some(chain);
+                i.fork_of = Some(super::fork::ForkOrigin {
+                    parent_session_id: image.source_session.clone(),
+                    ..Default::default()
+                });
+                i.row.parent_session = image.source_session.clone();
+            }
             sess.hold_session_env(p.session_env.clone());
             self.transition(&sess, S::Pending, "created", "")?;
             sess

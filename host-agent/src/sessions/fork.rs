@@ -185,7 +185,7 @@ impl Manager {
     /// The layer forks of `src` restore, with the disk that goes with it: a
     /// diff written now while the source is paused (it resumes after), or,
     /// for a session paused to disk, the layer it is kept in.
-    async fn fork_layer(
+    pub(super) async fn fork_layer(
         &self,
         src: &Session,
         row: &SessionRow,

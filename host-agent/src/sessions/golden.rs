@@ -40,6 +40,13 @@ impl Manager {
             .store
             .image(id)?
             .ok_or_else(|| Error::not_found("image", id))?;
+        if !image.source_session.is_empty() {
+            return Err(Error::FailedPrecondition(format!(
+                "image {id:?} was made from session {}: its golden snapshot is that session's; \
+                 register a new image to boot one",
+                image.source_session
+            )));
+        }
         // The files are read now: check them again (the roots may have changed
         // since registration, or a path in them been replaced by a link).
         resolve_files(&mut image, &mgr.image_roots)?;

@@ -27,6 +27,7 @@ mod ports;
 mod recover;
 mod resolver;
 pub mod resources;
+mod template;
 mod turns;
 mod warm;
 
@@ -38,6 +39,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+pub use template::FromSession;
 pub use turns::{check_turn_id, Killed, MAX_TURN_ID_BYTES};
 
 use proto::guest::{

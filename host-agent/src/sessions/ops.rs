@@ -382,7 +382,11 @@ impl Manager {
 impl Manager {
     /// The snapshot layer of session `id` whose directory is `requested`
     /// (a snapshot_dir SnapshotSession returned for it, which it keeps).
-    fn own_snapshot(&self, id: &str, requested: &str) -> Result<crate::layers::LayerRow> {
+    pub(super) fn own_snapshot(
+        &self,
+        id: &str,
+        requested: &str,
+    ) -> Result<crate::layers::LayerRow> {
         let not_ours = || {
             Error::invalid(format!(
                 "snapshot_dir {requested:?} is not a snapshot of this session (use a snapshot_dir \

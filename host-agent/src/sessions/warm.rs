@@ -106,7 +106,12 @@ impl Manager {
         let Ok(images) = self.store.images() else {
             return;
         };
-        for image in images.into_iter().filter(|i| !i.golden_dir.is_empty()) {
+        // An image made from a session restores a chain of layers and
+        // becomes each session on ForkSession: it has no warm VMs.
+        for image in images
+            .into_iter()
+            .filter(|i| !i.golden_dir.is_empty() && i.source_session.is_empty())
+        {
             if self.network.is_none() && has_network(&image) {
                 // Its VMs cannot be restored here; CreateSession says why.
                 continue;

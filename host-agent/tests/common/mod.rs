@@ -43,6 +43,14 @@ pub fn check_usage_chain(recs: &[pb::UsageRecord]) {
     }
 }
 
+/// Writes `data` over the start of the file at `path` (a VM's disk),
+/// leaving its length.
+pub fn write_at_start(path: &Path, data: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all_at(data, 0).unwrap();
+}
+
 /// A 4 MiB "root disk" with data at both ends and a hole between.
 pub fn rootfs(dir: &Path) -> PathBuf {
     let path = dir.join("rootfs.img");
