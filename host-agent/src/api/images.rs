@@ -18,7 +18,7 @@ pub struct ImagesApi(pub Arc<Manager>);
 
 impl ImagesApi {
     /// RegisterImage from a session's snapshot (`from_session_id`).
-    async fn from_session(
+    async fn register_from_session(
         &self,
         caller: &crate::auth::Caller,
         r: pb::RegisterImageRequest,
@@ -91,7 +91,7 @@ impl Images for ImagesApi {
         let caller = caller_of(&req)?;
         let r = req.into_inner();
         if !r.from_session_id.is_empty() {
-            return self.from_session(&caller, r).await;
+            return self.register_from_session(&caller, r).await;
         }
         if !r.from_snapshot_dir.is_empty() {
             return Err(Error::invalid(
