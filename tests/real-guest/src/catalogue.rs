@@ -65,6 +65,8 @@ pub const GROUPS: &[Group] = &[
             "node-secrets",
             "node-clones",
             "node-agent-api",
+            "node-persist",
+            "node-fork",
             "node-sizing",
             "pool-timing",
         ],

@@ -4,8 +4,9 @@
 //! a commit, the branch fetched back at Stop, the audit chain, usage), a
 //! session's secrets and environment (`secrets`), two clones of one golden
 //! snapshot that are two machines (`clones`), the Files service and
-//! terminal execs in a real guest (`agent_api`), a session sized below its
-//! image (`sizing`), and how long
+//! terminal execs in a real guest (`agent_api`), a session paused to disk
+//! and resumed (`persist`), a session forked into two (`fork`), a session
+//! sized below its image (`sizing`), and how long
 //! CreateSession takes from a warm VM and from the golden snapshot.
 
 use std::path::{Path, PathBuf};
@@ -22,14 +23,18 @@ use crate::inner::{Check, Ctx};
 
 mod agent_api;
 mod clones;
+mod fork;
 mod host_agent;
+mod persist;
 mod records;
 mod secrets;
 mod sizing;
 
 pub use agent_api::agent_api;
 pub use clones::clones;
+pub use fork::fork;
 pub use host_agent::HostAgent;
+pub use persist::persist;
 use records::{audit_agrees, usage_covers};
 pub use secrets::secrets;
 pub use sizing::sizing;
