@@ -593,6 +593,23 @@ mod tests {
     }
 
     #[test]
+    fn the_idle_pause_and_snapshot_quota_read_from_the_file() {
+        let cfg: Config =
+            serde_json::from_str(r#"{"idle_pause": "disk", "snapshot_quota_mib": 64}"#).unwrap();
+        assert_eq!(
+            (cfg.idle_pause, cfg.snapshot_quota_mib),
+            (IdlePause::Disk, 64)
+        );
+        let cfg: Config = serde_json::from_str("{}").unwrap();
+        assert_eq!(
+            (cfg.idle_pause, cfg.snapshot_quota_mib),
+            (IdlePause::Memory, 0)
+        );
+        let err = serde_json::from_str::<Config>(r#"{"idle_pause": "swap"}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown variant"), "{err}");
+    }
+
+    #[test]
     fn the_overcommit_ratio_and_ask_timeout_are_checked() {
         let cfg: Config =
             serde_json::from_str(r#"{"memory_overcommit_ratio": 1.5, "ask_timeout_seconds": 60}"#)

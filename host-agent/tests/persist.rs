@@ -309,3 +309,27 @@ async fn a_damaged_or_missing_layer_fails_the_resume_with_restore_failed() {
     );
     assert!(Path::new(&agent.state_dir()).exists());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_idle_pause_goes_to_disk_on_a_node_that_says_so() {
+    let agent = Agent::start(&["--idle-pause", "disk"]);
+    guest_image(&agent, "count", "counter", "interval=20000", 32).await;
+    let s = agent
+        .sessions()
+        .await
+        .create_session(pb::CreateSessionRequest {
+            image_id: "count".into(),
+            limits: Some(pb::Limits {
+                ttl_seconds: 0,
+                idle_timeout_seconds: 1,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let p = agent.wait_state(&s.session_id, S::Paused).await;
+    assert_eq!(p.reason, "idle");
+    assert!(p.persisted, "paused to disk: {p:?}");
+    assert!(gone(s.vmm_pid), "its vmm is gone");
+}
