@@ -10,7 +10,7 @@
 use proto::hostagent as pb;
 use tonic::transport::Channel;
 
-use super::persist::{bounded, remove_sessions};
+use super::persist::{bounded, record_vmm, remove_sessions};
 use super::sizing::open_repository;
 use super::{agent, create_running, exec, expect_ok, keep_logs, HostAgent};
 use crate::inner::{Check, Ctx};
@@ -19,7 +19,7 @@ use crate::inner::{Check, Ctx};
 const FORKS: u32 = 2;
 /// The file the source commits, and what it holds.
 const FILE: &str = "forked.txt";
-const TEXT: &str = "committed by the fork's source";
+const TEXT: &str = "committed by the source before the fork";
 /// A command that prints 32 bytes of /dev/urandom as 64 hex digits.
 const URANDOM: &str = "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'";
 
@@ -41,7 +41,7 @@ fn fork_flow(ctx: &mut Ctx) -> Check {
     let ch = a.channel()?;
     let (source, _) = create_running(a, &ch, &repo)?;
     let mut made = vec![source.session_id.clone()];
-    let checked = fork_checks(a, &ch, &source, &mut made);
+    let checked = fork_checks(a, &ch, &source, &mut made, &ctx.out);
     keep_logs(ctx);
     let removed = remove_sessions(a, &ch, &made);
     let note = checked?;
@@ -70,7 +70,13 @@ async fn urandom(ch: &Channel, s: &pb::Session) -> Result<String, String> {
 
 /// The whole check on the RUNNING session `source`; the forks' ids are
 /// added to `made` as soon as they exist.
-fn fork_checks(a: &HostAgent, ch: &Channel, source: &pb::Session, made: &mut Vec<String>) -> Check {
+fn fork_checks(
+    a: &HostAgent,
+    ch: &Channel,
+    source: &pb::Session,
+    made: &mut Vec<String>,
+    out: &std::path::Path,
+) -> Check {
     let src = source.session_id.clone();
     let head = a.block_on(async {
         let script = format!("printf '%s\\n' '{TEXT}' > {FILE}");
@@ -137,7 +143,14 @@ fn fork_checks(a: &HostAgent, ch: &Channel, source: &pb::Session, made: &mut Vec
     // in either; then the source's next read.
     let mut reads = Vec::new();
     for f in &forked.sessions {
-        reads.push(a.block_on(urandom(ch, f))?);
+        let read = a.block_on(urandom(ch, f)).map_err(|e| {
+            format!(
+                "the first command in fork {} (RUNNING): {e}{}",
+                f.session_id,
+                record_vmm(out, &format!("node-fork-{}", f.session_id), f.vmm_pid)
+            )
+        })?;
+        reads.push(read);
     }
     let source_read = a.block_on(urandom(ch, source))?;
     if reads[0] == reads[1] {

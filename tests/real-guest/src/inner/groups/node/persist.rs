@@ -8,6 +8,7 @@
 //! stepped by guest-init to the host's time. The session is stopped and
 //! deleted afterwards, passed or not.
 
+use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use proto::hostagent as pb;
@@ -45,7 +46,7 @@ fn persist_flow(ctx: &mut Ctx) -> Check {
     let a = ctx.fixtures.agent.as_ref().ok_or("no host-agent")?;
     let ch = a.channel()?;
     let (s, _) = create_running(a, &ch, &repo)?;
-    let checked = persist_checks(a, &ch, &s);
+    let checked = persist_checks(a, &ch, &s, &ctx.out);
     // The consoles and vmm logs (the old vmm's and the restored one's)
     // before the session's directory goes.
     keep_logs(ctx);
@@ -107,7 +108,7 @@ pub(super) async fn bounded<T>(
 }
 
 /// The whole check on the RUNNING session `s`.
-fn persist_checks(a: &HostAgent, ch: &Channel, s: &pb::Session) -> Check {
+fn persist_checks(a: &HostAgent, ch: &Channel, s: &pb::Session, out: &Path) -> Check {
     let id = s.session_id.clone();
     let token = format!("{TEXT} {id}");
     let mem_mib = s.resources.as_ref().map_or(512, |r| r.mem_mib);
@@ -203,7 +204,14 @@ fn persist_checks(a: &HostAgent, ch: &Channel, s: &pb::Session) -> Check {
         ));
     }
     let (kept, after, elapsed, wall) = a.block_on(async {
-        let r = exec(ch.clone(), &resumed, &["cat", FILE]).await?;
+        let r = exec(ch.clone(), &resumed, &["cat", FILE])
+            .await
+            .map_err(|e| {
+                format!(
+                    "the first command after ResumeSession (RUNNING, restored from disk): {e}{}",
+                    record_vmm(out, "node-persist-resumed-vmm", resumed.vmm_pid)
+                )
+            })?;
         expect_ok(&format!("cat {FILE} after the resume"), &r)?;
         let from = node_now();
         let after = read_clocks(ch, &resumed).await?;
@@ -256,6 +264,18 @@ fn persist_checks(a: &HostAgent, ch: &Channel, s: &pb::Session) -> Check {
          advanced {mono:.2} s and its wall clock {real:.2} s, to the node's time",
         layer as f64 / f64::from(1 << 20)
     ))
+}
+
+/// Records what the session's vmm `pid` is doing (threads, kernel stacks,
+/// KVM exits: [`crate::inner::hang::report`]) in `out/<name>.hang`; says
+/// where, for a failure message.
+pub(super) fn record_vmm(out: &Path, name: &str, pid: u32) -> String {
+    let path = out.join(format!("{name}.hang"));
+    let report = crate::inner::hang::report(pid);
+    match std::fs::write(&path, report) {
+        Ok(()) => format!("; vmm {pid}'s threads and KVM exits in {}", path.display()),
+        Err(e) => format!("; vmm {pid} not recorded: {e}"),
+    }
 }
 
 /// Stops (unless STOPPED or FAILED) and deletes each session in `ids`,
