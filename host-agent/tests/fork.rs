@@ -33,34 +33,20 @@ fn call(id: &str) -> pb::SessionCall {
     }
 }
 
-/// The counter guest with a disk, counting every 20000.
-async fn counting_disk_image(agent: &Agent, rootfs: &std::path::Path) {
-    let mut im = agent.images().await;
-    im.register_image(pb::RegisterImageRequest {
-        image_id: "count".into(),
-        kernel_path: counter_kernel(),
-        rootfs_path: rootfs.display().to_string(),
-        cmdline: "interval=20000".into(),
-        mem_mib: 32,
-        vcpus: 1,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
-        image_id: "count".into(),
-        settle_ms: 50,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_makes_sessions_that_go_on_from_the_source() {
     let t = tempfile::tempdir().unwrap();
     let agent = Agent::start(&[]);
-    counting_disk_image(&agent, &rootfs(t.path())).await;
+    let disk = rootfs(t.path());
+    test_guest_image(
+        &agent,
+        "count",
+        "counter",
+        "interval=20000",
+        32,
+        Some(&disk),
+    )
+    .await;
     let s = agent.create("count", "").await;
     let src_log = run_dir(&agent, &s.session_id).join("serial.log");
     wait_for_counts(&src_log, 0, 3);

@@ -43,29 +43,6 @@ fn gone(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.contains(") Z "))
 }
 
-/// Registers test guest `guest` as image `id` with `cmdline` and memory,
-/// and builds its golden snapshot.
-async fn guest_image(agent: &Agent, id: &str, guest: &str, cmdline: &str, mem_mib: u32) {
-    let mut im = agent.images().await;
-    im.register_image(pb::RegisterImageRequest {
-        image_id: id.into(),
-        kernel_path: test_harness::guests::path(guest).display().to_string(),
-        cmdline: cmdline.into(),
-        mem_mib,
-        vcpus: 1,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
-        image_id: id.into(),
-        settle_ms: 50,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-}
-
 /// The layer directories in the store (not the golden snapshots' links).
 fn layer_dirs(agent: &Agent) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(agent.state_dir().join("layers"))
@@ -80,7 +57,7 @@ fn layer_dirs(agent: &Agent) -> Vec<PathBuf> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_paused_to_disk_lets_its_vmm_go_and_resumes_where_it_was() {
     let mut agent = Agent::start(&["--usage-interval-ms", "200"]);
-    guest_image(&agent, "count", "counter", "interval=20000", 32).await;
+    test_guest_image(&agent, "count", "counter", "interval=20000", 32, None).await;
     let s = agent.create("count", "").await;
     let log = serial_log(&agent, &s.session_id);
     wait_for_counts(&log, 0, 2);
@@ -198,8 +175,8 @@ async fn a_session_paused_to_disk_lets_its_vmm_go_and_resumes_where_it_was() {
 async fn the_snapshot_follows_the_dirtied_pages_and_the_quota_bounds_them() {
     let agent = Agent::start(&["--snapshot-quota-mib", "8"]);
     // 10 % of 128 MiB dirtied over and over.
-    guest_image(&agent, "dirty", "dirtier", "permille=100", 128).await;
-    guest_image(&agent, "count", "counter", "interval=20000", 32).await;
+    test_guest_image(&agent, "dirty", "dirtier", "permille=100", 128, None).await;
+    test_guest_image(&agent, "count", "counter", "interval=20000", 32, None).await;
     let d = agent.create("dirty", "").await;
     let other = agent.create("count", "").await;
     // How many pages it dirties, it said at boot (the golden build's console).
@@ -268,7 +245,7 @@ async fn the_snapshot_follows_the_dirtied_pages_and_the_quota_bounds_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_damaged_or_missing_layer_fails_the_resume_with_restore_failed() {
     let agent = Agent::start(&[]);
-    guest_image(&agent, "count", "counter", "interval=20000", 32).await;
+    test_guest_image(&agent, "count", "counter", "interval=20000", 32, None).await;
     let mut c = agent.sessions().await;
 
     // A state file with a flipped byte: its checksum (CRC-64) does not match.
@@ -313,7 +290,7 @@ async fn a_damaged_or_missing_layer_fails_the_resume_with_restore_failed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_idle_pause_goes_to_disk_on_a_node_that_says_so() {
     let agent = Agent::start(&["--idle-pause", "disk"]);
-    guest_image(&agent, "count", "counter", "interval=20000", 32).await;
+    test_guest_image(&agent, "count", "counter", "interval=20000", 32, None).await;
     let s = agent
         .sessions()
         .await

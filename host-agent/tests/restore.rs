@@ -23,25 +23,16 @@ async fn a_session_rolls_back_to_its_own_snapshot() {
     original[..5].copy_from_slice(b"first");
     std::fs::write(&rootfs, &original).unwrap();
     let agent = Agent::start(&["--usage-interval-ms", "200"]);
+    test_guest_image(
+        &agent,
+        "count",
+        "counter",
+        "interval=20000",
+        32,
+        Some(&rootfs),
+    )
+    .await;
     let mut im = agent.images().await;
-    im.register_image(pb::RegisterImageRequest {
-        image_id: "count".into(),
-        kernel_path: counter_kernel(),
-        rootfs_path: rootfs.display().to_string(),
-        cmdline: "interval=20000".into(),
-        mem_mib: 32,
-        vcpus: 1,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
-        image_id: "count".into(),
-        settle_ms: 50,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
     let s = agent.create("count", "").await;
     let dir = agent.state_dir().join("sessions").join(&s.session_id);
     // The vmm is jailed (host-agent's default): its files are in its run directory.

@@ -44,25 +44,9 @@ fn layer_dirs(agent: &Agent) -> Vec<PathBuf> {
 async fn an_image_made_from_a_session_starts_every_session_from_it() {
     let t = tempfile::tempdir().unwrap();
     let agent = Agent::start(&[]);
+    let disk = rootfs(t.path());
+    test_guest_image(&agent, "base", "counter", "interval=20000", 32, Some(&disk)).await;
     let mut im = agent.images().await;
-    im.register_image(pb::RegisterImageRequest {
-        image_id: "base".into(),
-        kernel_path: counter_kernel(),
-        rootfs_path: rootfs(t.path()).display().to_string(),
-        cmdline: "interval=20000".into(),
-        mem_mib: 32,
-        vcpus: 1,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
-        image_id: "base".into(),
-        settle_ms: 50,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
     let s = agent.create("base", "").await;
     let log = run_dir(&agent, &s.session_id).join("serial.log");
     wait_for_counts(&log, 0, 3);

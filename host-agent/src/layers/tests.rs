@@ -47,6 +47,33 @@ fn golden_dir(images: &Path, image: &str, n: u32) -> String {
     dir.display().to_string()
 }
 
+/// A diff of `kind` over session `s`'s base, written as `name`, which
+/// becomes its base (as the session code does).
+fn diff_over_base(
+    layers: &Layers,
+    run: &Path,
+    name: &str,
+    layer_kind: &str,
+    m: &Model,
+    s: &str,
+) -> LayerRow {
+    let base = layers.get(&m.base[s]).unwrap();
+    let holder = session_holder(s);
+    let written = vmm_writes(run, name);
+    layers
+        .adopt(
+            &written,
+            NewLayer {
+                kind: layer_kind,
+                parent: Some(&base),
+                owner_session: s,
+                holders: &[&holder],
+                release: &[(&holder, &base.id)],
+            },
+        )
+        .unwrap()
+}
+
 /// The model: what each session and image needs.
 #[derive(Default)]
 struct Model {
@@ -146,41 +173,15 @@ fn run(seed: u64) {
             // Persist (a diff over the base becomes the base).
             2 | 3 if !sessions.is_empty() => {
                 let s = sessions[rng.below(sessions.len())].clone();
-                let base = layers.get(&m.base[&s]).unwrap();
-                let holder = session_holder(&s);
-                let written = vmm_writes(&run_dir, &format!("p{step}"));
-                let new = layers
-                    .adopt(
-                        &written,
-                        NewLayer {
-                            kind: kind::PAUSE,
-                            parent: Some(&base),
-                            owner_session: &s,
-                            holders: &[&holder],
-                            release: &[(&holder, &base.id)],
-                        },
-                    )
-                    .unwrap();
+                let new =
+                    diff_over_base(&layers, &run_dir, &format!("p{step}"), kind::PAUSE, &m, &s);
                 m.base.insert(s, new.id);
             }
             // Fork into 1..=3 sessions.
             4 if !sessions.is_empty() => {
                 let s = sessions[rng.below(sessions.len())].clone();
-                let base = layers.get(&m.base[&s]).unwrap();
-                let holder = session_holder(&s);
-                let written = vmm_writes(&run_dir, &format!("f{step}"));
-                let fork = layers
-                    .adopt(
-                        &written,
-                        NewLayer {
-                            kind: kind::FORK,
-                            parent: Some(&base),
-                            owner_session: &s,
-                            holders: &[&holder],
-                            release: &[(&holder, &base.id)],
-                        },
-                    )
-                    .unwrap();
+                let fork =
+                    diff_over_base(&layers, &run_dir, &format!("f{step}"), kind::FORK, &m, &s);
                 m.base.insert(s, fork.id.clone());
                 for _ in 0..=rng.below(3) {
                     session_n += 1;

@@ -217,31 +217,10 @@ impl Manager {
         }
         // The same uid as before: the run directory and its files are its.
         // The same network too: the namespace outlives the old vmm.
-        let netns = sess.lock().network.as_ref().map(|n| n.netns.clone());
-        let (args, mut jail) = restore_launch(
-            &self.cfg,
-            &image,
-            &dir,
-            false,
-            Source::Chain(&chain),
-            old.jail_uid,
-            netns.as_deref(),
-        );
-        // The session's CPU cap holds for the replacement too.
-        let size = resources::Resources::decode(&sess.row().resources);
-        if let (Some(jail), Some(size)) = (jail.as_mut(), size) {
-            jail.cpu_max = size.cpu_max();
-        }
-        let vmm = Arc::new(
-            supervisor::spawn(
-                &self.vmm_path,
-                &dir,
-                args.into(),
-                jail.as_ref(),
-                netns.as_deref(),
-            )
-            .map_err(fail)?,
-        );
+        // The same network and CPU cap: the namespace outlives the old vmm.
+        let vmm = self
+            .spawn_from_chain(&sess, &image, &chain, old.jail_uid)
+            .map_err(fail)?;
         // Its memory descends from the snapshot from here on.
         let holder = crate::layers::session_holder(id);
         let old_base = sess.row().base_layer;

@@ -103,6 +103,44 @@ impl Manager {
         })
     }
 
+    /// A new vmm restoring `chain` for session `sess` (in its directory, as
+    /// its jail `uid`, in its network namespace, under its CPU cap): the
+    /// replacement of its vmm on a rollback or a resume from disk. Not
+    /// adopted yet.
+    pub(super) fn spawn_from_chain(
+        &self,
+        sess: &Session,
+        image: &ImageRow,
+        chain: &[LayerRow],
+        uid: Option<u32>,
+    ) -> Result<Arc<VmmProcess>> {
+        let row = sess.row();
+        let dir = PathBuf::from(&row.dir);
+        let netns = sess.lock().network.as_ref().map(|n| n.netns.clone());
+        let (args, mut jail) = restore_launch(
+            &self.cfg,
+            image,
+            &dir,
+            false,
+            Source::Chain(chain),
+            uid,
+            netns.as_deref(),
+        );
+        if let (Some(jail), Some(size)) =
+            (jail.as_mut(), resources::Resources::decode(&row.resources))
+        {
+            jail.cpu_max = size.cpu_max();
+        }
+        supervisor::spawn(
+            &self.vmm_path,
+            &dir,
+            args.into(),
+            jail.as_ref(),
+            netns.as_deref(),
+        )
+        .map(Arc::new)
+    }
+
     /// Pauses session `id` to disk (`why`: requested or idle): a layer of
     /// its memory is written, its vmm stopped; the session stays PAUSED
     /// with `persisted` set, its disk and network where they are.
@@ -249,30 +287,10 @@ impl Manager {
             // The old vmm's socket: the new vmm binds its own at the same path.
             let _ = std::fs::remove_file(self.cfg.vsock_path(&run_host));
         }
-        let netns = sess.lock().network.as_ref().map(|n| n.netns.clone());
         let uid = jailed.then_some(row.jail_uid);
-        let (args, mut jail) = restore_launch(
-            &self.cfg,
-            &image,
-            &dir,
-            false,
-            Source::Chain(&chain),
-            uid,
-            netns.as_deref(),
-        );
-        if let (Some(jail), Some(size)) = (jail.as_mut(), size) {
-            jail.cpu_max = size.cpu_max();
-        }
-        let vmm = Arc::new(
-            supervisor::spawn(
-                &self.vmm_path,
-                &dir,
-                args.into(),
-                jail.as_ref(),
-                netns.as_deref(),
-            )
-            .map_err(fail)?,
-        );
+        let vmm = self
+            .spawn_from_chain(sess, &image, &chain, uid)
+            .map_err(fail)?;
         let recorded = {
             let mut i = sess.lock();
             i.vmm = Some(vmm.clone());

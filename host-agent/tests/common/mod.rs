@@ -43,6 +43,37 @@ pub fn check_usage_chain(recs: &[pb::UsageRecord]) {
     }
 }
 
+/// Registers test guest `guest` as image `id` with `cmdline`, `mem_mib` of
+/// memory and, if given, a root disk, and builds its golden snapshot.
+pub async fn test_guest_image(
+    agent: &Agent,
+    id: &str,
+    guest: &str,
+    cmdline: &str,
+    mem_mib: u32,
+    rootfs: Option<&Path>,
+) {
+    let mut im = agent.images().await;
+    im.register_image(pb::RegisterImageRequest {
+        image_id: id.into(),
+        kernel_path: test_harness::guests::path(guest).display().to_string(),
+        rootfs_path: rootfs.map(|p| p.display().to_string()).unwrap_or_default(),
+        cmdline: cmdline.into(),
+        mem_mib,
+        vcpus: 1,
+        ..Default::default()
+    })
+    .await
+    .expect("register the image");
+    im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+        image_id: id.into(),
+        settle_ms: 50,
+        ..Default::default()
+    })
+    .await
+    .expect("build its golden snapshot");
+}
+
 /// Writes `data` over the start of the file at `path` (a VM's disk),
 /// leaving its length.
 pub fn write_at_start(path: &Path, data: &[u8]) {
