@@ -74,6 +74,23 @@ fn diff_over_base(
         .unwrap()
 }
 
+/// A `pause` layer of session `s` over `parent`, written as `name`.
+fn pause_of_s(layers: &Layers, run: &Path, name: &str, parent: &LayerRow) -> LayerRow {
+    let written = vmm_writes(run, name);
+    layers
+        .adopt(
+            &written,
+            NewLayer {
+                kind: kind::PAUSE,
+                parent: Some(parent),
+                owner_session: "s",
+                holders: &["session:s"],
+                release: &[],
+            },
+        )
+        .unwrap()
+}
+
 /// The model: what each session and image needs.
 #[derive(Default)]
 struct Model {
@@ -268,19 +285,7 @@ fn a_dry_run_lists_what_would_go_and_deletes_nothing() {
         ..Default::default()
     };
     let g = layers.golden(&image).unwrap().unwrap();
-    let written = vmm_writes(&t.path().join("run"), "x");
-    let d = layers
-        .adopt(
-            &written,
-            NewLayer {
-                kind: kind::PAUSE,
-                parent: Some(&g),
-                owner_session: "s",
-                holders: &["session:s"],
-                release: &[],
-            },
-        )
-        .unwrap();
+    let d = pause_of_s(&layers, &t.path().join("run"), "x", &g);
     store.release_layer(None, "session:s").unwrap();
     store.release_layer(None, "image:i").unwrap();
     let would: Vec<String> = layers
@@ -330,19 +335,7 @@ fn at_start_a_directory_no_layer_names_is_removed_and_a_lost_layer_is_named() {
         "only the golden snapshot's link stays"
     );
     // A layer whose files went: its chain says which.
-    let written = vmm_writes(&t.path().join("run"), "y");
-    let d = layers
-        .adopt(
-            &written,
-            NewLayer {
-                kind: kind::PAUSE,
-                parent: Some(&g),
-                owner_session: "s",
-                holders: &["session:s"],
-                release: &[],
-            },
-        )
-        .unwrap();
+    let d = pause_of_s(&layers, &t.path().join("run"), "y", &g);
     std::fs::remove_dir_all(&image.golden_dir).unwrap();
     let err = layers.chain(&d.id).unwrap_err().to_string();
     assert!(err.contains(&g.id) && err.contains("missing"), "{err}");

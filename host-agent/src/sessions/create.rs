@@ -111,13 +111,7 @@ impl Manager {
                 state: S::Unspecified as i32,
                 execution_id: uuid::Uuid::new_v4().to_string(),
                 created_at: now,
-                dir: self
-                    .cfg
-                    .state_dir
-                    .join("sessions")
-                    .join(&id)
-                    .display()
-                    .to_string(),
+                dir: self.session_dir(&id),
                 ttl_s: if p.ttl_s > 0 {
                     p.ttl_s
                 } else {

@@ -258,13 +258,7 @@ impl Manager {
                 state: S::Unspecified as i32,
                 execution_id: uuid::Uuid::new_v4().to_string(),
                 created_at: now,
-                dir: self
-                    .cfg
-                    .state_dir
-                    .join("sessions")
-                    .join(&id)
-                    .display()
-                    .to_string(),
+                dir: self.session_dir(&id),
                 ttl_s: row.ttl_s,
                 idle_s: row.idle_s,
                 labels: labels.clone().unwrap_or_else(|| row.labels.clone()),

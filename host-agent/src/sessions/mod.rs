@@ -331,6 +331,16 @@ impl Manager {
         self.cfg.state_dir.join("pool")
     }
 
+    /// Where session `id`'s files live.
+    fn session_dir(&self, id: &str) -> String {
+        self.cfg
+            .state_dir
+            .join("sessions")
+            .join(id)
+            .display()
+            .to_string()
+    }
+
     /// Where an image's files live.
     pub fn image_dir(&self, id: &str) -> PathBuf {
         self.cfg.state_dir.join("images").join(id)
