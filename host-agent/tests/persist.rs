@@ -309,4 +309,9 @@ async fn the_idle_pause_goes_to_disk_on_a_node_that_says_so() {
     assert_eq!(p.reason, "idle");
     assert!(p.persisted, "paused to disk: {p:?}");
     assert!(gone(s.vmm_pid), "its vmm is gone");
+    // Stopped while on disk (no guest-init: no branch to fetch), its
+    // layer goes with it.
+    let stopped = agent.stop(&s.session_id).await;
+    assert_eq!(stopped.state, S::Stopped as i32, "{stopped:?}");
+    assert!(layer_dirs(&agent).is_empty());
 }
