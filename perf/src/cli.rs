@@ -23,7 +23,8 @@ pub struct Cli {
     /// Measured runs per metric (after warm-up) [default: per scenario:
     /// cold-boot 20, restore 30, creation-rate 5 rounds, memory-overhead 5,
     /// snapshot-write 10, net-throughput 10, net-latency 10 rounds,
-    /// network-setup 20, files-throughput 3].
+    /// network-setup 20, files-throughput 3, session-persist 5,
+    /// session-fork 5].
     #[arg(long, value_name = "N")]
     pub runs: Option<u32>,
     /// Warm-up runs discarded before measuring [default: 2, 1 with --quick].
@@ -62,6 +63,14 @@ pub struct Cli {
     /// Seconds one step (a boot, a restore, a snapshot) may take before the run fails.
     #[arg(long, value_name = "SECS", default_value_t = 120)]
     pub timeout_secs: u64,
+    /// Guest memory of session-persist's dirtier sessions, MiB [default:
+    /// 2048; 256 with --quick].
+    #[arg(long, value_name = "MIB")]
+    pub session_mem_mib: Option<u64>,
+    /// Dirty fractions of session-persist in thousandths of the guest's
+    /// pages [default: 5,25,100, i.e. 0.5 %, 2.5 %, 10 %].
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub dirty_permille: Option<Vec<u64>>,
     /// Scratch folder for sockets and snapshots [default: a new folder in
     /// $TMPDIR]; removed at the end. Put it on the disk you want snapshots
     /// written to.
@@ -90,6 +99,10 @@ pub enum ScenarioArg {
     NetworkSetup,
     /// MB/s of the Files service's upload and download (stand-in guest).
     FilesThroughput,
+    /// PauseSession persist time and snapshot size, ResumeSession time, per dirty fraction (host-agent).
+    SessionPersist,
+    /// ForkSession of 1 and of 10 sessions until all are RUNNING (host-agent).
+    SessionFork,
     /// Every scenario, in the order above.
     All,
 }
@@ -107,6 +120,8 @@ impl ScenarioArg {
             ScenarioArg::NetLatency => "net-latency",
             ScenarioArg::NetworkSetup => "network-setup",
             ScenarioArg::FilesThroughput => "files-throughput",
+            ScenarioArg::SessionPersist => "session-persist",
+            ScenarioArg::SessionFork => "session-fork",
             ScenarioArg::All => "all",
         }
     }

@@ -135,6 +135,22 @@ pub enum PerfError {
     /// network) failed.
     #[error("host-agent network: {0}")]
     HostNetwork(#[source] host_agent::error::Error),
+    /// The host-agent process of the session scenarios did not start, or
+    /// a session did not do what was asked of it in time.
+    #[error("host-agent: {0}")]
+    HostAgent(String),
+    /// A gRPC call to that host-agent failed.
+    #[error("host-agent {call} answered {code_name} ({code}): {message}")]
+    Rpc {
+        /// The call (`PauseSession`).
+        call: &'static str,
+        /// The gRPC status code (12 is UNIMPLEMENTED).
+        code: i32,
+        /// The status code's name (`Unimplemented`).
+        code_name: String,
+        /// The status message.
+        message: String,
+    },
     /// Results could not be serialized.
     #[error("cannot serialize results: {0}")]
     Json(#[from] serde_json::Error),

@@ -36,6 +36,9 @@ use runner::Context;
 
 /// Default guest memory sizes, MiB.
 pub const DEFAULT_MEM_SIZES: &[u64] = &[128, 1024, 4096];
+/// Default dirty fractions of session-persist, thousandths of the guest's
+/// pages: 0.5 %, 2.5 %, 10 %.
+pub const DEFAULT_DIRTY_PERMILLE: &[u64] = &[5, 25, 100];
 
 /// What a run produced.
 pub struct Outcome {
@@ -101,6 +104,25 @@ pub fn run(cli: Cli) -> Result<Outcome> {
                 .into(),
         ));
     }
+    let session_mem_mib = cli
+        .session_mem_mib
+        .unwrap_or(if cli.quick { 256 } else { 2048 });
+    if session_mem_mib < 16 {
+        return Err(PerfError::Usage(
+            "--session-mem-mib needs at least 16 (MiB)".into(),
+        ));
+    }
+    let dirty_permille = cli
+        .dirty_permille
+        .clone()
+        .unwrap_or_else(|| DEFAULT_DIRTY_PERMILLE.to_vec());
+    if dirty_permille.is_empty() || dirty_permille.iter().any(|&p| p == 0 || p > 1000) {
+        return Err(PerfError::Usage(
+            "--dirty-permille needs a comma-separated list of thousandths from 1 to 1000, e.g. \
+             5,25,100"
+                .into(),
+        ));
+    }
     if cli.timeout_secs == 0 {
         return Err(PerfError::Usage("--timeout-secs must be at least 1".into()));
     }
@@ -117,9 +139,13 @@ pub fn run(cli: Cli) -> Result<Outcome> {
         timeout_s: cli.timeout_secs,
         net_frames: cli.net_frames,
         net_pings: cli.net_pings,
+        session_mem_mib,
+        dirty_permille,
     };
-    let mut backends: Vec<Box<dyn Backend>> =
-        vec![Box::new(VmmBackend::new(vmm, cli.memory_backend.clone()))];
+    let mut backends: Vec<Box<dyn Backend>> = vec![Box::new(VmmBackend::new(
+        vmm.clone(),
+        cli.memory_backend.clone(),
+    ))];
     if let Some(fc) = &cli.vs_firecracker {
         backends.push(Box::new(FirecrackerBackend::new(fc.clone())));
     }
@@ -137,6 +163,7 @@ pub fn run(cli: Cli) -> Result<Outcome> {
     progress.enable_steady_tick(Duration::from_millis(200));
     let ctx = Context::new(
         settings.clone(),
+        vmm,
         backends,
         work_dir.clone(),
         progress.clone(),

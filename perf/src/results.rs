@@ -58,6 +58,12 @@ pub struct Settings {
     /// `--net-pings`: round trips per frame size per net-latency round, when given.
     #[serde(default)]
     pub net_pings: Option<u64>,
+    /// Guest memory of session-persist's sessions, MiB.
+    #[serde(default)]
+    pub session_mem_mib: u64,
+    /// Dirty fractions of session-persist, thousandths of the guest's pages.
+    #[serde(default)]
+    pub dirty_permille: Vec<u64>,
 }
 
 /// How a scenario ended.

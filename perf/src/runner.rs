@@ -15,6 +15,9 @@ use crate::results::Settings;
 pub struct Context {
     /// The effective settings.
     pub settings: Settings,
+    /// The vmm binary under test (host-agent is given it in the session
+    /// scenarios).
+    pub vmm: PathBuf,
     /// The VMMs under test; the vmm first.
     pub backends: Vec<Box<dyn Backend>>,
     /// Where scratch folders (sockets, snapshots) go; removed at the end.
@@ -32,6 +35,7 @@ impl Context {
     /// A context; creates `work_dir`.
     pub fn new(
         settings: Settings,
+        vmm: PathBuf,
         backends: Vec<Box<dyn Backend>>,
         work_dir: PathBuf,
         progress: ProgressBar,
@@ -41,6 +45,7 @@ impl Context {
         std::fs::create_dir_all(&work_dir).map_err(PerfError::io("cannot create", &work_dir))?;
         Ok(Context {
             settings,
+            vmm,
             backends,
             work_dir,
             progress,

@@ -10,6 +10,7 @@ use std::process::Command;
 #[test]
 fn every_scenario_runs_once_with_the_real_vmm() {
     common::build_vmm();
+    common::build_host_agent();
     let out = common::out_dir("all-kvm");
     let output = Command::new(common::perf_bin())
         .args([
@@ -26,6 +27,10 @@ fn every_scenario_runs_once_with_the_real_vmm() {
             "64",
             "--net-pings",
             "2",
+            "--session-mem-mib",
+            "64",
+            "--dirty-permille",
+            "10",
             "--out",
         ])
         .arg(&out)
@@ -54,7 +59,9 @@ fn every_scenario_runs_once_with_the_real_vmm() {
             "net-throughput",
             "net-latency",
             "network-setup",
-            "files-throughput"
+            "files-throughput",
+            "session-persist",
+            "session-fork"
         ]
     );
     let has_restore = scenarios[1]["status"] == "ok";
@@ -87,6 +94,11 @@ fn every_scenario_runs_once_with_the_real_vmm() {
             ("snapshot-write", "snapshot-write.full.mem64"),
             ("snapshot-write", "snapshot-write.diff-10permille.mem64"),
             ("snapshot-write", "snapshot-write.diff-100permille.mem64"),
+            (
+                "session-persist",
+                "session-persist.persist.10permille.mem64",
+            ),
+            ("session-fork", "session-fork.fork10.mem256"),
         ] {
             let m = common::metric(&json, scenario, id);
             assert_eq!(m["samples"].as_array().unwrap().len(), 1, "{m:#}");

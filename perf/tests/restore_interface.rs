@@ -99,6 +99,15 @@ fn restore_scenarios_run_against_the_snapshot_interface_and_compare() {
             scenario(&json, name)
         );
     }
+    // host-agent drives only the vmm of its own release, never the fake.
+    for name in ["session-persist", "session-fork"] {
+        let s = scenario(&json, name);
+        assert_eq!(s["status"], "skipped", "{s:#}");
+        assert!(
+            s["reason"].as_str().unwrap().starts_with("skipped: "),
+            "{s:#}"
+        );
+    }
     // The network scenarios: the fake plays the net_perf guest on the tap
     // perf hands it (`--net`, `PUT /network-interfaces/eth0`); without root
     // or /dev/net/tun they are skipped, saying why.

@@ -10,8 +10,11 @@ pub mod net_guest;
 pub mod net_latency;
 pub mod net_setup;
 pub mod net_throughput;
+pub mod node;
 pub mod prepare;
 pub mod restore;
+pub mod session_fork;
+pub mod session_persist;
 pub mod snapshot_write;
 
 use crate::results::{ScenarioResult, Status};
@@ -73,6 +76,16 @@ pub const ALL: &[Scenario] = &[
         name: files_throughput::NAME,
         plan: files_throughput::plan,
         run: files_throughput::run,
+    },
+    Scenario {
+        name: session_persist::NAME,
+        plan: session_persist::plan,
+        run: session_persist::run,
+    },
+    Scenario {
+        name: session_fork::NAME,
+        plan: session_fork::plan,
+        run: session_fork::run,
     },
 ];
 

@@ -20,6 +20,16 @@ pub fn build_vmm() -> PathBuf {
     vmm
 }
 
+/// Builds the workspace's host-agent next to perf, as [`build_vmm`] does
+/// the vmm (the session scenarios start it), and returns its path.
+pub fn build_host_agent() -> PathBuf {
+    let dir = test_harness::bin::profile_dir();
+    test_harness::bin::build("host-agent", &dir);
+    let bin = dir.join("host-agent");
+    assert!(bin.is_file(), "{} not built", bin.display());
+    bin
+}
+
 /// A fresh, empty folder for one test's output.
 pub fn out_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("perf-test-{}-{name}", std::process::id()));
