@@ -2,7 +2,8 @@
 //!
 //! * [`pid1`]: mounts, hostname, network, orphan reaping, shutdown.
 //! * [`channel`]: the transport to host-agent (vsock or Unix socket) and framing.
-//! * [`agent`]: the session agent serving one connection at a time.
+//! * [`agent`]: the session agent serving one connection at a time (a newer one
+//!   from the host supersedes it).
 //! * [`session`]: cloning the repository from a bundle and cutting the branch.
 //! * [`exec`]: running commands with streamed output.
 //! * [`files`]: file operations in the workspace for the Files API.

@@ -151,6 +151,60 @@ async fn a_session_survives_its_connection_and_is_resumed() {
     );
 }
 
+/// A connection the guest was never told is dead (a vsock connection reset
+/// by a restored VM's transport-reset event wakes no reader) must not keep
+/// guest-init from the host's next one: a new connection supersedes the one
+/// being served, which ends as if it had closed (its turns killed, its
+/// session detached), and the new one resumes the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_connection_supersedes_one_still_open_and_resumes_its_session() {
+    let repo = Repo::new();
+    let h = Harness::start().await;
+    let mut old = h.session(&repo, "free", "main").await;
+    let wrote = old.run("w", &["sh", "-c", "echo kept > note.txt"]).await;
+    assert_eq!(wrote.code(), Some(0), "{wrote:?}");
+    let long = format!("sleep 38{}", std::process::id() % 1000);
+    old.exec(exec_msg("long", "turn-1", &["sh", "-c", &long]))
+        .await;
+    old.expect(|m| matches!(m, Out::ExecStarted(s) if s.exec_id == "long").then_some(()))
+        .await;
+    wait_for(|| !processes_matching(&long).is_empty()).await;
+
+    // The old connection stays open on this side; the host connects again.
+    let mut new = h.connect().await;
+    new.hello().await;
+    new.send(resume("s1", 0)).await;
+    let ready = new
+        .expect(|m| match m {
+            Out::Ready(r) => Some(r.clone()),
+            _ => None,
+        })
+        .await;
+    assert_eq!(ready.session_id, "s1");
+    wait_until_gone(&long).await;
+    assert_eq!(new.run("r", &["cat", "note.txt"]).await.stdout(), "kept\n");
+
+    // guest-init closed the superseded connection: it reads to its end.
+    let mut rest = Vec::new();
+    while let Some(m) = old.recv().await {
+        rest.push(m);
+    }
+    assert!(
+        !rest.iter().any(|m| matches!(m, Out::Ready(_))),
+        "the old connection got nothing of the new one's: {rest:?}"
+    );
+    let actions: Vec<String> = audit_actions(&h, "s1")
+        .into_iter()
+        .map(|(_, a, _)| a)
+        .collect();
+    let detached = actions.iter().position(|a| a == "session.detached");
+    let resumed = actions.iter().position(|a| a == "session.resumed");
+    assert!(
+        detached.is_some() && resumed > detached,
+        "detached, then resumed on the new connection: {actions:?}"
+    );
+}
+
 /// Starts session s1, closes its connection, and resumes it on a new one
 /// with the message `resume` builds; returns the connection (after Ready)
 /// and the audit events it received before Ready.

@@ -14,13 +14,16 @@ pub(super) struct PendingStart {
 }
 
 /// Serves one connection. `detached` is a session an earlier connection left;
-/// it can be resumed here. Returns why guest-init should stop (if it should),
-/// and the session to keep for the next connection if this one just closed.
+/// it can be resumed here. `superseded` fires when a newer connection from
+/// the host takes over: this one then ends as if it had closed. Returns why
+/// guest-init should stop (if it should), and the session to keep for the
+/// next connection if this one closed or was superseded.
 pub(super) async fn handle_connection(
     conn: Connection,
     cfg: Arc<Config>,
     mut stop: tokio::sync::watch::Receiver<bool>,
     detached: Option<Arc<Session>>,
+    superseded: tokio::sync::oneshot::Receiver<()>,
 ) -> (Option<Stop>, Option<Arc<Session>>) {
     let (rd, wr) = tokio::io::split(conn);
     let (tx, mut rx) = mpsc::channel::<GuestMessage>(1024);
@@ -44,9 +47,14 @@ pub(super) async fn handle_connection(
         detached,
         files: Default::default(),
     };
+    let mut was_superseded = false;
     let stop = tokio::select! {
         s = conn.run(&mut reader) => s,
         _ = stop.wait_for(|s| *s) => Some(Stop::Signalled),
+        Ok(()) = superseded => {
+            was_superseded = true;
+            None
+        }
     };
     let kept = match stop {
         Some(Stop::Shutdown) => {
@@ -60,8 +68,14 @@ pub(super) async fn handle_connection(
         None => conn.detach_session().await,
     };
     drop(conn);
-    // Let queued messages go out, then drop the connection.
-    let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+    if was_superseded {
+        // Nobody reads the old connection any more: what it still has
+        // queued is audited and goes out again on the new one.
+        writer.abort();
+    } else {
+        // Let queued messages go out, then drop the connection.
+        let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+    }
     (stop, kept)
 }
 

@@ -127,30 +127,78 @@ pub async fn serve_until(
     tracing::info!(listen = %transport.describe(), workspace = %cfg.workspace.display(), turns = cfg.turn_backend.name(), "session agent listening");
     // A session whose connection closed, kept for a ResumeSession.
     let mut detached: Option<Arc<Session>> = None;
+    // A connection that arrived while another was served: it is served next.
+    let mut next: Option<Connection> = None;
     loop {
-        let accepted = tokio::select! {
-            a = transport.accept() => Some(a),
-            _ = stop.wait_for(|s| *s) => None,
-        };
-        let Some(accepted) = accepted else {
-            if let Some(s) = detached.take() {
-                s.end("guest-init stopping (SIGTERM)").await;
+        let conn = match next.take() {
+            Some(c) => c,
+            None => {
+                let accepted = tokio::select! {
+                    a = transport.accept() => Some(a),
+                    _ = stop.wait_for(|s| *s) => None,
+                };
+                let Some(accepted) = accepted else {
+                    if let Some(s) = detached.take() {
+                        s.end("guest-init stopping (SIGTERM)").await;
+                    }
+                    return Ok(Stop::Signalled);
+                };
+                match accepted {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                }
             }
-            return Ok(Stop::Signalled);
         };
-        let conn = match accepted {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let (why, kept) = handle_connection(conn, cfg.clone(), stop.clone(), detached.take()).await;
+        let (why, kept) = serve_one(transport, conn, &cfg, &stop, detached.take(), &mut next).await;
         if let Some(why) = why {
             return Ok(why);
         }
         detached = kept;
+    }
+}
+
+/// Serves `conn` while still accepting: a new connection from the host
+/// supersedes it (put in `next`, and `conn` ends as if it had closed, its
+/// session detached for the new one to resume). The host opens a new
+/// channel only when it takes the old one for dead, and the old one may be
+/// dead without this guest being told: a vsock connection reset by a
+/// restored VM's transport-reset event reports only `EPOLLERR`, which wakes
+/// no reader, so guest-init would otherwise wait on it forever and never
+/// accept the host's new connection (seen with a real guest resumed from
+/// disk).
+async fn serve_one(
+    transport: &mut dyn Transport,
+    conn: Connection,
+    cfg: &Arc<Config>,
+    stop: &tokio::sync::watch::Receiver<bool>,
+    detached: Option<Arc<Session>>,
+    next: &mut Option<Connection>,
+) -> (Option<Stop>, Option<Arc<Session>>) {
+    let (supersede, superseded) = tokio::sync::oneshot::channel::<()>();
+    let mut supersede = Some(supersede);
+    let handler = handle_connection(conn, cfg.clone(), stop.clone(), detached, superseded);
+    tokio::pin!(handler);
+    loop {
+        tokio::select! {
+            r = &mut handler => return r,
+            a = transport.accept(), if next.is_none() => match a {
+                Ok(c) => {
+                    tracing::info!("a new connection from the host supersedes the current one");
+                    *next = Some(c);
+                    if let Some(tx) = supersede.take() {
+                        let _ = tx.send(());
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+        }
     }
 }
 
