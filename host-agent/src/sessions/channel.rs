@@ -165,7 +165,19 @@ impl Manager {
                 state_name(state)
             )));
         }
-        let timeout = Duration::from_secs(10);
+        self.reopen_guest(sess, Duration::from_secs(10)).await
+    }
+
+    /// Opens session `sess`'s guest channel again, whatever its state (the
+    /// caller has checked it may): connects, sends ResumeSession and waits
+    /// up to `timeout` for Ready; the channel is the session's from then.
+    /// Restores from a snapshot use it before READY; [`Self::guest_channel`]
+    /// for a channel found closed.
+    pub(super) async fn reopen_guest(
+        &self,
+        sess: &Session,
+        timeout: Duration,
+    ) -> Result<Arc<GuestConn>> {
         let conn = self.connect_guest(sess, timeout).await?;
         // The last event held, by seq and by the guest's own hash of it, so a
         // guest rolled back to an older snapshot can tell.

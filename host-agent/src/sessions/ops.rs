@@ -245,18 +245,18 @@ impl Manager {
             }
             Err(e) => Err(e),
         };
-        if let Err(e) = started {
+        // READY means guest-init answered: it takes the session back first.
+        let reached = match started {
+            Ok(()) if image.guest_init => self.guest_after_restore(&sess, &vmm).await,
+            other => other,
+        };
+        if let Err(e) = reached {
             vmm.kill();
             return Err(fail(e));
         }
         self.transition(&sess, S::Ready, "restore", "")?;
         self.transition(&sess, S::Running, "restore", "")?;
         self.touch(&sess);
-        if image.guest_init {
-            if let Err(e) = self.guest_channel(&sess).await {
-                tracing::warn!(session = %id, error = %e, "guest channel after the restore (retried on the next exec)");
-            }
-        }
         Ok(sess.row())
     }
 

@@ -305,9 +305,23 @@ impl Manager {
             }
             Err(e) => Err(e),
         };
-        if let Err(e) = started {
-            // Not watched yet: its exit is this failure, not a crash.
+        // READY means guest-init answered: the guest takes the session
+        // back (ResumeSession) before the session is READY.
+        let reached = match started {
+            Ok(()) if image.guest_init => self.guest_after_restore(sess, &vmm).await,
+            other => other,
+        };
+        if let Err(e) = reached {
+            // Not watched yet: its exit is this failure, not a crash. The
+            // session keeps no half-running VM.
             vmm.kill();
+            {
+                let mut i = sess.lock();
+                i.vmm = None;
+                i.guest = None;
+                i.row.vmm_pid = 0;
+                i.row.vmm_start_ticks = 0;
+            }
             return Err(fail(e));
         }
         self.watch_exit(sess.clone(), vmm.clone());
@@ -320,12 +334,21 @@ impl Manager {
         self.transition(sess, S::Running, why, &detail)?;
         metrics::restore_latency(t0.elapsed());
         self.touch(sess);
-        if image.guest_init {
-            if let Err(e) = self.guest_channel(sess).await {
-                tracing::warn!(session = %sess.id, error = %e, "guest channel after resuming from disk (retried on the next exec)");
-            }
-        }
         Ok(())
+    }
+
+    /// The guest channel of session `sess`, whose `vmm` was just restored
+    /// from a snapshot of the session's own VM: guest-init takes the session
+    /// back on a new connection within `guest_ready_timeout_seconds`. A vmm
+    /// that exits meanwhile fails it at once, with its last lines.
+    pub(super) async fn guest_after_restore(&self, sess: &Session, vmm: &VmmProcess) -> Result<()> {
+        let timeout = Duration::from_secs(self.cfg.guest_ready_timeout_seconds);
+        tokio::select! {
+            r = self.reopen_guest(sess, timeout) => r.map(|_| ()).map_err(|e| {
+                Error::Guest(format!("guest-init did not take the session back after the restore: {e}"))
+            }),
+            status = vmm.wait() => Err(Error::Vmm(format!("{status}: {}", vmm.log_tail()))),
+        }
     }
 
     /// Session `id` ready for a call that reaches its guest: a session

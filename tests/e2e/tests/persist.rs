@@ -1,7 +1,10 @@
 //! Sessions paused to disk, with guest-init (run as a host process behind
 //! the CONNECT shim, as in guest_init.rs): with `auto_resume` an Exec aimed
 //! at the persisted session resumes it and runs; without, it is refused
-//! until ResumeSession; a persisted session stopped brings its branch back.
+//! until ResumeSession; a persisted session stopped brings its branch back;
+//! a guest that does not take the session back after the restore fails the
+//! resume (FAILED, `restore_failed`) instead of leaving a RUNNING session
+//! whose guest never answers.
 
 use proto::hostagent as pb;
 use test_harness::agent::{Agent, S};
@@ -113,4 +116,46 @@ async fn without_auto_resume_a_persisted_session_waits_for_resume_and_stops_with
     assert_eq!(stopped.state, S::Stopped as i32, "{stopped:?}");
     assert_eq!(stopped.branch, format!("session/{}", s.session_id));
     assert!(!stopped.head_commit.is_empty(), "{stopped:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_whose_guest_does_not_take_the_session_back_fails_it() {
+    let mut guest = start_guest().await;
+    let vsock = guest.vsock().display().to_string();
+    let agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
+    agent.guest_init_image().await;
+    let s = session(&agent, &guest, false).await;
+    persist(&agent, &s).await;
+    // The guest that answers after the restore has no session to take back.
+    guest.restart_guest_init().await;
+    let err = agent
+        .sessions()
+        .await
+        .resume_session(pb::SessionCall {
+            session_id: s.session_id.clone(),
+            idempotency_key: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        err.message().contains("did not take the session back"),
+        "{err:?}"
+    );
+    let now = agent.get(&s.session_id).await;
+    assert_eq!(now.state, S::Failed as i32, "{now:?}");
+    assert_eq!(now.vmm_pid, 0, "the restored vmm is gone: {now:?}");
+    let events = agent.session_events(&s.session_id).await;
+    let failed = events.last().unwrap();
+    assert_eq!(
+        (failed.to, failed.reason.as_str()),
+        (S::Failed as i32, "restore_failed"),
+        "{events:?}"
+    );
+    assert!(failed.detail.contains("guest-init"), "{failed:?}");
+    assert!(
+        !events
+            .iter()
+            .any(|e| e.to == S::Ready as i32 && e.reason == "resumed"),
+        "never READY: {events:?}"
+    );
 }

@@ -44,6 +44,51 @@ impl Guest {
     }
 }
 
+impl Guest {
+    /// Kills guest-init and starts a new one in the same place (the
+    /// workspace stays): it knows no session, as a guest that lost its
+    /// memory would not.
+    #[allow(dead_code)]
+    pub async fn restart_guest_init(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(self.dir.path().join("guest-init.sock"));
+        self.child = spawn_guest_init(self.dir.path()).await;
+    }
+}
+
+/// guest-init serving on `dir`/guest-init.sock (workspace `dir`/workspace,
+/// log `dir`/guest-init.log), once it listens.
+async fn spawn_guest_init(dir: &std::path::Path) -> Child {
+    let gi_sock = dir.join("guest-init.sock");
+    let child = Command::new(guest_init_path())
+        .arg("serve")
+        .arg("--listen")
+        .arg(format!("unix:{}", gi_sock.display()))
+        .arg("--workspace")
+        .arg(dir.join("workspace"))
+        .arg("--turns")
+        .arg("process-tree")
+        .stdout(Stdio::null())
+        .stderr(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(dir.join("guest-init.log"))
+                .unwrap(),
+        )
+        .spawn()
+        .expect("spawning guest-init");
+    for _ in 0..600 {
+        if gi_sock.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gi_sock.exists(), "guest-init did not listen");
+    child
+}
+
 impl Drop for Guest {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -69,26 +114,7 @@ pub async fn start_guest_with_rules(rules: &str) -> Guest {
     );
 
     let gi_sock = dir.path().join("guest-init.sock");
-    let child = Command::new(guest_init_path())
-        .arg("serve")
-        .arg("--listen")
-        .arg(format!("unix:{}", gi_sock.display()))
-        .arg("--workspace")
-        .arg(dir.path().join("workspace"))
-        .arg("--turns")
-        .arg("process-tree")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.path().join("guest-init.log")).unwrap())
-        .spawn()
-        .expect("spawning guest-init");
-    for _ in 0..600 {
-        if gi_sock.exists() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(gi_sock.exists(), "guest-init did not listen");
-
+    let child = spawn_guest_init(dir.path()).await;
     // The shim: `CONNECT <guest-init's port>` on the "vsock" socket is
     // relayed to guest-init's socket.
     vsock_shim::relay(
