@@ -266,16 +266,60 @@ fn persist_checks(a: &HostAgent, ch: &Channel, s: &pb::Session, out: &Path) -> C
     ))
 }
 
-/// Records what the session's vmm `pid` is doing (threads, kernel stacks,
-/// KVM exits: [`crate::inner::hang::report`]) in `out/<name>.hang`; says
-/// where, for a failure message.
+/// Records what the session's vmm `pid` and its descendants (a jailed vmm
+/// runs under the process host-agent names) are doing: threads, kernel
+/// stacks, KVM exits ([`crate::inner::hang::report`]), in `out/<name>.hang`;
+/// says where, for a failure message.
 pub(super) fn record_vmm(out: &Path, name: &str, pid: u32) -> String {
     let path = out.join(format!("{name}.hang"));
-    let report = crate::inner::hang::report(pid);
+    let mut report = String::new();
+    for p in std::iter::once(pid).chain(descendants(pid)) {
+        let comm = std::fs::read_to_string(format!("/proc/{p}/comm")).unwrap_or_default();
+        report.push_str(&format!("== process {p} ({})\n", comm.trim()));
+        report.push_str(&crate::inner::hang::report(p));
+    }
     match std::fs::write(&path, report) {
-        Ok(()) => format!("; vmm {pid}'s threads and KVM exits in {}", path.display()),
+        Ok(()) => format!(
+            "; vmm {pid}'s (and its children's) threads and KVM exits in {}",
+            path.display()
+        ),
         Err(e) => format!("; vmm {pid} not recorded: {e}"),
     }
+}
+
+/// The processes under `pid`, parents before children.
+fn descendants(pid: u32) -> Vec<u32> {
+    let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let p: u32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            // The parent is the second field after the parenthesised name.
+            let ppid = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            Some((p, ppid))
+        })
+        .collect();
+    let mut found = vec![pid];
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        found.extend(
+            parents
+                .iter()
+                .filter(|(_, pp)| *pp == parent)
+                .map(|(p, _)| *p),
+        );
+        i += 1;
+    }
+    found.split_off(1)
 }
 
 /// Stops (unless STOPPED or FAILED) and deletes each session in `ids`,
