@@ -56,19 +56,26 @@ async fn wait_until_gone(cmd: &str) {
     assert!(processes_matching(cmd).is_empty(), "{cmd} still runs");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_session_survives_its_connection_and_is_resumed() {
-    let repo = Repo::new();
-    let h = Harness::start().await;
-    let mut c = h.session(&repo, "free", "main").await;
+/// Session s1 on a new connection, with note.txt written in its workspace
+/// and a long command (`sleep <prefix><n>`, returned) running in turn-1.
+async fn session_with_a_long_turn(h: &Harness, repo: &Repo, prefix: &str) -> (Client, String) {
+    let mut c = h.session(repo, "free", "main").await;
     let wrote = c.run("w", &["sh", "-c", "echo kept > note.txt"]).await;
     assert_eq!(wrote.code(), Some(0), "{wrote:?}");
-    let long = format!("sleep 37{}", std::process::id() % 1000);
+    let long = format!("sleep {prefix}{}", std::process::id() % 1000);
     c.exec(exec_msg("long", "turn-1", &["sh", "-c", &long]))
         .await;
     c.expect(|m| matches!(m, Out::ExecStarted(s) if s.exec_id == "long").then_some(()))
         .await;
     wait_for(|| !processes_matching(&long).is_empty()).await;
+    (c, long)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_survives_its_connection_and_is_resumed() {
+    let repo = Repo::new();
+    let h = Harness::start().await;
+    let (c, long) = session_with_a_long_turn(&h, &repo, "37").await;
     assert_eq!(
         processes_matching(&long).len(),
         1,
@@ -160,15 +167,7 @@ async fn a_session_survives_its_connection_and_is_resumed() {
 async fn a_new_connection_supersedes_one_still_open_and_resumes_its_session() {
     let repo = Repo::new();
     let h = Harness::start().await;
-    let mut old = h.session(&repo, "free", "main").await;
-    let wrote = old.run("w", &["sh", "-c", "echo kept > note.txt"]).await;
-    assert_eq!(wrote.code(), Some(0), "{wrote:?}");
-    let long = format!("sleep 38{}", std::process::id() % 1000);
-    old.exec(exec_msg("long", "turn-1", &["sh", "-c", &long]))
-        .await;
-    old.expect(|m| matches!(m, Out::ExecStarted(s) if s.exec_id == "long").then_some(()))
-        .await;
-    wait_for(|| !processes_matching(&long).is_empty()).await;
+    let (mut old, long) = session_with_a_long_turn(&h, &repo, "38").await;
 
     // The old connection stays open on this side; the host connects again.
     let mut new = h.connect().await;

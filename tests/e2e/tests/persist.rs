@@ -45,6 +45,18 @@ async fn persist(agent: &Agent, s: &pb::Session) -> pb::Session {
         .into_inner()
 }
 
+async fn resume(agent: &Agent, s: &pb::Session) -> Result<pb::Session, tonic::Status> {
+    agent
+        .sessions()
+        .await
+        .resume_session(pb::SessionCall {
+            session_id: s.session_id.clone(),
+            idempotency_key: String::new(),
+        })
+        .await
+        .map(|r| r.into_inner())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exec_resumes_a_session_paused_to_disk_with_auto_resume() {
     let guest = start_guest().await;
@@ -97,16 +109,7 @@ async fn without_auto_resume_a_persisted_session_waits_for_resume_and_stops_with
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     assert!(err.message().contains("paused to disk"), "{err:?}");
 
-    let r = agent
-        .sessions()
-        .await
-        .resume_session(pb::SessionCall {
-            session_id: s.session_id.clone(),
-            idempotency_key: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let r = resume(&agent, &s).await.unwrap();
     let (_, out) = exec(&agent, &r, &["echo", "yes"], vec![]).await.unwrap();
     assert_eq!(out, "yes\n");
 
@@ -128,15 +131,7 @@ async fn a_resume_whose_guest_does_not_take_the_session_back_fails_it() {
     persist(&agent, &s).await;
     // The guest that answers after the restore has no session to take back.
     guest.restart_guest_init().await;
-    let err = agent
-        .sessions()
-        .await
-        .resume_session(pb::SessionCall {
-            session_id: s.session_id.clone(),
-            idempotency_key: String::new(),
-        })
-        .await
-        .unwrap_err();
+    let err = resume(&agent, &s).await.unwrap_err();
     assert!(
         err.message().contains("did not take the session back"),
         "{err:?}"
