@@ -58,7 +58,8 @@ const ROOTFS_MODULES: &[&str] = &[
 ];
 /// Modules the outer VM loads: KVM for AMD, 9p for the host's files, tun for
 /// taps, and for host-agent's sessions' networks (group `network`) veth pairs
-/// and the nftables parts its rules use (NAT, conntrack, named counters).
+/// and the nftables parts its rules use (NAT, conntrack, named counters,
+/// TCP resets).
 /// Each failed insmod is printed on the outer VM's console (`L1: insmod`).
 pub const L1_MODULES: &[&str] = &[
     "virtio_pci",
@@ -75,6 +76,9 @@ pub const L1_MODULES: &[&str] = &[
     "nft_nat",
     "nft_masq",
     "nft_objref",
+    // `reject with tcp reset` (a fork's copies of its source's connections).
+    "nft_reject_ipv4",
+    "nft_reject_ipv6",
 ];
 
 /// What `prepare` produced.

@@ -146,13 +146,25 @@ pub(super) fn register_and_build(ctx: &mut Ctx) -> Result<(), String> {
         im.register_image(request)
             .await
             .map_err(|e| format!("RegisterImage: {}", e.message()))?;
-        im.build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
-            image_id: IMAGE.into(),
-            ..Default::default()
-        })
-        .await
-        .map(|r| r.into_inner())
-        .map_err(|e| format!("BuildGoldenSnapshot: {}", e.message()))
+        let built = im
+            .build_golden_snapshot(pb::BuildGoldenSnapshotRequest {
+                image_id: IMAGE.into(),
+                ..Default::default()
+            })
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|e| format!("BuildGoldenSnapshot: {}", e.message()));
+        if built.is_err() {
+            // The next scenario's host-agent (same state directory) registers
+            // it again from the start.
+            let _ = im
+                .delete_image(pb::DeleteImageRequest {
+                    image_id: IMAGE.into(),
+                    ..Default::default()
+                })
+                .await;
+        }
+        built
     })?;
     ctx.fixtures.golden_secs = t0.elapsed().as_secs_f64();
     ctx.info(
