@@ -70,9 +70,24 @@ pub fn ensure_dir(path: &Path, owner: Option<(u32, u32)>) -> io::Result<()> {
 }
 
 /// Copies `src` (a regular file, not followed through a symlink) to a new
-/// file `dst` (see [`create_new`]) owned by `owner` if given: a reflink where
-/// the file system has them, else the data ranges only, leaving holes.
+/// file `dst` (replacing what is there, never through a link) owned by
+/// `owner` if given: a reflink where the file system has them, else the
+/// data ranges only, leaving holes. The copy is made as `<dst>.partial` and
+/// renamed into place once whole, so a copy that fails (a full disk) leaves
+/// no `dst` that a later caller would take for a good one.
 pub fn copy_file(src: &Path, dst: &Path, owner: Option<(u32, u32)>) -> io::Result<()> {
+    let mut partial = dst.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = std::path::PathBuf::from(partial);
+    let copied = copy_into(src, &partial, owner).and_then(|()| std::fs::rename(&partial, dst));
+    if copied.is_err() {
+        let _ = std::fs::remove_file(&partial);
+    }
+    copied
+}
+
+/// [`copy_file`]'s copy, into `dst` itself.
+fn copy_into(src: &Path, dst: &Path, owner: Option<(u32, u32)>) -> io::Result<()> {
     let from = open_regular(src)?;
     let to = create_new(dst)?;
     if let Some((uid, gid)) = owner {
@@ -157,6 +172,29 @@ mod tests {
             "the copy filled its holes: {} blocks",
             meta.blocks()
         );
+    }
+
+    #[test]
+    fn a_failed_copy_leaves_no_destination_and_a_good_one_no_partial_file() {
+        let t = tempfile::tempdir().unwrap();
+        let src = t.path().join("src");
+        std::fs::write(&src, b"disk").unwrap();
+        let dst = t.path().join("rootfs.ext4");
+        let partial = t.path().join("rootfs.ext4.partial");
+        // A leftover of a copy that died is replaced, and goes.
+        std::fs::write(&partial, b"half").unwrap();
+        copy_file(&src, &dst, None).unwrap();
+        assert_eq!(std::fs::read(&dst).unwrap(), b"disk");
+        assert!(!partial.exists());
+        // A copy that fails leaves neither file behind.
+        std::fs::remove_file(&dst).unwrap();
+        let e = copy_file(&t.path().join("missing"), &dst, None).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        assert!(!dst.exists() && !partial.exists());
+        // Copying into a directory that is not there fails the same way.
+        let nowhere = t.path().join("no-such-dir").join("rootfs.ext4");
+        assert!(copy_file(&src, &nowhere, None).is_err());
+        assert!(!nowhere.exists());
     }
 
     #[test]

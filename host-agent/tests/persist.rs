@@ -89,6 +89,25 @@ async fn a_session_paused_to_disk_lets_its_vmm_go_and_resumes_where_it_was() {
         "its parent {parent} is the golden snapshot's layer"
     );
 
+    // A rollback needs it resumed first, and says so.
+    let rollback = c
+        .restore_session(pb::RestoreSessionRequest {
+            session_id: s.session_id.clone(),
+            snapshot_dir: "/nowhere".into(),
+            idempotency_key: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        rollback.code(),
+        tonic::Code::FailedPrecondition,
+        "{rollback:?}"
+    );
+    assert!(
+        rollback.message().contains("paused to disk"),
+        "{rollback:?}"
+    );
+
     // Nothing runs while it is on disk.
     let last = *counts(&log, 0).last().unwrap();
     let log_len = std::fs::metadata(&log).unwrap().len() as usize;

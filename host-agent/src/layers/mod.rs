@@ -219,7 +219,7 @@ impl Layers {
         let mut chain = Vec::new();
         let mut next = top.to_string();
         while !next.is_empty() {
-            if chain.len() > VMM_MAX_CHAIN {
+            if chain.len() >= VMM_MAX_CHAIN {
                 return Err(Error::Snapshot(format!(
                     "the chain of snapshot layer {top} is longer than {} layers",
                     VMM_MAX_CHAIN

@@ -247,8 +247,41 @@ impl Manager {
         let top = chain
             .last()
             .ok_or_else(|| Error::Snapshot("the fork's snapshot chain is empty".into()))?;
-        let mut out = Vec::new();
+        let mut out: Vec<(Arc<Session>, ImageRow)> = Vec::new();
         for _ in 0..count {
+            match self.insert_fork(row, image, chain, top, origin, &labels, owner) {
+                Ok(made) => out.push(made),
+                Err(e) => {
+                    // None starts: those already made fail with this error
+                    // (their holds go with their terminal state).
+                    for (sess, _) in &out {
+                        let _ = self.transition(
+                            sess,
+                            S::Failed,
+                            reason::RESTORE_FAILED,
+                            &e.to_string(),
+                        );
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// One new session of `insert_forks`, PENDING, holding `top`.
+    #[allow(clippy::too_many_arguments)]
+    fn insert_fork(
+        &self,
+        row: &SessionRow,
+        image: &ImageRow,
+        chain: &[LayerRow],
+        top: &LayerRow,
+        origin: &ForkOrigin,
+        labels: &Option<BTreeMap<String, String>>,
+        owner: &str,
+    ) -> Result<(Arc<Session>, ImageRow)> {
+        {
             let id = uuid::Uuid::new_v4().to_string();
             let now = now_ms();
             self.layers.hold(&top.id, &session_holder(&id))?;
@@ -280,14 +313,17 @@ impl Manager {
                 i.restore_from = Some(chain.to_vec());
                 i.fork_of = Some(origin.clone());
             }
-            self.transition(
+            if let Err(e) = self.transition(
                 &sess,
                 S::Pending,
                 "forked",
                 &format!("from session {}", row.id),
-            )?;
-            out.push((sess, image.clone()));
+            ) {
+                let _ = self.layers.release(Some(&top.id), &session_holder(&id));
+                self.map().remove(&id);
+                return Err(e);
+            }
+            Ok((sess, image.clone()))
         }
-        Ok(out)
     }
 }

@@ -24,6 +24,9 @@ pub mod reason {
     pub const HOST_AGENT_SHUTDOWN: &str = "host_agent_shutdown";
     /// The restore did not reach READY.
     pub const RESTORE_FAILED: &str = "restore_failed";
+    /// A resume from disk whose guest did not take the session back: the
+    /// VM went back to disk as it was (RESTORING -> PAUSED), nothing lost.
+    pub const RESUME_FAILED: &str = "resume_failed";
     /// host-agent restarted while the session was being restored.
     pub const HOST_AGENT_RESTART: &str = "host_agent_restart";
     /// Stops for what the guest sent (audit over its limit or out of order).
@@ -62,6 +65,8 @@ pub(super) fn allowed(from: i32, to: i32) -> bool {
         (Unspecified, Pending)
             | (Pending, Restoring)
             | (Restoring, Ready)
+            // A resume from disk whose guest did not come back, put back.
+            | (Restoring, Paused)
             | (Ready, Running)
             | (Ready | Running, Paused)
             | (Paused, Running)
@@ -263,6 +268,8 @@ mod tests {
             ("RESTORING", "READY"),
             ("RESTORING", "STOPPING"),
             ("RESTORING", "FAILED"),
+            // A resume from disk whose guest did not take the session back.
+            ("RESTORING", "PAUSED"),
             ("READY", "RUNNING"),
             ("READY", "PAUSED"),
             ("READY", "STOPPING"),

@@ -172,6 +172,10 @@ struct Inner {
     /// The session its guest becomes this one from (ForkSession instead of
     /// StartSession on the guest channel).
     fork_of: Option<fork::ForkOrigin>,
+    /// The next snapshot layer its vmm writes must be full: a write that
+    /// failed once it was asked for may have moved the vmm's own dirty
+    /// tracking on, so a diff over the session's base would miss pages.
+    full_layer_next: bool,
 }
 
 /// One session in memory.
@@ -483,6 +487,7 @@ impl Manager {
                 session_env: None,
                 restore_from: None,
                 fork_of: None,
+                full_layer_next: false,
             }),
             state,
         });

@@ -135,6 +135,12 @@ impl Manager {
                 state_name(state)
             )));
         }
+        if sess.row().persisted {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is paused to disk; resume it (ResumeSession) before rolling it \
+                 back to one of its snapshots"
+            )));
+        }
         let old = sess
             .vmm()
             .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
@@ -245,14 +251,12 @@ impl Manager {
             }
             Err(e) => Err(e),
         };
-        // READY means guest-init answered: it takes the session back first.
-        let reached = match started {
-            Ok(()) if image.guest_init => self.guest_after_restore(&sess, &vmm).await,
-            other => other,
-        };
-        if let Err(e) = reached {
+        if let Err(e) = started {
             vmm.kill();
             return Err(fail(e));
+        }
+        if image.guest_init {
+            self.take_back_or_put_back(&sess, &vmm).await?;
         }
         self.transition(&sess, S::Ready, "restore", "")?;
         self.transition(&sess, S::Running, "restore", "")?;

@@ -41,6 +41,7 @@ impl Manager {
             "" => None,
             id => self.layers.chain(id).ok().map(|c| (c.len(), c)),
         };
+        let full = full || sess.lock().full_layer_next;
         let parent = match base {
             Some((depth, chain)) if !full && depth < MAX_DIFF_CHAIN => chain.last().cloned(),
             _ => None,
@@ -55,13 +56,14 @@ impl Manager {
             .snapshot(&run_inside.join("snapshots").join(&name), snap_kind)
             .await;
         let written = snaps.join(&name);
-        let reply = match reply {
-            Ok(r) => r,
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&written);
-                return Err(e);
-            }
+        // From here a failure leaves the vmm's dirty tracking where this
+        // write left it, unknown to the layers: the next layer is full.
+        let failed = |e: Error| {
+            sess.lock().full_layer_next = true;
+            let _ = std::fs::remove_dir_all(&written);
+            e
         };
+        let reply = reply.map_err(failed)?;
         let holder = session_holder(&sess.id);
         let mut holders = vec![holder.as_str()];
         holders.extend_from_slice(also);
@@ -70,19 +72,23 @@ impl Manager {
         } else {
             vec![(holder.as_str(), row.base_layer.as_str())]
         };
-        let layer = self.layers.adopt(
-            &written,
-            NewLayer {
-                kind: layer_kind,
-                parent: parent.as_ref(),
-                owner_session: &sess.id,
-                holders: &holders,
-                release: &release,
-            },
-        )?;
+        let layer = self
+            .layers
+            .adopt(
+                &written,
+                NewLayer {
+                    kind: layer_kind,
+                    parent: parent.as_ref(),
+                    owner_session: &sess.id,
+                    holders: &holders,
+                    release: &release,
+                },
+            )
+            .map_err(failed)?;
         {
             let mut i = sess.lock();
             i.row.base_layer = layer.id.clone();
+            i.full_layer_next = false;
             self.store.put_session(&i.row)?;
         }
         // A full snapshot frees the old chain unless something else holds it.
@@ -175,43 +181,7 @@ impl Manager {
             .vmm()
             .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
         let t0 = Instant::now();
-        if running {
-            vmm.pause().await?;
-        }
-        let written = match self.write_layer(&sess, &vmm, kind::PAUSE, false, &[]).await {
-            Ok(w) => w,
-            Err(e) => {
-                if running {
-                    vmm.resume().await?;
-                }
-                return Err(e);
-            }
-        };
-        // The vmm goes: let go of it first, so its exit is not a crash.
-        {
-            let mut i = sess.lock();
-            i.vmm = None;
-            i.guest = None;
-            i.row.vmm_pid = 0;
-            i.row.vmm_start_ticks = 0;
-            i.row.persisted = true;
-            if let (Some(m), Some(s)) = (i.meter.as_mut(), vmm.sample_pid().and_then(read_sample)) {
-                m.observe(s);
-            }
-            self.store.put_session(&i.row)?;
-        }
-        if vmm.stop().await.is_err() {
-            vmm.kill();
-        }
-        if tokio::time::timeout(Duration::from_secs(10), vmm.wait())
-            .await
-            .is_err()
-        {
-            vmm.kill();
-            let _ = tokio::time::timeout(Duration::from_secs(10), vmm.wait()).await;
-        }
-        let run = supervisor::run_dirs(Path::new(&row.dir), vmm.jailed).0;
-        let _ = std::fs::remove_file(run.join("control.sock"));
+        let written = self.to_disk(&sess, &vmm, running).await?;
         let detail = format!(
             "persisted: layer {} ({} bytes, {} pages; written in {:.0} ms) in {} ms",
             written.layer.id,
@@ -226,6 +196,66 @@ impl Manager {
             self.note(&sess, "persisted", &detail)?;
         }
         Ok(sess.row())
+    }
+
+    /// Writes a pause layer of session `sess`'s `vmm` (paused first when
+    /// `running`), then stops the vmm: the session is `persisted`, with no
+    /// vmm, its disk and network where they are. The state is the caller's
+    /// to set. A layer that cannot be written leaves the vmm as it was.
+    async fn to_disk(
+        &self,
+        sess: &Session,
+        vmm: &Arc<VmmProcess>,
+        running: bool,
+    ) -> Result<Written> {
+        if running {
+            vmm.pause().await?;
+        }
+        let written = match self.write_layer(sess, vmm, kind::PAUSE, false, &[]).await {
+            Ok(w) => w,
+            Err(e) => {
+                if running {
+                    vmm.resume().await?;
+                }
+                return Err(e);
+            }
+        };
+        // The vmm goes: let go of it first, so its exit is not a crash.
+        let recorded = {
+            let mut i = sess.lock();
+            let kept = (i.vmm.take(), i.guest.take(), i.row.clone());
+            i.row.vmm_pid = 0;
+            i.row.vmm_start_ticks = 0;
+            i.row.persisted = true;
+            if let (Some(m), Some(s)) = (i.meter.as_mut(), vmm.sample_pid().and_then(read_sample)) {
+                m.observe(s);
+            }
+            let put = self.store.put_session(&i.row);
+            if put.is_err() {
+                // Not recorded: the session keeps its vmm, which runs on.
+                (i.vmm, i.guest, i.row) = kept;
+            }
+            put
+        };
+        if let Err(e) = recorded {
+            if running {
+                vmm.resume().await?;
+            }
+            return Err(e);
+        }
+        if vmm.stop().await.is_err() {
+            vmm.kill();
+        }
+        if tokio::time::timeout(Duration::from_secs(10), vmm.wait())
+            .await
+            .is_err()
+        {
+            vmm.kill();
+            let _ = tokio::time::timeout(Duration::from_secs(10), vmm.wait()).await;
+        }
+        let run = supervisor::run_dirs(Path::new(&sess.row().dir), vmm.jailed).0;
+        let _ = std::fs::remove_file(run.join("control.sock"));
+        Ok(written)
     }
 
     /// Restores session `sess` (PAUSED to disk; its op lock held) from its
@@ -305,13 +335,7 @@ impl Manager {
             }
             Err(e) => Err(e),
         };
-        // READY means guest-init answered: the guest takes the session
-        // back (ResumeSession) before the session is READY.
-        let reached = match started {
-            Ok(()) if image.guest_init => self.guest_after_restore(sess, &vmm).await,
-            other => other,
-        };
-        if let Err(e) = reached {
+        if let Err(e) = started {
             // Not watched yet: its exit is this failure, not a crash. The
             // session keeps no half-running VM.
             vmm.kill();
@@ -324,6 +348,9 @@ impl Manager {
             }
             return Err(fail(e));
         }
+        if image.guest_init {
+            self.take_back_or_put_back(sess, &vmm).await?;
+        }
         self.watch_exit(sess.clone(), vmm.clone());
         let detail = format!(
             "from {} snapshot layer(s) in {} ms",
@@ -335,6 +362,52 @@ impl Manager {
         metrics::restore_latency(t0.elapsed());
         self.touch(sess);
         Ok(())
+    }
+
+    /// Session `sess` (RESTORING), just restored from its own snapshot
+    /// into `vmm`: READY means guest-init answered, so the guest takes the
+    /// session back (ResumeSession) before the session is READY. A guest
+    /// that does not has run meanwhile (its disk may have changed since the
+    /// snapshot), so its VM goes back to disk as it is now and the session
+    /// is PAUSED (`persisted`, reason `resume_failed`), nothing lost; only
+    /// a vmm that exited, or one that cannot be put back, makes it FAILED
+    /// (`restore_failed`). Either way the error is returned.
+    pub(super) async fn take_back_or_put_back(
+        &self,
+        sess: &Session,
+        vmm: &Arc<VmmProcess>,
+    ) -> Result<()> {
+        let Err(e) = self.guest_after_restore(sess, vmm).await else {
+            return Ok(());
+        };
+        let put_back = match vmm.exit_status() {
+            Some(_) => Err(e.to_string()),
+            None => self
+                .to_disk(sess, vmm, true)
+                .await
+                .map_err(|p| format!("{e}; putting it back on disk failed too: {p}")),
+        };
+        match put_back {
+            Ok(w) => {
+                let detail = format!(
+                    "{e}; the VM is back on disk as it was (layer {})",
+                    w.layer.id
+                );
+                self.transition(sess, S::Paused, reason::RESUME_FAILED, &detail)?;
+            }
+            Err(detail) => {
+                vmm.kill();
+                {
+                    let mut i = sess.lock();
+                    i.vmm = None;
+                    i.guest = None;
+                    i.row.vmm_pid = 0;
+                    i.row.vmm_start_ticks = 0;
+                }
+                self.transition(sess, S::Failed, reason::RESTORE_FAILED, &detail)?;
+            }
+        }
+        Err(e)
     }
 
     /// The guest channel of session `sess`, whose `vmm` was just restored

@@ -46,6 +46,13 @@ impl Manager {
             "" => self.fork_layer(&sess, &row, &source_image).await?,
             dir => self.snapshot_with_disk(&row, &source_image, dir).await?,
         };
+        // Its VMs are restored with the source's devices: a network device
+        // needs a network (the marker a golden snapshot build writes).
+        let marker = Path::new(&layer.dir).join(crate::launch::NETWORK_MARKER);
+        if crate::launch::has_network(&source_image) && !marker.exists() {
+            std::fs::write(&marker, "virtio-net on tap0 (from the source session)\n")
+                .map_err(|e| Error::io(format!("writing {}", marker.display()), e))?;
+        }
         let image = ImageRow {
             id: req.image_id.clone(),
             kernel: source_image.kernel.clone(),

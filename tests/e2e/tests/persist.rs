@@ -3,8 +3,8 @@
 //! at the persisted session resumes it and runs; without, it is refused
 //! until ResumeSession; a persisted session stopped brings its branch back;
 //! a guest that does not take the session back after the restore fails the
-//! resume (FAILED, `restore_failed`) instead of leaving a RUNNING session
-//! whose guest never answers.
+//! resume and the VM goes back to disk as it was (PAUSED, `resume_failed`)
+//! instead of leaving a RUNNING session whose guest never answers.
 
 use proto::hostagent as pb;
 use test_harness::agent::{Agent, S};
@@ -122,13 +122,13 @@ async fn without_auto_resume_a_persisted_session_waits_for_resume_and_stops_with
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_resume_whose_guest_does_not_take_the_session_back_fails_it() {
+async fn a_resume_whose_guest_does_not_take_the_session_back_puts_it_back_on_disk() {
     let mut guest = start_guest().await;
     let vsock = guest.vsock().display().to_string();
     let agent = Agent::start(&["--guest-vsock-uds", &vsock, "--no-vsock-device"]);
     agent.guest_init_image().await;
     let s = session(&agent, &guest, false).await;
-    persist(&agent, &s).await;
+    let first = persist(&agent, &s).await;
     // The guest that answers after the restore has no session to take back.
     guest.restart_guest_init().await;
     let err = resume(&agent, &s).await.unwrap_err();
@@ -136,21 +136,28 @@ async fn a_resume_whose_guest_does_not_take_the_session_back_fails_it() {
         err.message().contains("did not take the session back"),
         "{err:?}"
     );
+    // Nothing is lost: the VM went back to disk as it was, in a new layer.
     let now = agent.get(&s.session_id).await;
-    assert_eq!(now.state, S::Failed as i32, "{now:?}");
+    assert_eq!(now.state, S::Paused as i32, "{now:?}");
+    assert!(now.persisted, "{now:?}");
     assert_eq!(now.vmm_pid, 0, "the restored vmm is gone: {now:?}");
+    assert_eq!(now.reason, "resume_failed", "{now:?}");
+    assert!(now.snapshot_bytes >= first.snapshot_bytes, "{now:?}");
     let events = agent.session_events(&s.session_id).await;
-    let failed = events.last().unwrap();
+    let last = events.last().unwrap();
     assert_eq!(
-        (failed.to, failed.reason.as_str()),
-        (S::Failed as i32, "restore_failed"),
+        (last.from, last.to, last.reason.as_str()),
+        (S::Restoring as i32, S::Paused as i32, "resume_failed"),
         "{events:?}"
     );
-    assert!(failed.detail.contains("guest-init"), "{failed:?}");
+    assert!(last.detail.contains("back on disk"), "{last:?}");
     assert!(
         !events
             .iter()
             .any(|e| e.to == S::Ready as i32 && e.reason == "resumed"),
         "never READY: {events:?}"
     );
+    // It can be stopped (the resume for its branch fails the same way).
+    let stopped = agent.stop(&s.session_id).await;
+    assert_eq!(stopped.state, S::Stopped as i32, "{stopped:?}");
 }
