@@ -44,6 +44,10 @@ pub enum Error {
     /// A snapshot layer is missing, damaged or cannot be taken in.
     #[error("snapshot: {0}")]
     Snapshot(String),
+    /// A stored schedule does not decode (a database changed by hand or by
+    /// a newer host-agent).
+    #[error("schedule: {0}")]
+    Schedule(String),
     /// The state database failed.
     #[error("database: {0}")]
     Store(#[from] rusqlite::Error),
@@ -94,7 +98,9 @@ impl Error {
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::Timeout(_) => Code::DeadlineExceeded,
             Error::Vmm(_) | Error::Guest(_) | Error::Network(_) => Code::Unavailable,
-            Error::Store(_) | Error::Io { .. } | Error::Snapshot(_) => Code::Internal,
+            Error::Store(_) | Error::Io { .. } | Error::Snapshot(_) | Error::Schedule(_) => {
+                Code::Internal
+            }
             Error::ShuttingDown => Code::Unavailable,
         }
     }

@@ -33,6 +33,7 @@ pub mod path_roots;
 pub mod pool;
 pub mod repo;
 pub mod safe_fs;
+pub mod schedules;
 pub mod session_env;
 pub mod sessions;
 pub mod store;
@@ -44,8 +45,8 @@ use std::time::Duration;
 
 use proto::hostagent::{
     approvals_server::ApprovalsServer, events_server::EventsServer, exec_server::ExecServer,
-    images_server::ImagesServer, node_server::NodeServer, sessions_server::SessionsServer,
-    snapshots_server::SnapshotsServer, usage_server::UsageServer,
+    images_server::ImagesServer, node_server::NodeServer, schedules_server::SchedulesServer,
+    sessions_server::SessionsServer, snapshots_server::SnapshotsServer, usage_server::UsageServer,
 };
 use tokio::net::TcpListener;
 
@@ -147,6 +148,9 @@ pub async fn serve(
     health
         .set_serving::<SnapshotsServer<api::snapshots::SnapshotsApi>>()
         .await;
+    health
+        .set_serving::<SchedulesServer<api::schedules::SchedulesApi>>()
+        .await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(proto::hostagent::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -186,6 +190,9 @@ pub async fn serve(
         .add_service(UsageServer::new(api::usage::UsageApi(mgr.clone())))
         .add_service(NodeServer::new(api::node::NodeApi(mgr.clone())))
         .add_service(SnapshotsServer::new(api::snapshots::SnapshotsApi(
+            mgr.clone(),
+        )))
+        .add_service(SchedulesServer::new(api::schedules::SchedulesApi(
             mgr.clone(),
         )));
     let result = match listener {

@@ -9,8 +9,8 @@ use clap::{Parser, Subcommand};
 mod cli;
 
 use cli::client::{
-    run_client, ApprovalsCmd, ClientTls, EventsCmd, ExecArgs, FilesCmd, ImagesCmd, SessionsCmd,
-    SnapshotsCmd, TurnsCmd,
+    run_client, ApprovalsCmd, ClientTls, EventsCmd, ExecArgs, FilesCmd, ImagesCmd, SchedulesCmd,
+    SessionsCmd, SnapshotsCmd, TurnsCmd,
 };
 use cli::demo::{run_demo, DemoArgs};
 use cli::serve::{run_serve, ServeArgs};
@@ -102,6 +102,9 @@ enum Cmd {
     /// The node's snapshot layers: list them, collect those nothing holds.
     #[command(subcommand)]
     Snapshots(SnapshotsCmd),
+    /// Schedules: sessions started by a clock (cron in a time zone).
+    #[command(subcommand)]
+    Schedules(SchedulesCmd),
 }
 
 fn main() -> ExitCode {

@@ -397,6 +397,7 @@ async fn health_reflection_node_and_metrics() {
         "hostagent.v1.Exec",
         "hostagent.v1.Approvals",
         "hostagent.v1.Files",
+        "hostagent.v1.Schedules",
         "hostagent.v1.Events",
         "hostagent.v1.Usage",
         "hostagent.v1.Node",

@@ -20,6 +20,7 @@ pub mod files;
 pub mod images;
 pub mod listing;
 pub mod node;
+pub mod schedules;
 pub mod sessions;
 pub mod snapshots;
 mod status;

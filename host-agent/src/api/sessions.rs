@@ -54,7 +54,9 @@ impl SessionsApi {
     }
 }
 
-fn create_params(
+/// CreateSession's request checked and resolved for `caller` (also how a
+/// schedule's session template is checked).
+pub(crate) fn create_params(
     mgr: &Manager,
     caller: &Caller,
     r: pb::CreateSessionRequest,

@@ -74,6 +74,11 @@ pub fn required(path: &str) -> Access {
             "ListLayers" | "CollectGarbage" => Needs(Admin),
             _ => Unknown,
         },
+        "hostagent.v1.Schedules" => match method {
+            "GetSchedule" | "ListSchedules" => Needs(Read),
+            "CreateSchedule" | "UpdateSchedule" | "DeleteSchedule" => Needs(Sessions),
+            _ => Unknown,
+        },
         "hostagent.v1.Node" => match method {
             "GetCapacity" | "GetVersion" => Needs(Read),
             _ => Unknown,

@@ -18,6 +18,7 @@ use schema::{migrate, SCHEMA};
 mod layers;
 mod listing;
 mod rows;
+mod schedules;
 mod schema;
 
 pub use layers::LayerRow;

@@ -56,6 +56,12 @@ CREATE INDEX IF NOT EXISTS layers_parent ON layers(parent);
 CREATE TABLE IF NOT EXISTS layer_holds(
   layer TEXT NOT NULL, holder TEXT NOT NULL, PRIMARY KEY(layer, holder));
 CREATE INDEX IF NOT EXISTS layer_holds_holder ON layer_holds(holder);
+-- Schedules: the session template as an encoded CreateSessionRequest,
+-- the command as a JSON array of strings.
+CREATE TABLE IF NOT EXISTS schedules(
+  id TEXT PRIMARY KEY, owner TEXT NOT NULL, cron TEXT NOT NULL, timezone TEXT NOT NULL,
+  template BLOB NOT NULL, run TEXT NOT NULL, overlap INTEGER NOT NULL, catch_up INTEGER NOT NULL,
+  enabled INTEGER NOT NULL, created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS idempotency(
   key TEXT PRIMARY KEY, method TEXT NOT NULL, fingerprint TEXT NOT NULL,
   response BLOB NOT NULL, at INTEGER NOT NULL);

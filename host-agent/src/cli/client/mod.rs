@@ -1,6 +1,6 @@
 //! The operator client: the `images`, `sessions`, `events`, `usage`,
-//! `node`, `exec`, `turns`, `approvals`, `audit`, `files` and `snapshots`
-//! subcommands over the gRPC API.
+//! `node`, `exec`, `turns`, `approvals`, `audit`, `files`, `snapshots` and
+//! `schedules` subcommands over the gRPC API.
 
 use std::path::PathBuf;
 
@@ -17,6 +17,7 @@ mod images;
 mod io_limits;
 mod labels;
 mod node;
+mod schedules;
 mod session_env;
 mod sessions;
 mod snapshots;
@@ -28,6 +29,7 @@ pub use events::EventsCmd;
 pub use exec::ExecArgs;
 pub use files::FilesCmd;
 pub use images::ImagesCmd;
+pub use schedules::SchedulesCmd;
 pub use sessions::SessionsCmd;
 pub use snapshots::SnapshotsCmd;
 pub use turns::TurnsCmd;
@@ -118,6 +120,7 @@ pub async fn run_client(
         Cmd::Files(c) => files::run(ch, bearer, out, c).await,
         Cmd::Audit { session, verify } => approvals::audit(ch, bearer, out, session, verify).await,
         Cmd::Snapshots(c) => snapshots::run(ch, bearer, out, c).await,
+        Cmd::Schedules(c) => schedules::run(ch, bearer, out, c).await,
     }
 }
 

@@ -140,7 +140,7 @@ fn human_bytes(n: u64) -> String {
 
 /// Unix milliseconds as a UTC time to the second, `2024-02-29T12:00:00Z`
 /// (`-` for 0, a time never set).
-fn utc(ms: i64) -> String {
+pub(super) fn utc(ms: i64) -> String {
     if ms == 0 {
         return "-".into();
     }

@@ -1,0 +1,250 @@
+//! The Schedules service: schedules created, read, listed, changed and
+//! deleted through gRPC; every bad field refused with INVALID_ARGUMENT
+//! naming it; the next fire time computed in the schedule's zone; and the
+//! schedules kept across a SIGKILL and restart of host-agent.
+
+use chrono::{Datelike, TimeZone, Timelike};
+use proto::hostagent as pb;
+use proto::hostagent::schedules_client::SchedulesClient;
+use test_harness::agent::Agent;
+use tonic::transport::Channel;
+use tonic::Code;
+
+async fn client(agent: &Agent) -> SchedulesClient<Channel> {
+    SchedulesClient::new(agent.channel().await)
+}
+
+fn monday_report(image: &str) -> pb::Schedule {
+    pb::Schedule {
+        schedule_id: "monday-report".into(),
+        cron: "0 9 * * MON".into(),
+        timezone: "Europe/Berlin".into(),
+        session: Some(pb::CreateSessionRequest {
+            image_id: image.into(),
+            labels: [("team".to_string(), "data".to_string())].into(),
+            ..Default::default()
+        }),
+        run: vec!["make".into(), "report".into()],
+        overlap: pb::Overlap::Queue as i32,
+        catch_up: pb::CatchUp::Once as i32,
+        enabled: true,
+        ..Default::default()
+    }
+}
+
+async fn create(
+    c: &mut SchedulesClient<Channel>,
+    s: pb::Schedule,
+) -> Result<pb::Schedule, tonic::Status> {
+    c.create_schedule(pb::CreateScheduleRequest { schedule: Some(s) })
+        .await
+        .map(|r| r.into_inner())
+}
+
+fn by_id(id: &str) -> pb::ScheduleRef {
+    pb::ScheduleRef {
+        schedule_id: id.into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schedules_are_kept_checked_and_report_their_next_fire() {
+    let mut agent = Agent::start(&[]);
+    agent.counter_image("counter").await;
+    let mut c = client(&agent).await;
+
+    let made = create(&mut c, monday_report("counter")).await.unwrap();
+    assert_eq!(made.schedule_id, "monday-report");
+    assert_eq!(
+        (made.overlap, made.catch_up),
+        (pb::Overlap::Queue as i32, pb::CatchUp::Once as i32)
+    );
+    assert!(
+        made.created_at > 0 && made.updated_at == made.created_at,
+        "{made:?}"
+    );
+    assert_eq!(made.owner, "local");
+    // The next fire is a Monday at 09:00 in Berlin, within a week.
+    let berlin: chrono_tz::Tz = "Europe/Berlin".parse().unwrap();
+    let next = berlin.timestamp_millis_opt(made.next_fire_at).unwrap();
+    assert_eq!(
+        (next.weekday(), next.hour(), next.minute(), next.second()),
+        (chrono::Weekday::Mon, 9, 0, 0),
+        "{next}"
+    );
+    let now = chrono::Utc::now().timestamp_millis();
+    assert!(made.next_fire_at > now && made.next_fire_at <= now + 7 * 86_400_000);
+
+    // The same id again is ALREADY_EXISTS; an empty id gets a new one.
+    let again = create(&mut c, monday_report("counter")).await.unwrap_err();
+    assert_eq!(again.code(), Code::AlreadyExists, "{again:?}");
+    let unnamed = create(
+        &mut c,
+        pb::Schedule {
+            schedule_id: String::new(),
+            cron: "*/5 * * * * *".into(),
+            timezone: String::new(),
+            ..monday_report("counter")
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(unnamed.schedule_id.len(), 36);
+
+    // Bad fields, each named.
+    let bad: Vec<(pb::Schedule, &str)> = vec![
+        (
+            pb::Schedule {
+                cron: "0 9 * * FUNDAY".into(),
+                ..monday_report("counter")
+            },
+            "cron",
+        ),
+        (
+            pb::Schedule {
+                timezone: "Europe/Atlantis".into(),
+                ..monday_report("counter")
+            },
+            "timezone",
+        ),
+        (
+            pb::Schedule {
+                schedule_id: "../x".into(),
+                ..monday_report("counter")
+            },
+            "schedule_id",
+        ),
+        (
+            monday_report("no-such-image"),
+            "session: image_id \"no-such-image\"",
+        ),
+        (
+            pb::Schedule {
+                session: None,
+                ..monday_report("counter")
+            },
+            "session",
+        ),
+        (
+            pb::Schedule {
+                run: vec![String::new()],
+                ..monday_report("counter")
+            },
+            "run[0]",
+        ),
+        (
+            pb::Schedule {
+                overlap: 7,
+                ..monday_report("counter")
+            },
+            "overlap",
+        ),
+    ];
+    for (s, field) in bad {
+        let e = create(
+            &mut c,
+            pb::Schedule {
+                schedule_id: "bad".into(),
+                ..s
+            },
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{field}: {e:?}");
+        assert!(e.message().contains(field), "{field}: {}", e.message());
+    }
+    let mut secret = monday_report("counter");
+    secret.schedule_id = "bad".into();
+    secret.session.as_mut().unwrap().secrets =
+        [("TOKEN".to_string(), "s3cr3t-value".to_string())].into();
+    let e = create(&mut c, secret).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("session.secrets"), "{}", e.message());
+    assert!(
+        !e.message().contains("s3cr3t-value"),
+        "no value echoed: {}",
+        e.message()
+    );
+    assert_eq!(
+        c.get_schedule(by_id("bad")).await.unwrap_err().code(),
+        Code::NotFound,
+        "nothing refused was kept"
+    );
+
+    // Changed: another time, disabled; its creation time stays.
+    let changed = c
+        .update_schedule(pb::UpdateScheduleRequest {
+            schedule: Some(pb::Schedule {
+                cron: "30 17 * * FRI".into(),
+                enabled: false,
+                ..monday_report("counter")
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(changed.cron, "30 17 * * FRI");
+    assert_eq!(changed.created_at, made.created_at);
+    assert!(changed.updated_at >= made.updated_at);
+    assert_eq!(changed.next_fire_at, 0, "a disabled schedule does not fire");
+    let missing = c
+        .update_schedule(pb::UpdateScheduleRequest {
+            schedule: Some(pb::Schedule {
+                schedule_id: "nope".into(),
+                ..monday_report("counter")
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(missing.code(), Code::NotFound);
+
+    // Kept across a SIGKILL and a restart.
+    agent.kill9();
+    agent.spawn();
+    let mut c = client(&agent).await;
+    let listed = c
+        .list_schedules(pb::ListSchedulesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .schedules;
+    let ids: Vec<&str> = listed.iter().map(|s| s.schedule_id.as_str()).collect();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert!(ids.contains(&"monday-report") && ids.contains(&unnamed.schedule_id.as_str()));
+    let kept = c
+        .get_schedule(by_id("monday-report"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (
+            kept.cron.as_str(),
+            kept.enabled,
+            kept.run.clone(),
+            kept.session.clone()
+        ),
+        (
+            changed.cron.as_str(),
+            false,
+            changed.run.clone(),
+            changed.session.clone()
+        )
+    );
+
+    // Deleted: gone, and a second delete is NOT_FOUND.
+    c.delete_schedule(by_id("monday-report")).await.unwrap();
+    assert_eq!(
+        c.get_schedule(by_id("monday-report"))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
+    assert_eq!(
+        c.delete_schedule(by_id("monday-report"))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
+}
