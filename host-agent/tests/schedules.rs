@@ -144,7 +144,12 @@ async fn schedules_are_kept_checked_and_report_their_next_fire() {
         let e = create(
             &mut c,
             pb::Schedule {
-                schedule_id: "bad".into(),
+                // Never the stored one's id (a bad id stays as it is).
+                schedule_id: if s.schedule_id == "monday-report" {
+                    "bad".into()
+                } else {
+                    s.schedule_id.clone()
+                },
                 ..s
             },
         )
@@ -246,5 +251,90 @@ async fn schedules_are_kept_checked_and_report_their_next_fire() {
             .unwrap_err()
             .code(),
         Code::NotFound
+    );
+}
+
+/// Runs the host-agent CLI against `addr` with `args`; its stdout, or a
+/// panic with its stderr.
+fn cli(addr: &str, args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_host-agent"))
+        .arg("--addr")
+        .arg(addr)
+        .args(args)
+        .output()
+        .expect("running the host-agent CLI");
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_creates_lists_disables_and_deletes_schedules() {
+    let agent = Agent::start(&[]);
+    agent.counter_image("counter").await;
+    let a = agent.addr.as_str();
+    let made = cli(
+        a,
+        &[
+            "schedules",
+            "create",
+            "--id",
+            "nightly",
+            "--cron",
+            "0 2 * * *",
+            "--timezone",
+            "Asia/Tokyo",
+            "--image",
+            "counter",
+            "--label",
+            "team=ops",
+            "--overlap",
+            "queue",
+            "--catch-up",
+            "once",
+            "--output",
+            "json",
+            "--",
+            "make",
+            "backup",
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_str(made.trim()).unwrap();
+    assert_eq!(v["schedule_id"], "nightly");
+    assert_eq!(v["timezone"], "Asia/Tokyo");
+    assert_eq!(v["run"], serde_json::json!(["make", "backup"]));
+    assert_eq!(
+        (v["overlap"].as_str(), v["catch_up"].as_str()),
+        (Some("OVERLAP_QUEUE"), Some("CATCH_UP_ONCE"))
+    );
+    // 02:00 in Tokyo is 17:00 UTC.
+    let next =
+        chrono::DateTime::from_timestamp_millis(v["next_fire_at"].as_i64().unwrap()).unwrap();
+    assert_eq!((next.hour(), next.minute()), (17, 0), "{next}");
+
+    let table = cli(a, &["schedules", "list"]);
+    assert!(table.starts_with("SCHEDULE"), "{table}");
+    assert!(
+        table.contains("nightly") && table.contains("Asia/Tokyo") && table.contains("make backup"),
+        "{table}"
+    );
+    let off = cli(a, &["schedules", "disable", "nightly", "--output", "json"]);
+    let off: serde_json::Value = serde_json::from_str(off.trim()).unwrap();
+    assert_eq!(
+        (off["enabled"].as_bool(), off["next_fire_at"].as_i64()),
+        (Some(false), Some(0))
+    );
+    cli(a, &["schedules", "delete", "nightly"]);
+    let gone = std::process::Command::new(env!("CARGO_BIN_EXE_host-agent"))
+        .args(["--addr", a, "schedules", "get", "nightly"])
+        .output()
+        .unwrap();
+    assert!(!gone.status.success());
+    assert!(
+        String::from_utf8_lossy(&gone.stderr).contains("not found"),
+        "{gone:?}"
     );
 }
