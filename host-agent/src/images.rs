@@ -15,9 +15,15 @@ pub const MAX_CMDLINE: usize = 2048;
 
 /// Checks an image id: 1..=64 of `[A-Za-z0-9._-]`, not starting with '.'.
 pub fn valid_id(id: &str) -> Result<()> {
-    if id.is_empty() || id.len() > 64 {
+    check_name("image_id", id, 64)
+}
+
+/// Checks `id`, the value of request field `field`: 1..=`max` of
+/// `[A-Za-z0-9._-]`, not starting with '.' (so it names a file safely).
+pub fn check_name(field: &str, id: &str, max: usize) -> Result<()> {
+    if id.is_empty() || id.len() > max {
         return Err(Error::invalid(format!(
-            "image_id must be 1 to 64 characters, got {}",
+            "{field} must be 1 to {max} characters, got {}",
             id.len()
         )));
     }
@@ -27,7 +33,7 @@ pub fn valid_id(id: &str) -> Result<()> {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
     {
         return Err(Error::invalid(format!(
-            "image_id {id:?} may only hold letters, digits, '.', '_' and '-' and must not start with '.'"
+            "{field} {id:?} may only hold letters, digits, '.', '_' and '-' and must not start with '.'"
         )));
     }
     Ok(())

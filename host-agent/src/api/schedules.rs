@@ -34,6 +34,11 @@ fn checked(mgr: &Manager, caller: &Caller, s: pb::Schedule) -> Result<ScheduleRo
     })
 }
 
+/// The request's schedule, which it must have.
+fn given(s: Option<pb::Schedule>) -> Result<pb::Schedule> {
+    s.ok_or_else(|| Error::invalid("schedule: missing"))
+}
+
 /// Schedule `id` if `caller` may see it (NOT_FOUND otherwise, as for one
 /// that does not exist).
 fn owned(mgr: &Manager, caller: &Caller, id: &str) -> Result<ScheduleRow> {
@@ -51,11 +56,7 @@ impl Schedules for SchedulesApi {
         req: Request<pb::CreateScheduleRequest>,
     ) -> Result<Response<pb::Schedule>, Status> {
         let caller = caller_of(&req)?;
-        let s = req
-            .into_inner()
-            .schedule
-            .ok_or_else(|| Error::invalid("schedule: missing"))?;
-        let row = checked(&self.0, &caller, s)?;
+        let row = checked(&self.0, &caller, given(req.into_inner().schedule)?)?;
         self.0.store.insert_schedule(&row)?;
         tracing::info!(schedule = %row.id, owner = %row.owner, cron = %row.cron, timezone = %row.timezone, "schedule created");
         Ok(Response::new(row.to_pb(now_ms())))
@@ -92,10 +93,7 @@ impl Schedules for SchedulesApi {
         req: Request<pb::UpdateScheduleRequest>,
     ) -> Result<Response<pb::Schedule>, Status> {
         let caller = caller_of(&req)?;
-        let s = req
-            .into_inner()
-            .schedule
-            .ok_or_else(|| Error::invalid("schedule: missing"))?;
+        let s = given(req.into_inner().schedule)?;
         let old = owned(&self.0, &caller, &s.schedule_id)?;
         // The template is checked as its owner's: the runs are theirs.
         let owner = Caller {

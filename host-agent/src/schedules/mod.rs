@@ -55,23 +55,7 @@ pub struct ScheduleRow {
 /// Checks a schedule id: 1..=[`MAX_ID_LEN`] of `[A-Za-z0-9._-]`, not
 /// starting with '.'.
 pub fn check_id(id: &str) -> Result<()> {
-    if id.is_empty() || id.len() > MAX_ID_LEN {
-        return Err(Error::invalid(format!(
-            "schedule_id must be 1 to {MAX_ID_LEN} characters, got {}",
-            id.len()
-        )));
-    }
-    if id.starts_with('.')
-        || !id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-    {
-        return Err(Error::invalid(format!(
-            "schedule_id {id:?} may only hold letters, digits, '.', '_' and '-' and must not \
-             start with '.'"
-        )));
-    }
-    Ok(())
+    crate::images::check_name("schedule_id", id, MAX_ID_LEN)
 }
 
 impl ScheduleRow {

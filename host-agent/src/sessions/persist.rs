@@ -336,16 +336,8 @@ impl Manager {
             Err(e) => Err(e),
         };
         if let Err(e) = started {
-            // Not watched yet: its exit is this failure, not a crash. The
-            // session keeps no half-running VM.
-            vmm.kill();
-            {
-                let mut i = sess.lock();
-                i.vmm = None;
-                i.guest = None;
-                i.row.vmm_pid = 0;
-                i.row.vmm_start_ticks = 0;
-            }
+            // Not watched yet: its exit is this failure, not a crash.
+            drop_vmm(sess, &vmm);
             return Err(fail(e));
         }
         if image.guest_init {
@@ -396,14 +388,7 @@ impl Manager {
                 self.transition(sess, S::Paused, reason::RESUME_FAILED, &detail)?;
             }
             Err(detail) => {
-                vmm.kill();
-                {
-                    let mut i = sess.lock();
-                    i.vmm = None;
-                    i.guest = None;
-                    i.row.vmm_pid = 0;
-                    i.row.vmm_start_ticks = 0;
-                }
+                drop_vmm(sess, vmm);
                 self.transition(sess, S::Failed, reason::RESTORE_FAILED, &detail)?;
             }
         }
@@ -446,4 +431,14 @@ impl Manager {
         }
         Ok(())
     }
+}
+
+/// Kills `vmm` and lets go of it: session `sess` keeps no half-running VM.
+fn drop_vmm(sess: &Session, vmm: &VmmProcess) {
+    vmm.kill();
+    let mut i = sess.lock();
+    i.vmm = None;
+    i.guest = None;
+    i.row.vmm_pid = 0;
+    i.row.vmm_start_ticks = 0;
 }
