@@ -259,6 +259,13 @@ async fn the_snapshot_follows_the_dirtied_pages_and_the_quota_bounds_them() {
     assert!(err.message().contains("snapshot_quota_mib"), "{err:?}");
     let o = agent.get(&other.session_id).await;
     assert!(o.state == S::Running as i32 && !o.persisted, "{o:?}");
+    // So is a SnapshotSession, whose snapshot the session keeps.
+    let err = c
+        .snapshot_session(call(&other.session_id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(err.message().contains("snapshot_quota_mib"), "{err:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

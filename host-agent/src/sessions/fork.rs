@@ -167,17 +167,8 @@ impl Manager {
                  a fork of {count} needs {need} MiB more"
             )));
         }
-        let quota = self.cfg.snapshot_quota_mib << 20;
-        if quota > 0 && snapshot {
-            let used = self.layers.session_bytes()?;
-            if used >= quota {
-                return Err(Error::ResourceExhausted(format!(
-                    "node snapshot storage: {} MiB of the {} MiB quota (snapshot_quota_mib) are \
-                     used; a fork needs a snapshot",
-                    used >> 20,
-                    quota >> 20
-                )));
-            }
+        if snapshot {
+            self.check_snapshot_room("a fork needs a snapshot")?;
         }
         Ok(())
     }

@@ -73,6 +73,8 @@ impl Manager {
                 "session {id} is paused to disk; resume it first"
             )));
         }
+        // Kept until the session is deleted: bounded like pauses to disk.
+        self.check_snapshot_room("delete sessions or their snapshots first")?;
         let vmm = sess
             .vmm()
             .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;

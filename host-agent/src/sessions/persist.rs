@@ -147,6 +147,25 @@ impl Manager {
         .map(Arc::new)
     }
 
+    /// Refuses a new session snapshot layer (RESOURCE_EXHAUSTED, saying
+    /// `then`) once the node's session layers take `snapshot_quota_mib`.
+    pub(super) fn check_snapshot_room(&self, then: &str) -> Result<()> {
+        let quota = self.cfg.snapshot_quota_mib << 20;
+        if quota == 0 {
+            return Ok(());
+        }
+        let used = self.layers.session_bytes()?;
+        if used >= quota {
+            return Err(Error::ResourceExhausted(format!(
+                "node snapshot storage: {} MiB of the {} MiB quota (snapshot_quota_mib) are \
+                 used; {then}",
+                used >> 20,
+                quota >> 20
+            )));
+        }
+        Ok(())
+    }
+
     /// Pauses session `id` to disk (`why`: requested or idle): a layer of
     /// its memory is written, its vmm stopped; the session stays PAUSED
     /// with `persisted` set, its disk and network where they are.
@@ -165,18 +184,7 @@ impl Manager {
                 state_name(state)
             )));
         }
-        let quota = self.cfg.snapshot_quota_mib << 20;
-        if quota > 0 {
-            let used = self.layers.session_bytes()?;
-            if used >= quota {
-                return Err(Error::ResourceExhausted(format!(
-                    "node snapshot storage: {} MiB of the {} MiB quota (snapshot_quota_mib) are \
-                     used; delete sessions or their snapshots first",
-                    used >> 20,
-                    quota >> 20
-                )));
-            }
-        }
+        self.check_snapshot_room("delete sessions or their snapshots first")?;
         let vmm = sess
             .vmm()
             .ok_or_else(|| Error::Vmm(format!("session {id} has no vmm")))?;
