@@ -110,6 +110,25 @@ async fn an_image_made_from_a_session_starts_every_session_from_it() {
         .delete_session(call(&s.session_id))
         .await
         .unwrap();
+    // Its sessions are forks of the source: another repository, agent,
+    // environment or size is refused, naming the fields.
+    let err = agent
+        .sessions()
+        .await
+        .create_session(pb::CreateSessionRequest {
+            image_id: "tmpl".into(),
+            agent: "other".into(),
+            env: [("K".to_string(), "v".to_string())].into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message()
+            .contains("agent, env: image \"tmpl\" was made from session"),
+        "{err:?}"
+    );
     let mut made = Vec::new();
     for _ in 0..2 {
         let n = agent.create("tmpl", "").await;

@@ -84,6 +84,41 @@ pub(crate) fn create_params(
             return Err(Error::invalid(format!("{name} is longer than 4096 bytes")));
         }
     }
+    // A session of an image made from a session becomes a fork of that
+    // session in the guest (ForkSession): it keeps the source's repository,
+    // agent, environment, secrets and size, so asking for others is an
+    // error, never silently dropped.
+    if let Some(image) = mgr
+        .store
+        .image(&r.image_id)?
+        .filter(|i| !i.source_session.is_empty())
+    {
+        let sized = r
+            .resources
+            .as_ref()
+            .is_some_and(|x| *x != pb::SessionResources::default());
+        let given: Vec<&str> = [
+            ("repository_path", !r.repository_path.is_empty()),
+            ("agent", !r.agent.is_empty()),
+            ("base_ref", !r.base_ref.is_empty()),
+            ("env", !r.env.is_empty()),
+            ("secrets", !r.secrets.is_empty()),
+            ("secret_refs", !r.secret_refs.is_empty()),
+            ("resources", sized),
+        ]
+        .into_iter()
+        .filter_map(|(name, set)| set.then_some(name))
+        .collect();
+        if !given.is_empty() {
+            return Err(Error::invalid(format!(
+                "{}: image {:?} was made from session {}, and its sessions start as forks of \
+                 it, with its repository, agent, environment, secrets and size; leave these empty",
+                given.join(", "),
+                image.id,
+                image.source_session
+            )));
+        }
+    }
     // Environment and secrets go to guest-init; an image without it has
     // nothing to give them to.
     if !(r.env.is_empty() && r.secrets.is_empty() && r.secret_refs.is_empty()) {
