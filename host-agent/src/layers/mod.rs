@@ -243,8 +243,17 @@ impl Layers {
         Ok(chain)
     }
 
-    /// `holder` holds layer `id` too.
+    /// `holder` holds layer `id` too. Under the lock [`Layers::collect`]
+    /// takes, so a layer is either still there and held, or already gone
+    /// and the hold refused: never a hold on a collected layer.
     pub fn hold(&self, id: &str, holder: &str) -> Result<()> {
+        let _g = self.guard();
+        if self.store.layer(id)?.is_none() {
+            return Err(Error::Snapshot(format!(
+                "snapshot layer {id} is gone (nothing held it any more) and cannot be held by \
+                 {holder}"
+            )));
+        }
         self.store.hold_layer(id, holder)
     }
 

@@ -308,6 +308,11 @@ fn a_dry_run_lists_what_would_go_and_deletes_nothing() {
         .collect();
     assert_eq!(gone, would);
     assert!(!Path::new(&image.golden_dir).exists());
+    // A collected layer cannot be held again: the hold is refused, and no
+    // hold is left on a layer that is not there.
+    let e = layers.hold(&d.id, "session:late").unwrap_err().to_string();
+    assert!(e.contains(&d.id) && e.contains("gone"), "{e}");
+    assert!(store.layer_holds().unwrap().is_empty());
 }
 
 #[test]

@@ -96,8 +96,12 @@ pub fn net_image() -> pb::RegisterImageRequest {
         kernel_path: test_harness::guests::path("virtio_net")
             .display()
             .to_string(),
-        // Waits for a frame (none comes) far longer than any test runs.
-        cmdline: "console=ttyS0 rx_spins=1000000000000000".into(),
+        // Waits for its frame (none comes) far longer than any test runs,
+        // and never resets: past 8 other frames (a node with IPv6 sends
+        // neighbour discovery and MLD to the tap; 8 can come within a test
+        // on a loaded machine) it would end, and the session with it, so
+        // `hold=1` keeps it spinning.
+        cmdline: "console=ttyS0 rx_spins=1000000000000000 hold=1".into(),
         mem_mib: 32,
         vcpus: 1,
         ..Default::default()
