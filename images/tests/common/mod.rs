@@ -48,6 +48,15 @@ pub fn images_env(args: &[&str], env: &[(&str, &str)]) -> (Output, Duration) {
     (out, took)
 }
 
+/// The inode, size and modification time of a file: equal before and after
+/// a command only if nothing replaced or wrote it. The tests check a cache
+/// hit with this, never with a time limit (speed is perf's business).
+pub fn file_identity(path: &std::path::Path) -> (u64, u64, std::time::SystemTime) {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path).unwrap();
+    (meta.ino(), meta.len(), meta.modified().unwrap())
+}
+
 /// The output directory `images` printed on stdout.
 pub fn printed_dir(out: &Output) -> PathBuf {
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
