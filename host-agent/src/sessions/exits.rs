@@ -66,11 +66,16 @@ impl Manager {
         self.release(sess);
     }
 
-    /// Releases a finished session's sockets.
+    /// Releases a finished session's sockets: its control socket, and its
+    /// vsock socket where its vmm's vsock device made one (without the
+    /// device, `guest_vsock_uds` names a socket someone else serves, such
+    /// as a stand-in guest shared by every session: it stays).
     pub(super) fn release(&self, sess: &Session) {
         let run = self.run_dir(sess);
         let _ = std::fs::remove_file(run.join("control.sock"));
-        let _ = std::fs::remove_file(self.cfg.vsock_path(&run));
+        if self.cfg.vsock_device {
+            let _ = std::fs::remove_file(self.cfg.vsock_path(&run));
+        }
     }
 
     /// Where the session's VM keeps its sockets, as the host sees it (inside

@@ -103,6 +103,13 @@ impl Agent {
         self.child = Some(child);
     }
 
+    /// The log (stderr) of host-agent's latest start, for a failing
+    /// test's message.
+    pub fn log(&self) -> String {
+        let path = self.dir.path().join(format!("agent-{}.log", self.spawns));
+        std::fs::read_to_string(path).unwrap_or_default()
+    }
+
     /// SIGKILLs host-agent (its vmm processes keep running).
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
