@@ -21,9 +21,8 @@ use crate::auth::layer::caller_of;
 use crate::auth::Caller;
 use crate::error::Error;
 use crate::execs::attach::{self, Opening};
-use crate::execs::record::{End, Meta};
-use crate::sessions::{state_name, Manager};
-use proto::guest::{host_message::Kind as In, Exec as GExec, TerminalSize as GTerminalSize};
+use crate::sessions::{CommandSpec, Manager};
+use proto::guest::TerminalSize as GTerminalSize;
 
 /// The Exec service.
 pub struct ExecApi(pub Arc<Manager>);
@@ -112,69 +111,24 @@ impl Exec for ExecApi {
             .into());
         }
         let sess = self.0.session(&start.session_id)?;
-        let state = sess.row().state;
-        if state != pb::SessionState::Running as i32 {
-            return Err(Error::FailedPrecondition(format!(
-                "session {} is {}; commands run only while RUNNING",
-                start.session_id,
-                state_name(state)
-            ))
-            .into());
-        }
-        // Opens the channel again if a host-agent restart (or a broken vsock) lost it.
-        let conn = self.0.guest_channel(&sess).await?;
-        let exec_id = uuid::Uuid::new_v4().to_string();
-        let turn_id = if start.turn_id.is_empty() {
-            format!("turn-{exec_id}")
-        } else {
-            start.turn_id.clone()
-        };
-        let rec = sess.execs.begin(
-            Meta {
-                exec_id: exec_id.clone(),
-                session_id: start.session_id.clone(),
-                turn_id: turn_id.clone(),
-                pty: start.pty.is_some(),
-                stdin_open: start.keep_stdin_open || start.pty.is_some(),
-                timeout_ms: start.timeout_ms,
-                started_at: crate::sessions::now_ms(),
-            },
-            start.argv.clone(),
-        )?;
-        let rx = match conn.route_exec(&exec_id) {
-            Ok(rx) => rx,
-            Err(e) => {
-                rec.finish(End::Lost(e.to_string()));
-                return Err(e.into());
-            }
-        };
-        // The command's output goes into its record, whoever reads it.
-        tokio::spawn(crate::execs::pump(
-            rec.clone(),
-            sess.execs.clone(),
-            rx,
-            conn.exec_output_dropped(),
-        ));
-        if let Err(e) = conn
-            .send(In::Exec(GExec {
-                exec_id: exec_id.clone(),
-                turn_id,
-                argv: start.argv.clone(),
-                cwd: start.cwd.clone().into_bytes(),
-                env: start.env.clone(),
-                stdin: Vec::new(),
-                keep_stdin_open: start.keep_stdin_open,
-                pty: start.pty.map(|p| GTerminalSize {
-                    rows: p.rows,
-                    cols: p.cols,
-                }),
-                timeout_ms: start.timeout_ms,
-            }))
-            .await
-        {
-            rec.finish(End::Lost(format!("it could not be sent to the guest: {e}")));
-            return Err(e.into());
-        }
+        let (rec, conn) = self
+            .0
+            .start_command(
+                &sess,
+                CommandSpec {
+                    argv: start.argv.clone(),
+                    cwd: start.cwd.clone(),
+                    env: start.env.clone(),
+                    turn_id: start.turn_id.clone(),
+                    pty: start.pty.map(|p| GTerminalSize {
+                        rows: p.rows,
+                        cols: p.cols,
+                    }),
+                    keep_stdin_open: start.keep_stdin_open,
+                    timeout_ms: start.timeout_ms,
+                },
+            )
+            .await?;
         let (out, fail) = attach::open(rec.clone(), Opening::Exec);
         // Input is forwarded once the guest has started the command; when
         // this stream drops, the command goes on (Attach reaches it again).

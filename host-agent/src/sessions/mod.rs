@@ -13,6 +13,7 @@
 
 mod asks;
 mod channel;
+mod commands;
 mod create;
 mod exits;
 mod fork;
@@ -31,6 +32,7 @@ mod template;
 mod turns;
 mod warm;
 
+pub use commands::CommandSpec;
 use lifecycle::billable;
 pub use lifecycle::{is_terminal, now_ms, reason, state_name};
 pub use network::NetworkState;
