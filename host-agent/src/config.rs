@@ -257,6 +257,13 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
     /// Prometheus metrics listen address; `None` disables the endpoint.
     pub metrics_listen: Option<SocketAddr>,
+    /// Webhook listener for triggers (`POST /triggers/<id>`, plain HTTP;
+    /// each request is authenticated by its HMAC signature); `None`: no
+    /// webhooks.
+    pub webhook_listen: Option<SocketAddr>,
+    /// How long a schedule run refused for capacity is retried (with
+    /// backoff) from its fire, seconds; then it is recorded failed.
+    pub schedule_retry_window_seconds: u64,
     /// Database, images, sessions and snapshots live here.
     pub state_dir: PathBuf,
     /// The vmm binary; `None` looks next to this executable, then in PATH.
@@ -355,6 +362,8 @@ impl Default for Config {
             tls: None,
             listen_unix: None,
             metrics_listen: None,
+            webhook_listen: None,
+            schedule_retry_window_seconds: 600,
             state_dir: PathBuf::from("host-agent-state"),
             vmm: None,
             max_sessions: 256,

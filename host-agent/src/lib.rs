@@ -117,6 +117,26 @@ pub async fn serve(
     if cfg.warm_pool_size > 0 {
         tokio::spawn(mgr.clone().run_pool(cfg.warm_pool_size as usize));
     }
+    let scheduler = schedules::Scheduler::start(
+        mgr.clone(),
+        Duration::from_secs(cfg.schedule_retry_window_seconds),
+    )?;
+    let (webhook_stop, webhook_stopped) = tokio::sync::oneshot::channel::<()>();
+    if let Some(addr) = cfg.webhook_listen {
+        let l = TcpListener::bind(addr)
+            .await
+            .map_err(|e| Error::io(format!("binding webhook address {addr}"), e))?;
+        tracing::info!(%addr, "webhook listener for triggers");
+        let sched = scheduler.clone();
+        tokio::spawn(async move {
+            let stopped = async move {
+                let _ = webhook_stopped.await;
+            };
+            if let Err(e) = schedules::webhook::serve(sched, l, stopped).await {
+                tracing::error!(error = %e, "webhook listener");
+            }
+        });
+    }
     if let Some(addr) = cfg.metrics_listen {
         let l = TcpListener::bind(addr)
             .await
@@ -192,9 +212,10 @@ pub async fn serve(
         .add_service(SnapshotsServer::new(api::snapshots::SnapshotsApi(
             mgr.clone(),
         )))
-        .add_service(SchedulesServer::new(api::schedules::SchedulesApi(
-            mgr.clone(),
-        )));
+        .add_service(SchedulesServer::new(api::schedules::SchedulesApi {
+            mgr: mgr.clone(),
+            sched: scheduler.clone(),
+        }));
     let result = match listener {
         Listener::Tcp(l) => {
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
@@ -209,6 +230,7 @@ pub async fn serve(
                 .await
         }
     };
+    let _ = webhook_stop.send(());
     if mgr.cfg.stop_sessions_on_shutdown {
         mgr.stop_all().await;
     }

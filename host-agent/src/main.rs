@@ -10,7 +10,7 @@ mod cli;
 
 use cli::client::{
     run_client, ApprovalsCmd, ClientTls, EventsCmd, ExecArgs, FilesCmd, ImagesCmd, SchedulesCmd,
-    SessionsCmd, SnapshotsCmd, TurnsCmd,
+    SessionsCmd, SnapshotsCmd, TriggersCmd, TurnsCmd,
 };
 use cli::demo::{run_demo, DemoArgs};
 use cli::serve::{run_serve, ServeArgs};
@@ -105,6 +105,9 @@ enum Cmd {
     /// Schedules: sessions started by a clock (cron in a time zone).
     #[command(subcommand)]
     Schedules(SchedulesCmd),
+    /// Webhook triggers: runs started by a signed HTTP request.
+    #[command(subcommand)]
+    Triggers(TriggersCmd),
 }
 
 fn main() -> ExitCode {

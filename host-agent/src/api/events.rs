@@ -12,7 +12,20 @@ use super::{check_session_id, event_pb};
 use crate::api::listing::check_labels;
 use crate::auth::layer::caller_of;
 use crate::sessions::Manager;
-use crate::store::EventFilter;
+use crate::store::{EventFilter, EVENT_SCHEDULE, EVENT_SESSION};
+
+/// The kinds a watch may ask for: each one of the event kinds, at most once.
+fn check_kinds(kinds: Vec<String>) -> Result<Vec<String>, Status> {
+    for k in &kinds {
+        if k != EVENT_SESSION && k != EVENT_SCHEDULE {
+            return Err(crate::error::Error::invalid(format!(
+                "kinds: {k:?} is not an event kind ({EVENT_SESSION:?} or {EVENT_SCHEDULE:?})"
+            ))
+            .into());
+        }
+    }
+    Ok(kinds)
+}
 
 /// The Events service.
 pub struct EventsApi(pub Arc<Manager>);
@@ -39,6 +52,7 @@ impl Events for EventsApi {
             session,
             owner: caller.owner_filter().map(str::to_string),
             labels: check_labels("labels", &r.labels)?,
+            kinds: check_kinds(r.kinds)?,
         };
         let rx = self
             .0

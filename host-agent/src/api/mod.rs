@@ -190,6 +190,10 @@ pub fn event_pb(e: &EventRow) -> pb::Event {
         to: e.to,
         reason: e.reason.clone(),
         detail: e.detail.clone(),
+        kind: e.kind.clone(),
+        schedule_id: e.schedule_id.clone(),
+        run_id: e.run_id,
+        trigger_id: e.trigger_id.clone(),
     }
 }
 

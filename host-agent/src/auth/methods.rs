@@ -75,8 +75,14 @@ pub fn required(path: &str) -> Access {
             _ => Unknown,
         },
         "hostagent.v1.Schedules" => match method {
-            "GetSchedule" | "ListSchedules" => Needs(Read),
-            "CreateSchedule" | "UpdateSchedule" | "DeleteSchedule" => Needs(Sessions),
+            "GetSchedule"
+            | "ListSchedules"
+            | "ListRuns"
+            | "GetTrigger"
+            | "ListTriggers"
+            | "ListTriggerDeliveries" => Needs(Read),
+            "CreateSchedule" | "UpdateSchedule" | "DeleteSchedule" | "RunScheduleNow"
+            | "CreateTrigger" | "DeleteTrigger" => Needs(Sessions),
             _ => Unknown,
         },
         "hostagent.v1.Node" => match method {

@@ -193,11 +193,20 @@ impl Record for pb::Event {
         &["SEQ", "SESSION", "FROM", "TO", "REASON", "DETAIL"]
     }
     fn cells(&self) -> Vec<String> {
+        // A schedule's event has no states: its FROM/TO say whose it is.
+        let (from, to) = if self.kind == "schedule" {
+            (
+                format!("schedule:{}", or_dash(&self.schedule_id)),
+                format!("run:{}", self.run_id),
+            )
+        } else {
+            (state_name(self.from).into(), state_name(self.to).into())
+        };
         vec![
             self.seq.to_string(),
-            self.session_id.clone(),
-            state_name(self.from).into(),
-            state_name(self.to).into(),
+            or_dash(&self.session_id),
+            from,
+            to,
             or_dash(&self.reason),
             or_dash(&self.detail),
         ]
@@ -212,6 +221,10 @@ impl Record for pb::Event {
             "to": state_name(self.to),
             "reason": self.reason,
             "detail": self.detail,
+            "kind": self.kind,
+            "schedule_id": self.schedule_id,
+            "run_id": self.run_id,
+            "trigger_id": self.trigger_id,
         })
     }
 }

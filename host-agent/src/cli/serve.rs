@@ -27,6 +27,12 @@ pub struct ServeArgs {
     /// Prometheus metrics listen address (loopback).
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
+    /// Webhook listener for triggers (POST /triggers/<id>), e.g. 127.0.0.1:7071.
+    #[arg(long)]
+    webhook_listen: Option<SocketAddr>,
+    /// How long a schedule run refused for capacity is retried, seconds.
+    #[arg(long)]
+    schedule_retry_window: Option<u64>,
     /// Most live sessions.
     #[arg(long)]
     max_sessions: Option<u32>,
@@ -153,6 +159,12 @@ pub async fn run_serve(a: ServeArgs) -> Result<(), String> {
     }
     if let Some(v) = a.metrics_listen {
         cfg.metrics_listen = Some(v);
+    }
+    if let Some(v) = a.webhook_listen {
+        cfg.webhook_listen = Some(v);
+    }
+    if let Some(v) = a.schedule_retry_window {
+        cfg.schedule_retry_window_seconds = v;
     }
     if let Some(v) = a.max_sessions {
         cfg.max_sessions = v;

@@ -11,14 +11,20 @@
 //! stored is one that can fire.
 
 pub mod cadence;
+pub mod runner;
+pub mod scheduler;
+pub mod triggers;
+pub mod webhook;
 
 use proto::hostagent as pb;
 
 use crate::error::{Error, Result};
 pub use cadence::Cadence;
+pub use scheduler::Scheduler;
 
-/// Longest schedule id.
-pub const MAX_ID_LEN: usize = 128;
+/// Longest schedule id (its runs' keys, `schedule:<id>:<unix ms>`, stay
+/// within an idempotency key's 128 bytes).
+pub const MAX_ID_LEN: usize = 100;
 /// Most arguments a run's command may have.
 pub const MAX_RUN_ARGS: usize = 256;
 /// Longest argument of a run's command.
@@ -50,6 +56,12 @@ pub struct ScheduleRow {
     pub created_at: i64,
     /// Unix ms.
     pub updated_at: i64,
+    /// The scope its owner had when it was created or last changed; its
+    /// runs' sessions are created with it.
+    pub owner_scope: String,
+    /// Every fire time up to this (unix ms) is recorded, or came before
+    /// the schedule was created or last changed.
+    pub fired_through: i64,
 }
 
 /// Checks a schedule id: 1..=[`MAX_ID_LEN`] of `[A-Za-z0-9._-]`, not
@@ -58,16 +70,73 @@ pub fn check_id(id: &str) -> Result<()> {
     crate::images::check_name("schedule_id", id, MAX_ID_LEN)
 }
 
+/// The session template a schedule (or trigger) stores: present, without
+/// inline secrets or an idempotency key, and as `check_session` (which
+/// sees it as CreateSession would) allows; its errors name `session.*`.
+pub fn check_template(
+    template: Option<pb::CreateSessionRequest>,
+    check_session: impl FnOnce(&pb::CreateSessionRequest) -> Result<()>,
+) -> Result<pb::CreateSessionRequest> {
+    let Some(template) = template else {
+        return Err(Error::invalid(
+            "session: a schedule needs the session template its runs create",
+        ));
+    };
+    if !template.secrets.is_empty() {
+        return Err(Error::invalid(
+            "session.secrets: a schedule is kept in host-agent's database, so it takes no \
+             secret values; name them in session.secret_refs (files in secrets_dir)",
+        ));
+    }
+    if !template.idempotency_key.is_empty() {
+        return Err(Error::invalid(
+            "session.idempotency_key: each run's session gets schedule:<id>:<fire time> \
+             as its key; leave it empty",
+        ));
+    }
+    check_session(&template).map_err(|e| match e {
+        Error::InvalidArgument(m) => Error::invalid(format!("session: {m}")),
+        other => other,
+    })?;
+    Ok(template)
+}
+
+/// A run's command: at most [`MAX_RUN_ARGS`] arguments of at most
+/// [`MAX_RUN_ARG_LEN`] bytes without NUL, the program not empty (an empty
+/// command is allowed: the session only starts).
+pub fn check_run(run: &[String]) -> Result<()> {
+    if run.len() > MAX_RUN_ARGS {
+        return Err(Error::invalid(format!(
+            "run has {} arguments, more than {MAX_RUN_ARGS}",
+            run.len()
+        )));
+    }
+    if run.first().is_some_and(|a| a.is_empty()) {
+        return Err(Error::invalid("run[0] (the program) is empty"));
+    }
+    if let Some((i, a)) = run
+        .iter()
+        .enumerate()
+        .find(|(_, a)| a.len() > MAX_RUN_ARG_LEN || a.contains('\0'))
+    {
+        return Err(Error::invalid(format!(
+            "run[{i}] is longer than {MAX_RUN_ARG_LEN} bytes or holds a NUL ({} bytes)",
+            a.len()
+        )));
+    }
+    Ok(())
+}
+
 impl ScheduleRow {
     /// The schedule `s` asks for, owned by `owner`, checked field by field
     /// (errors name the field). An empty id gets a new one. The session
-    /// template is checked by `check_template`, which sees it as
+    /// template is checked by `check_session`, which sees it as
     /// CreateSession would.
     pub fn from_request(
         s: pb::Schedule,
-        owner: &str,
+        owner: &crate::auth::Caller,
         now_ms: i64,
-        check_template: impl FnOnce(&pb::CreateSessionRequest) -> Result<()>,
+        check_session: impl FnOnce(&pb::CreateSessionRequest) -> Result<()>,
     ) -> Result<ScheduleRow> {
         let id = if s.schedule_id.is_empty() {
             uuid::Uuid::new_v4().to_string()
@@ -76,47 +145,8 @@ impl ScheduleRow {
             s.schedule_id
         };
         Cadence::parse(&s.cron, &s.timezone)?;
-        let Some(template) = s.session else {
-            return Err(Error::invalid(
-                "session: a schedule needs the session template its runs create",
-            ));
-        };
-        if !template.secrets.is_empty() {
-            return Err(Error::invalid(
-                "session.secrets: a schedule is kept in host-agent's database, so it takes no \
-                 secret values; name them in session.secret_refs (files in secrets_dir)",
-            ));
-        }
-        if !template.idempotency_key.is_empty() {
-            return Err(Error::invalid(
-                "session.idempotency_key: each run's session gets schedule:<id>:<fire time> \
-                 as its key; leave it empty",
-            ));
-        }
-        check_template(&template).map_err(|e| match e {
-            Error::InvalidArgument(m) => Error::invalid(format!("session: {m}")),
-            other => other,
-        })?;
-        if s.run.len() > MAX_RUN_ARGS {
-            return Err(Error::invalid(format!(
-                "run has {} arguments, more than {MAX_RUN_ARGS}",
-                s.run.len()
-            )));
-        }
-        if s.run.first().is_some_and(|a| a.is_empty()) {
-            return Err(Error::invalid("run[0] (the program) is empty"));
-        }
-        if let Some((i, a)) = s
-            .run
-            .iter()
-            .enumerate()
-            .find(|(_, a)| a.len() > MAX_RUN_ARG_LEN || a.contains('\0'))
-        {
-            return Err(Error::invalid(format!(
-                "run[{i}] is longer than {MAX_RUN_ARG_LEN} bytes or holds a NUL ({} bytes)",
-                a.len()
-            )));
-        }
+        let template = check_template(s.session, check_session)?;
+        check_run(&s.run)?;
         let overlap = match pb::Overlap::try_from(s.overlap) {
             Ok(pb::Overlap::Unspecified) => pb::Overlap::Skip,
             Ok(o) => o,
@@ -139,7 +169,9 @@ impl ScheduleRow {
         };
         Ok(ScheduleRow {
             id,
-            owner: owner.to_string(),
+            owner: owner.name.clone(),
+            owner_scope: owner.scope.name().to_string(),
+            fired_through: now_ms,
             cron: s.cron,
             timezone: s.timezone,
             template,
@@ -198,8 +230,15 @@ mod tests {
         }
     }
 
+    fn alice() -> crate::auth::Caller {
+        crate::auth::Caller {
+            name: "alice".into(),
+            scope: crate::auth::Scope::Sessions,
+        }
+    }
+
     fn check(s: pb::Schedule) -> Result<ScheduleRow> {
-        ScheduleRow::from_request(s, "alice", 1_000, |_| Ok(()))
+        ScheduleRow::from_request(s, &alice(), 1_000, |_| Ok(()))
     }
 
     #[test]
@@ -326,7 +365,7 @@ mod tests {
             assert!(e.to_string().contains(field), "{field}: {e}");
         }
         // The template's own check speaks of the session's fields.
-        let e = ScheduleRow::from_request(request(), "alice", 0, |_| {
+        let e = ScheduleRow::from_request(request(), &alice(), 0, |_| {
             Err(Error::invalid("image_id must be 1 to 64 characters, got 0"))
         })
         .unwrap_err();

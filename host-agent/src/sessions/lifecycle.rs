@@ -180,6 +180,8 @@ impl Manager {
             to,
             reason: reason.to_string(),
             detail: detail.to_string(),
+            kind: crate::store::EVENT_SESSION.into(),
+            ..Default::default()
         };
         let seq = match self.store.transition(&inner.row, &ev) {
             Ok(seq) => seq,
@@ -228,6 +230,8 @@ impl Manager {
             to: state,
             reason: reason.to_string(),
             detail: detail.to_string(),
+            kind: crate::store::EVENT_SESSION.into(),
+            ..Default::default()
         };
         let seq = self.store.transition(&inner.row, &ev)?;
         drop(inner);

@@ -41,6 +41,8 @@ pub struct EventFilter {
     pub owner: Option<String>,
     /// Only events of sessions with each of these labels, value for value.
     pub labels: BTreeMap<String, String>,
+    /// Only events of these kinds (empty: every kind).
+    pub kinds: Vec<String>,
 }
 
 /// SQL true when every entry of the JSON object `?6` (the filter) is one of
@@ -122,6 +124,8 @@ mod tests {
             to: state,
             reason: "created".into(),
             detail: String::new(),
+            kind: crate::store::EVENT_SESSION.into(),
+            ..Default::default()
         };
         store.transition(&row, &ev).unwrap();
     }

@@ -18,12 +18,16 @@ use schema::{migrate, SCHEMA};
 mod layers;
 mod listing;
 mod rows;
+mod runs;
 mod schedules;
 mod schema;
+mod triggers;
 
 pub use layers::LayerRow;
 pub use listing::{Cursor, EventFilter, SessionQuery};
-pub use rows::{AuditRow, EventRow, ImageRow, SessionRow, UsageRow};
+pub use rows::{AuditRow, EventRow, ImageRow, SessionRow, UsageRow, EVENT_SCHEDULE, EVENT_SESSION};
+pub use runs::{Recorded, RunRow};
+pub use triggers::{DeliveryRow, TriggerRow, ACCEPTED, DELIVERY_KEEP_MS};
 
 /// Owner recorded for sessions created before owners existed (database
 /// migration); only admin clients see them.
@@ -149,6 +153,10 @@ fn event_from_row(r: &Row<'_>) -> rusqlite::Result<EventRow> {
         to: r.get(5)?,
         reason: r.get(6)?,
         detail: r.get(7)?,
+        kind: r.get(8)?,
+        schedule_id: r.get(9)?,
+        run_id: r.get::<_, i64>(10)? as u64,
+        trigger_id: r.get(11)?,
     })
 }
 
@@ -310,15 +318,27 @@ impl Store {
         limit: u32,
     ) -> Result<Vec<EventRow>> {
         let labels = (!filter.labels.is_empty()).then(|| labels_json(&filter.labels));
+        let kinds = (!filter.kinds.is_empty())
+            .then(|| serde_json::Value::from(filter.kinds.clone()).to_string());
         self.with(|c| {
             let mut st = c.prepare(&format!(
-                "SELECT seq, session_id, execution_id, at, from_state, to_state, reason, detail \
+                "SELECT seq, session_id, execution_id, at, from_state, to_state, reason, detail, \
+                 kind, schedule_id, run_id, trigger_id \
                  FROM events WHERE seq > ?1 AND (?2 IS NULL OR session_id = ?2) \
-                 AND (?4 IS NULL OR owner = ?4) AND (?5 IS NULL OR {}) ORDER BY seq LIMIT ?3",
+                 AND (?4 IS NULL OR owner = ?4) AND (?5 IS NULL OR {}) \
+                 AND (?6 IS NULL OR kind IN (SELECT value FROM json_each(?6))) \
+                 ORDER BY seq LIMIT ?3",
                 listing::EVENT_HAS_LABELS
             ))?;
             let rows = st.query_map(
-                params![since as i64, filter.session, limit, filter.owner, labels],
+                params![
+                    since as i64,
+                    filter.session,
+                    limit,
+                    filter.owner,
+                    labels,
+                    kinds
+                ],
                 event_from_row,
             )?;
             rows.collect()

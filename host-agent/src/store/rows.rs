@@ -109,8 +109,8 @@ pub struct SessionRow {
     pub parent_session: String,
 }
 
-/// One lifecycle event.
-#[derive(Debug, Clone, PartialEq)]
+/// One event: a session's lifecycle step, or a schedule's fire or run.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct EventRow {
     /// Per-node sequence number.
     pub seq: u64,
@@ -128,7 +128,20 @@ pub struct EventRow {
     pub reason: String,
     /// Detail.
     pub detail: String,
+    /// [`EVENT_SESSION`] or [`EVENT_SCHEDULE`].
+    pub kind: String,
+    /// A schedule event's schedule (empty for a trigger without one).
+    pub schedule_id: String,
+    /// A schedule event's run.
+    pub run_id: u64,
+    /// A schedule event's trigger, when a delivery started the run.
+    pub trigger_id: String,
 }
+
+/// The kind of a session's lifecycle events.
+pub const EVENT_SESSION: &str = "session";
+/// The kind of a schedule's (or trigger's) fire and run events.
+pub const EVENT_SCHEDULE: &str = "schedule";
 
 /// One usage record.
 #[derive(Debug, Clone, PartialEq, Default)]

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::schedules::ScheduleRow;
 
 const COLUMNS: &str = "id, owner, cron, timezone, template, run, overlap, catch_up, enabled, \
-                       created_at, updated_at";
+                       created_at, updated_at, owner_scope, fired_through";
 
 /// A stored row as a schedule; a template or command that does not decode
 /// (a database edited by hand) is an error naming the schedule.
@@ -40,6 +40,8 @@ fn schedule_from_row(r: &Row<'_>) -> rusqlite::Result<std::result::Result<Schedu
         enabled: r.get::<_, i64>(8)? != 0,
         created_at: r.get(9)?,
         updated_at: r.get(10)?,
+        owner_scope: r.get(11)?,
+        fired_through: r.get(12)?,
     }))
 }
 
@@ -57,7 +59,7 @@ impl Store {
             c.execute(
                 &format!(
                     "INSERT OR IGNORE INTO schedules({COLUMNS}) \
-                     VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)"
+                     VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13)"
                 ),
                 params![
                     s.id,
@@ -70,7 +72,9 @@ impl Store {
                     s.catch_up,
                     s.enabled as i64,
                     s.created_at,
-                    s.updated_at
+                    s.updated_at,
+                    s.owner_scope,
+                    s.fired_through
                 ],
             )
         })?;
@@ -84,13 +88,15 @@ impl Store {
     }
 
     /// Replaces schedule `s.id`'s fields but its owner and creation time;
-    /// false when there is none.
+    /// its cadence starts again from `s.fired_through` (fire times up to it
+    /// are not fired). False when there is none.
     pub fn update_schedule(&self, s: &ScheduleRow) -> Result<bool> {
         let (template, run) = values(s)?;
         let n = self.with(|c| {
             c.execute(
                 "UPDATE schedules SET cron=?2, timezone=?3, template=?4, run=?5, overlap=?6, \
-                 catch_up=?7, enabled=?8, updated_at=?9 WHERE id=?1",
+                 catch_up=?7, enabled=?8, updated_at=?9, \
+                 fired_through=MAX(fired_through, ?10) WHERE id=?1",
                 params![
                     s.id,
                     s.cron,
@@ -100,7 +106,8 @@ impl Store {
                     s.overlap,
                     s.catch_up,
                     s.enabled as i64,
-                    s.updated_at
+                    s.updated_at,
+                    s.fired_through
                 ],
             )
         })?;

@@ -27,7 +27,9 @@ CREATE TABLE IF NOT EXISTS sessions(
 CREATE TABLE IF NOT EXISTS events(
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
   at INTEGER NOT NULL, from_state INTEGER NOT NULL, to_state INTEGER NOT NULL,
-  reason TEXT NOT NULL, detail TEXT NOT NULL, owner TEXT NOT NULL DEFAULT 'legacy');
+  reason TEXT NOT NULL, detail TEXT NOT NULL, owner TEXT NOT NULL DEFAULT 'legacy',
+  kind TEXT NOT NULL DEFAULT 'session', schedule_id TEXT NOT NULL DEFAULT '',
+  run_id INTEGER NOT NULL DEFAULT 0, trigger_id TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS usage(
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
   interval_start INTEGER NOT NULL, interval_end INTEGER NOT NULL, billed_ms INTEGER NOT NULL,
@@ -58,10 +60,40 @@ CREATE TABLE IF NOT EXISTS layer_holds(
 CREATE INDEX IF NOT EXISTS layer_holds_holder ON layer_holds(holder);
 -- Schedules: the session template as an encoded CreateSessionRequest,
 -- the command as a JSON array of strings.
+-- fired_through: every fire time up to it (unix ms) is recorded in
+-- schedule_runs, or was before the schedule was created or last changed.
 CREATE TABLE IF NOT EXISTS schedules(
   id TEXT PRIMARY KEY, owner TEXT NOT NULL, cron TEXT NOT NULL, timezone TEXT NOT NULL,
   template BLOB NOT NULL, run TEXT NOT NULL, overlap INTEGER NOT NULL, catch_up INTEGER NOT NULL,
-  enabled INTEGER NOT NULL, created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL);
+  enabled INTEGER NOT NULL, created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL,
+  owner_scope TEXT NOT NULL DEFAULT 'sessions', fired_through INTEGER NOT NULL DEFAULT 0);
+-- Runs of schedules and triggers; `key` makes a fire time (or delivery)
+-- one run. `body` holds a trigger's request body until the run ends.
+CREATE TABLE IF NOT EXISTS schedule_runs(
+  id INTEGER PRIMARY KEY AUTOINCREMENT, schedule_id TEXT NOT NULL, trigger_id TEXT NOT NULL,
+  owner TEXT NOT NULL, fire_at INTEGER NOT NULL, cause TEXT NOT NULL, key TEXT NOT NULL UNIQUE,
+  state INTEGER NOT NULL, session_id TEXT NOT NULL, exit_kind INTEGER NOT NULL,
+  exit_value INTEGER NOT NULL, exit_reason TEXT NOT NULL, reason TEXT NOT NULL,
+  detail TEXT NOT NULL, branch TEXT NOT NULL, head_commit TEXT NOT NULL,
+  recorded_at INTEGER NOT NULL, started_at INTEGER NOT NULL, ended_at INTEGER NOT NULL,
+  billed_ms INTEGER NOT NULL, attempts INTEGER NOT NULL, fires INTEGER NOT NULL,
+  output_tail BLOB NOT NULL, delivery_id TEXT NOT NULL, body BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS schedule_runs_schedule ON schedule_runs(schedule_id, id);
+CREATE INDEX IF NOT EXISTS schedule_runs_trigger ON schedule_runs(trigger_id, id);
+CREATE INDEX IF NOT EXISTS schedule_runs_state ON schedule_runs(state);
+-- Webhook triggers (the secret is the HMAC key) and every delivery to one.
+CREATE TABLE IF NOT EXISTS triggers(
+  id TEXT PRIMARY KEY, owner TEXT NOT NULL, owner_scope TEXT NOT NULL, kind INTEGER NOT NULL,
+  schedule_id TEXT NOT NULL, template BLOB NOT NULL, run TEXT NOT NULL, session_id TEXT NOT NULL,
+  enabled INTEGER NOT NULL, secret TEXT NOT NULL, created_at INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS trigger_deliveries(
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, trigger_id TEXT NOT NULL, delivery_id TEXT NOT NULL,
+  received_at INTEGER NOT NULL, http_status INTEGER NOT NULL, outcome TEXT NOT NULL,
+  detail TEXT NOT NULL, run_id INTEGER NOT NULL, remote TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS trigger_deliveries_trigger ON trigger_deliveries(trigger_id, seq);
+-- A delivery id is accepted once per trigger (kept a day).
+CREATE UNIQUE INDEX IF NOT EXISTS trigger_deliveries_accepted
+  ON trigger_deliveries(trigger_id, delivery_id) WHERE outcome = 'accepted';
 CREATE TABLE IF NOT EXISTS idempotency(
   key TEXT PRIMARY KEY, method TEXT NOT NULL, fingerprint TEXT NOT NULL,
   response BLOB NOT NULL, at INTEGER NOT NULL);
@@ -139,6 +171,11 @@ pub(super) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
         ("sessions", "parent_session", "TEXT NOT NULL DEFAULT ''"),
         ("images", "source_session", "TEXT NOT NULL DEFAULT ''"),
         ("usage", "snapshot_gib_ms", "REAL NOT NULL DEFAULT 0"),
+        // Events of schedules beside sessions' lifecycle.
+        ("events", "kind", "TEXT NOT NULL DEFAULT 'session'"),
+        ("events", "schedule_id", "TEXT NOT NULL DEFAULT ''"),
+        ("events", "run_id", "INTEGER NOT NULL DEFAULT 0"),
+        ("events", "trigger_id", "TEXT NOT NULL DEFAULT ''"),
     ] {
         if !has_column(conn, table, column)? {
             // Names and types are the constants just above.

@@ -123,6 +123,8 @@ fn a_database_from_before_owners_opens_with_its_rows_owned_by_legacy() {
         to: 1,
         reason: "created".into(),
         detail: String::new(),
+        kind: crate::store::EVENT_SESSION.into(),
+        ..Default::default()
     };
     store.transition(&new, &ev).unwrap();
     store

@@ -4,6 +4,8 @@
 //! session's agent name:
 //!
 //! * `good`: Ready; every Exec prints `ok\n` and exits 0;
+//! * `slow-<ms>`: as `good`, each Exec taking `<ms>` milliseconds;
+//! * `fail`: as `good`, each Exec exiting 3;
 //! * `flood`: Ready; on [`FakeGuest::go`], 4 MiB frames nobody asked for
 //!   (bundle chunks, oversize and surplus control messages); on Exec, asks
 //!   (oversize, then more than the host keeps), then [`FLOOD_OUTPUT`] 4 MiB
@@ -13,7 +15,8 @@
 //!
 //! FetchBranch is answered with the bundle file set by
 //! [`FakeGuest::set_branch_bundle`] for that session (an Error without one),
-//! Shutdown with ShutdownStarted. Bundles received at StartSession are kept.
+//! Shutdown with ShutdownStarted. Bundles received at StartSession are kept,
+//! and so are the Exec requests and the files written (Files API writes).
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -60,6 +63,10 @@ pub struct Seen {
     pub output_written: AtomicU64,
     /// Phases the flood guests completed ("unrequested", "output", ...).
     pub phases: Mutex<Vec<String>>,
+    /// Exec requests, with their session id, in the order they came.
+    pub execs: Mutex<Vec<(String, proto::guest::Exec)>>,
+    /// Files written, by (session id, path): their last content.
+    pub files: Mutex<HashMap<(String, String), Vec<u8>>>,
 }
 
 /// The fake guest: serves `sock` until dropped.
@@ -225,11 +232,16 @@ async fn serve(mut conn: tokio::net::UnixStream, ctx: Ctx) -> std::io::Result<()
     let mut buf = vec![0u8; 64 * 1024];
     let mut session: Option<StartSession> = None;
     let mut repo: Vec<u8> = Vec::new();
+    let mut writes: HashMap<u64, (String, Vec<u8>)> = HashMap::new();
     loop {
         while let Ok(Some(p)) = dec.next_frame() {
             let Ok(HostMessage { kind: Some(m) }) = HostMessage::decode(p.as_slice()) else {
                 continue;
             };
+            if let In::File(f) = m {
+                file(f, &ctx, &tx, &session, &mut writes).await;
+                continue;
+            }
             handle(m, &ctx, &tx, &mut session, &mut repo).await;
         }
         let n = r.read(&mut buf).await?;
@@ -294,6 +306,11 @@ async fn handle(m: In, ctx: &Ctx, tx: &Tx, session: &mut Option<StartSession>, r
             }
         }
         In::Exec(e) => {
+            ctx.seen
+                .execs
+                .lock()
+                .unwrap()
+                .push((sid.clone(), e.clone()));
             let tx = tx.clone();
             let ctx = ctx.clone();
             tokio::spawn(async move { exec(&agent, &e.exec_id, &ctx, &tx).await });
@@ -330,6 +347,66 @@ async fn handle(m: In, ctx: &Ctx, tx: &Tx, session: &mut Option<StartSession>, r
                 .push(e);
         }
         _ => {}
+    }
+}
+
+/// A Files API request: writes are taken (credit for every chunk, the
+/// content kept when the last one comes); anything else is refused.
+async fn file(
+    f: proto::guest::FileRequest,
+    ctx: &Ctx,
+    tx: &Tx,
+    session: &Option<StartSession>,
+    writes: &mut HashMap<u64, (String, Vec<u8>)>,
+) {
+    use proto::guest::{file_request::Op, file_response::Result as R};
+    let sid = session
+        .as_ref()
+        .map(|s| s.session_id.clone())
+        .unwrap_or_default();
+    let answer = |result: R| {
+        Out::File(proto::guest::FileResponse {
+            request_id: f.request_id,
+            result: Some(result),
+        })
+    };
+    match f.op {
+        Some(Op::Write(w)) => {
+            let path = String::from_utf8_lossy(&w.path).into_owned();
+            writes.insert(f.request_id, (path, Vec::new()));
+            tx.send(answer(R::Credit(proto::guest::FileCredit { messages: 16 })))
+                .await;
+        }
+        Some(Op::Chunk(c)) => {
+            let Some((_, data)) = writes.get_mut(&f.request_id) else {
+                return;
+            };
+            data.extend_from_slice(&c.data);
+            if !c.last {
+                tx.send(answer(R::Credit(proto::guest::FileCredit { messages: 1 })))
+                    .await;
+                return;
+            }
+            let (path, data) = writes.remove(&f.request_id).unwrap_or_default();
+            let count = data.len() as u64;
+            ctx.seen.files.lock().unwrap().insert((sid, path), data);
+            tx.send(answer(R::Done(proto::guest::FileDone {
+                count,
+                info: None,
+            })))
+            .await;
+        }
+        Some(Op::Cancel(_)) => {
+            writes.remove(&f.request_id);
+        }
+        _ => {
+            tx.send(answer(R::Error(proto::guest::FileError {
+                code: 12,
+                message: "the fake guest only writes files".into(),
+                ..Default::default()
+            })))
+            .await
+        }
     }
 }
 
@@ -434,6 +511,12 @@ async fn exec(agent: &str, exec_id: &str, ctx: &Ctx, tx: &Tx) {
         tx.flushed().await;
         ctx.done("output");
     } else {
+        if let Some(ms) = agent
+            .strip_prefix("slow-")
+            .and_then(|ms| ms.parse::<u64>().ok())
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        }
         tx.send(Out::Output(Output {
             exec_id: exec_id.to_string(),
             stream: output::Stream::Stdout as i32,
@@ -441,9 +524,10 @@ async fn exec(agent: &str, exec_id: &str, ctx: &Ctx, tx: &Tx) {
         }))
         .await;
     }
+    let code = if agent == "fail" { 3 } else { 0 };
     tx.send(Out::ExecExited(ExecExited {
         exec_id: exec_id.to_string(),
-        status: Some(proto::guest::exec_exited::Status::Code(0)),
+        status: Some(proto::guest::exec_exited::Status::Code(code)),
         ..Default::default()
     }))
     .await;

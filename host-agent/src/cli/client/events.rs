@@ -1,5 +1,6 @@
-//! `host-agent events watch`: lifecycle events, followed live, of every
-//! session the client may see, one session, or sessions with labels.
+//! `host-agent events watch`: lifecycle and schedule events, followed live,
+//! of every session the client may see, one session, sessions with labels,
+//! or one kind.
 
 use clap::Subcommand;
 use proto::hostagent as pb;
@@ -22,6 +23,9 @@ pub enum EventsCmd {
         session: String,
         #[command(flatten)]
         labels: LabelArgs,
+        /// Only events of this kind (session, schedule); repeatable.
+        #[arg(long = "kind", value_name = "KIND")]
+        kinds: Vec<String>,
     },
 }
 
@@ -31,6 +35,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: EventsCmd) -> Resu
         since,
         session,
         labels,
+        kinds,
     } = c;
     let mut cl = EventsClient::with_interceptor(ch, bearer);
     let mut stream = cl
@@ -38,6 +43,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: EventsCmd) -> Resu
             since_seq: since,
             session_id: session,
             labels: labels.map()?,
+            kinds,
         })
         .await
         .map_err(st)?

@@ -1,6 +1,6 @@
 //! The operator client: the `images`, `sessions`, `events`, `usage`,
-//! `node`, `exec`, `turns`, `approvals`, `audit`, `files`, `snapshots` and
-//! `schedules` subcommands over the gRPC API.
+//! `node`, `exec`, `turns`, `approvals`, `audit`, `files`, `snapshots`,
+//! `schedules` and `triggers` subcommands over the gRPC API.
 
 use std::path::PathBuf;
 
@@ -21,6 +21,7 @@ mod schedules;
 mod session_env;
 mod sessions;
 mod snapshots;
+mod triggers;
 mod turns;
 mod usage;
 
@@ -32,6 +33,7 @@ pub use images::ImagesCmd;
 pub use schedules::SchedulesCmd;
 pub use sessions::SessionsCmd;
 pub use snapshots::SnapshotsCmd;
+pub use triggers::TriggersCmd;
 pub use turns::TurnsCmd;
 
 /// Client TLS settings from the global flags.
@@ -121,6 +123,7 @@ pub async fn run_client(
         Cmd::Audit { session, verify } => approvals::audit(ch, bearer, out, session, verify).await,
         Cmd::Snapshots(c) => snapshots::run(ch, bearer, out, c).await,
         Cmd::Schedules(c) => schedules::run(ch, bearer, out, c).await,
+        Cmd::Triggers(c) => triggers::run(ch, bearer, out, c).await,
     }
 }
 

@@ -1,6 +1,7 @@
-//! `host-agent schedules create|get|list|enable|disable|delete`: schedules
-//! through the Schedules service. What is valid (the cron expression, the
-//! zone, the session template) is checked by host-agent.
+//! `host-agent schedules create|get|list|enable|disable|delete|run-now|runs`:
+//! schedules and their runs through the Schedules service. What is valid
+//! (the cron expression, the zone, the session template) is checked by
+//! host-agent.
 
 use clap::{Subcommand, ValueEnum};
 use proto::hostagent as pb;
@@ -90,7 +91,26 @@ pub enum SchedulesCmd {
     Disable { id: String },
     /// Delete a schedule.
     Delete { id: String },
+    /// Run a schedule now, as a fire would (its overlap applies); prints
+    /// the run as recorded (PENDING, or SKIPPED).
+    RunNow { id: String },
+    /// A schedule's runs, newest first (the next page's --before on
+    /// stderr).
+    Runs {
+        /// Schedule id.
+        id: String,
+        /// Most runs shown (0: host-agent's default, 100).
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        /// Only runs with a run id below this (0: from the newest).
+        #[arg(long, value_name = "RUN_ID", default_value_t = 0)]
+        before: u64,
+    },
 }
+
+/// The Schedules client as the subcommands hold it.
+pub(super) type Client =
+    SchedulesClient<tonic::service::interceptor::InterceptedService<Channel, Bearer>>;
 
 /// Runs `schedules <cmd>`.
 pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SchedulesCmd) -> Result<(), String> {
@@ -171,17 +191,46 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SchedulesCmd) -> R
                 .map_err(st)?;
             return Ok(());
         }
+        SchedulesCmd::RunNow { id } => {
+            let run = cl
+                .run_schedule_now(pb::RunScheduleNowRequest { schedule_id: id })
+                .await
+                .map_err(st)?
+                .into_inner();
+            print_all(&[run], out);
+            return Ok(());
+        }
+        SchedulesCmd::Runs { id, limit, before } => {
+            let req = pb::ListRunsRequest {
+                schedule_id: id,
+                trigger_id: String::new(),
+                page_size: limit,
+                before_run_id: before,
+            };
+            return print_runs(&mut cl, req, out).await;
+        }
     };
     print_all(&[shown], out);
     Ok(())
 }
 
+/// `schedules runs` and `triggers runs`: one page of runs, the next page's
+/// `--before` on stderr.
+pub(super) async fn print_runs(
+    cl: &mut Client,
+    req: pb::ListRunsRequest,
+    out: Output,
+) -> Result<(), String> {
+    let page = cl.list_runs(req).await.map_err(st)?.into_inner();
+    print_all(&page.runs, out);
+    if page.next_before_run_id != 0 {
+        eprintln!("next_before_run_id: {}", page.next_before_run_id);
+    }
+    Ok(())
+}
+
 /// Reads schedule `id` and writes it back with `enabled`.
-async fn set_enabled(
-    cl: &mut SchedulesClient<tonic::service::interceptor::InterceptedService<Channel, Bearer>>,
-    id: String,
-    enabled: bool,
-) -> Result<pb::Schedule, String> {
+async fn set_enabled(cl: &mut Client, id: String, enabled: bool) -> Result<pb::Schedule, String> {
     let s = cl
         .get_schedule(pb::ScheduleRef { schedule_id: id })
         .await
@@ -246,6 +295,87 @@ impl Record for pb::Schedule {
             "updated_at": self.updated_at,
             "next_fire_at": self.next_fire_at,
             "owner": self.owner,
+        })
+    }
+}
+
+/// A run's exit as the table shows it: "code N", "signal N", or "-".
+fn exit_cell(e: Option<&pb::ExecExit>) -> String {
+    match e.and_then(|e| e.status.as_ref()) {
+        Some(pb::exec_exit::Status::Code(c)) => format!("code {c}"),
+        Some(pb::exec_exit::Status::Signal(n)) => format!("signal {n}"),
+        None => "-".into(),
+    }
+}
+
+/// `s`, or "-" when empty.
+fn dash(s: &str) -> String {
+    if s.is_empty() {
+        "-".into()
+    } else {
+        s.to_string()
+    }
+}
+
+/// `pb::RunState` `state`'s name without the `RUN_STATE_` prefix.
+fn run_state(state: i32) -> &'static str {
+    pb::RunState::try_from(state).map_or("UNSPECIFIED", |s| {
+        s.as_str_name()
+            .strip_prefix("RUN_STATE_")
+            .unwrap_or(s.as_str_name())
+    })
+}
+
+impl Record for pb::ScheduleRun {
+    fn headers() -> &'static [&'static str] {
+        &[
+            "RUN", "FIRE AT", "CAUSE", "STATE", "SESSION", "EXIT", "REASON", "BRANCH", "HEAD",
+            "BILLED S",
+        ]
+    }
+    fn cells(&self) -> Vec<String> {
+        vec![
+            self.run_id.to_string(),
+            utc(self.fire_at),
+            dash(&self.cause),
+            run_state(self.state).into(),
+            dash(&self.session_id),
+            exit_cell(self.exit.as_ref()),
+            dash(&self.reason),
+            dash(&self.branch),
+            dash(&self.head_commit.chars().take(12).collect::<String>()),
+            format!("{:.1}", self.billed_seconds),
+        ]
+    }
+    fn json(&self) -> Value {
+        let exit = self.exit.as_ref().map(|e| {
+            let (code, signal) = match e.status {
+                Some(pb::exec_exit::Status::Code(c)) => (Some(c), None),
+                Some(pb::exec_exit::Status::Signal(n)) => (None, Some(n)),
+                None => (None, None),
+            };
+            json!({"code": code, "signal": signal, "reason": e.reason})
+        });
+        json!({
+            "run_id": self.run_id,
+            "schedule_id": self.schedule_id,
+            "trigger_id": self.trigger_id,
+            "fire_at": self.fire_at,
+            "cause": self.cause,
+            "key": self.key,
+            "state": run_state(self.state),
+            "session_id": self.session_id,
+            "exit": exit,
+            "reason": self.reason,
+            "detail": self.detail,
+            "branch": self.branch,
+            "head_commit": self.head_commit,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "billed_seconds": self.billed_seconds,
+            "attempts": self.attempts,
+            "fires": self.fires,
+            "output_tail": String::from_utf8_lossy(&self.output_tail),
         })
     }
 }
