@@ -480,3 +480,55 @@ async fn a_run_refused_for_capacity_is_retried_then_recorded_failed() {
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_cut_off_by_a_restart_is_recorded_failed_and_its_session_stopped() {
+    let guest = FakeGuest::start();
+    let sock = guest.sock();
+    let mut agent = Agent::start(&["--guest-vsock-uds", &sock, "--no-vsock-device"]);
+    agent.guest_init_image().await;
+    let dir = tempfile::tempdir().unwrap();
+    let repo = repo_with_main(dir.path());
+    let mut c = client(&agent).await;
+    create(
+        &mut c,
+        pb::Schedule {
+            cron: "0 0 0 1 1 *".into(),
+            ..every_second("long", &repo, "slow-60000", pb::Overlap::Skip)
+        },
+    )
+    .await;
+    let run = c
+        .run_schedule_now(pb::RunScheduleNowRequest {
+            schedule_id: "long".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // Wait until its command runs, then kill host-agent under it.
+    let mut running = None;
+    for _ in 0..300 {
+        let r = runs(&mut c, "long").await.remove(0);
+        if state(&r) == pb::RunState::Running {
+            running = Some(r);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let running = running.unwrap_or_else(|| panic!("never RUNNING: {}", agent.log()));
+    assert_eq!(running.run_id, run.run_id);
+    agent.kill9();
+    agent.spawn();
+    let mut c = client(&agent).await;
+    let all = settled(&agent, &mut c, "long").await;
+    assert_eq!(all.len(), 1, "not run again: {all:#?}");
+    let r = &all[0];
+    assert_eq!(
+        (state(r), r.reason.as_str()),
+        (pb::RunState::Failed, "host_agent_restarted"),
+        "{r:?}"
+    );
+    // Its session is stopped, not left running for its TTL.
+    let stopped = agent.wait_state(&r.session_id, S::Stopped).await;
+    assert_eq!(stopped.reason, "run_ended", "{stopped:?}");
+}

@@ -10,6 +10,23 @@ use test_harness::agent::Agent;
 use tonic::transport::Channel;
 use tonic::Code;
 
+/// Registers the counter guest as image `id` that runs guest-init (its
+/// golden snapshot is not built: schedules only check their template).
+async fn guest_init_image(agent: &Agent, id: &str) {
+    agent
+        .images()
+        .await
+        .register_image(pb::RegisterImageRequest {
+            image_id: id.into(),
+            kernel_path: test_harness::guests::counter_kernel(),
+            mem_mib: 32,
+            guest_init: true,
+            ..Default::default()
+        })
+        .await
+        .expect("register image");
+}
+
 async fn client(agent: &Agent) -> SchedulesClient<Channel> {
     SchedulesClient::new(agent.channel().await)
 }
@@ -50,7 +67,8 @@ fn by_id(id: &str) -> pb::ScheduleRef {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schedules_are_kept_checked_and_report_their_next_fire() {
     let mut agent = Agent::start(&[]);
-    agent.counter_image("counter").await;
+    guest_init_image(&agent, "counter").await;
+    agent.counter_image("plain").await;
     let mut c = client(&agent).await;
 
     let made = create(&mut c, monday_report("counter")).await.unwrap();
@@ -131,6 +149,14 @@ async fn schedules_are_kept_checked_and_report_their_next_fire() {
                 ..monday_report("counter")
             },
             "run[0]",
+        ),
+        // A command needs guest-init to run it.
+        (
+            pb::Schedule {
+                schedule_id: "plain".into(),
+                ..monday_report("plain")
+            },
+            "runs no guest-init",
         ),
         (
             pb::Schedule {
@@ -274,7 +300,7 @@ fn cli(addr: &str, args: &[&str]) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_creates_lists_disables_and_deletes_schedules() {
     let agent = Agent::start(&[]);
-    agent.counter_image("counter").await;
+    guest_init_image(&agent, "counter").await;
     let a = agent.addr.as_str();
     let made = cli(
         a,

@@ -98,13 +98,17 @@ async fn run_of(c: &mut SchedulesClient<Channel>, trigger: &str, id: u64) -> pb:
     panic!("run {id} of {trigger} did not end");
 }
 
-fn run_id(answer: &str) -> u64 {
-    let v: serde_json::Value = serde_json::from_str(answer).expect("a JSON answer");
-    v["run_id"].as_u64().unwrap_or_else(|| panic!("{answer}"))
+/// host-agent with the stand-in guest, its image "gi", a webhook listener
+/// on `port`, and a repository.
+struct Node {
+    agent: Agent,
+    guest: FakeGuest,
+    port: u16,
+    repo: std::path::PathBuf,
+    _dir: tempfile::TempDir,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn signed_deliveries_run_and_bad_ones_are_refused_and_kept() {
+async fn node() -> Node {
     let guest = FakeGuest::start();
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
@@ -118,6 +122,29 @@ async fn signed_deliveries_run_and_bad_ones_are_refused_and_kept() {
     agent.guest_init_image().await;
     let dir = tempfile::tempdir().unwrap();
     let repo = repo_with_main(dir.path());
+    Node {
+        agent,
+        guest,
+        port,
+        repo,
+        _dir: dir,
+    }
+}
+
+fn run_id(answer: &str) -> u64 {
+    let v: serde_json::Value = serde_json::from_str(answer).expect("a JSON answer");
+    v["run_id"].as_u64().unwrap_or_else(|| panic!("{answer}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_deliveries_run_and_bad_ones_are_refused_and_kept() {
+    let Node {
+        agent,
+        guest,
+        port,
+        repo,
+        _dir,
+    } = node().await;
     let mut c = SchedulesClient::new(agent.channel().await);
 
     let t = c
@@ -261,19 +288,13 @@ async fn signed_deliveries_run_and_bad_ones_are_refused_and_kept() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wake_up_trigger_resumes_a_paused_session_and_pauses_it_again() {
-    let guest = FakeGuest::start();
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let agent = Agent::start(&[
-        "--guest-vsock-uds",
-        &guest.sock(),
-        "--no-vsock-device",
-        "--webhook-listen",
-        &listen,
-    ]);
-    agent.guest_init_image().await;
-    let dir = tempfile::tempdir().unwrap();
-    let repo = repo_with_main(dir.path());
+    let Node {
+        agent,
+        guest,
+        port,
+        repo,
+        _dir,
+    } = node().await;
     let s = agent.guest_session(&repo, "good", "main").await.unwrap();
     let mut sessions = agent.sessions().await;
     sessions
@@ -395,4 +416,93 @@ async fn a_wake_up_trigger_resumes_a_paused_session_and_pauses_it_again() {
         );
         assert!(e.message().contains(field), "{field}: {e:?}");
     }
+}
+
+/// Runs the host-agent CLI against `addr` with `args`; its stdout as JSON
+/// lines, or a panic with its stderr.
+fn cli_json(addr: &str, args: &[&str]) -> Vec<serde_json::Value> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_host-agent"))
+        .arg("--addr")
+        .arg(addr)
+        .args(["--output", "json"])
+        .args(args)
+        .output()
+        .expect("running the host-agent CLI");
+    assert!(
+        out.status.success(),
+        "host-agent {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_creates_triggers_and_shows_their_deliveries_and_runs() {
+    // The stand-in guest is kept (not `_`): dropping it closes its socket.
+    let Node {
+        agent,
+        guest: _guest,
+        port,
+        repo,
+        _dir,
+    } = node().await;
+    let a = agent.addr.as_str();
+    let repo_arg = repo.display().to_string();
+    let made = cli_json(
+        a,
+        &[
+            "triggers",
+            "create",
+            "--id",
+            "cli-hook",
+            "--image",
+            "gi",
+            "--repository",
+            &repo_arg,
+            "--agent",
+            "good",
+            "--base-ref",
+            "main",
+            "--",
+            "make",
+            "report",
+        ],
+    );
+    let t = &made[0];
+    assert_eq!(t["kind"], "RUN", "{t}");
+    assert_eq!(t["path"], "/triggers/cli-hook");
+    let secret = t["secret"].as_str().unwrap().to_string();
+    assert_eq!(secret.len(), 64);
+    // Listed without its secret.
+    let listed = cli_json(a, &["triggers", "list"]);
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0]["secret"], "");
+
+    let body = b"{}";
+    let (status, answer) = post(
+        port,
+        "/triggers/cli-hook",
+        &signed(&secret, now_s(), "c-1", body),
+        body,
+    )
+    .await;
+    assert_eq!(status, 202, "{answer}");
+    let mut c = SchedulesClient::new(agent.channel().await);
+    run_of(&mut c, "cli-hook", run_id(&answer)).await;
+    let runs = cli_json(a, &["triggers", "runs", "cli-hook"]);
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert_eq!(runs[0]["state"], "SUCCEEDED", "{}", runs[0]);
+    assert_eq!(runs[0]["key"], "trigger:cli-hook:c-1", "{}", runs[0]);
+    let kept = cli_json(a, &["triggers", "deliveries", "cli-hook"]);
+    assert_eq!(kept.len(), 1);
+    assert_eq!(
+        (kept[0]["outcome"].as_str(), kept[0]["http_status"].as_u64()),
+        (Some("accepted"), Some(202))
+    );
+    cli_json(a, &["triggers", "delete", "cli-hook"]);
+    assert!(cli_json(a, &["triggers", "list"]).is_empty());
 }

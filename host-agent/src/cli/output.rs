@@ -79,7 +79,8 @@ pub fn print_streamed<T: Record>(item: &T, first: bool, out: Output) {
     }
 }
 
-fn or_dash(s: &str) -> String {
+/// `s`, or "-" when empty (a table's empty cell).
+pub(crate) fn or_dash(s: &str) -> String {
     if s.is_empty() {
         "-".into()
     } else {

@@ -12,7 +12,7 @@ use tonic::transport::Channel;
 use super::labels::LabelArgs;
 use super::snapshots::utc;
 use super::{status as st, Bearer};
-use crate::cli::output::{print_all, Output, Record};
+use crate::cli::output::{or_dash, print_all, Output, Record};
 
 /// What a fire does while the previous run still runs.
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -308,15 +308,6 @@ fn exit_cell(e: Option<&pb::ExecExit>) -> String {
     }
 }
 
-/// `s`, or "-" when empty.
-fn dash(s: &str) -> String {
-    if s.is_empty() {
-        "-".into()
-    } else {
-        s.to_string()
-    }
-}
-
 /// `pb::RunState` `state`'s name without the `RUN_STATE_` prefix.
 fn run_state(state: i32) -> &'static str {
     pb::RunState::try_from(state).map_or("UNSPECIFIED", |s| {
@@ -337,13 +328,13 @@ impl Record for pb::ScheduleRun {
         vec![
             self.run_id.to_string(),
             utc(self.fire_at),
-            dash(&self.cause),
+            or_dash(&self.cause),
             run_state(self.state).into(),
-            dash(&self.session_id),
+            or_dash(&self.session_id),
             exit_cell(self.exit.as_ref()),
-            dash(&self.reason),
-            dash(&self.branch),
-            dash(&self.head_commit.chars().take(12).collect::<String>()),
+            or_dash(&self.reason),
+            or_dash(&self.branch),
+            or_dash(&self.head_commit.chars().take(12).collect::<String>()),
             format!("{:.1}", self.billed_seconds),
         ]
     }

@@ -12,7 +12,7 @@ use super::labels::LabelArgs;
 use super::schedules::print_runs;
 use super::snapshots::utc;
 use super::{status as st, Bearer};
-use crate::cli::output::{print_all, Output, Record};
+use crate::cli::output::{or_dash, print_all, Output, Record};
 
 /// `triggers create`'s arguments.
 #[derive(clap::Args)]
@@ -196,15 +196,6 @@ fn trigger(args: CreateArgs) -> Result<pb::Trigger, String> {
     })
 }
 
-/// `s`, or "-" when empty.
-fn dash(s: &str) -> String {
-    if s.is_empty() {
-        "-".into()
-    } else {
-        s.to_string()
-    }
-}
-
 /// `pb::TriggerKind` `kind`'s name without the `TRIGGER_KIND_` prefix
 /// (unspecified is RUN).
 fn kind_name(kind: i32) -> &'static str {
@@ -235,10 +226,10 @@ impl Record for pb::Trigger {
         vec![
             self.trigger_id.clone(),
             kind_name(self.kind).into(),
-            dash(&target),
+            or_dash(&target),
             self.enabled.to_string(),
-            dash(&self.path),
-            dash(&self.secret),
+            or_dash(&self.path),
+            or_dash(&self.secret),
         ]
     }
     fn json(&self) -> Value {
@@ -267,16 +258,16 @@ impl Record for pb::TriggerDelivery {
     fn cells(&self) -> Vec<String> {
         vec![
             utc(self.received_at),
-            dash(&self.delivery_id),
+            or_dash(&self.delivery_id),
             self.http_status.to_string(),
-            dash(&self.outcome),
+            or_dash(&self.outcome),
             if self.run_id == 0 {
                 "-".into()
             } else {
                 self.run_id.to_string()
             },
-            dash(&self.remote),
-            dash(&self.detail),
+            or_dash(&self.remote),
+            or_dash(&self.detail),
         ]
     }
     fn json(&self) -> Value {
