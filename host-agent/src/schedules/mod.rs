@@ -70,6 +70,15 @@ pub fn check_id(id: &str) -> Result<()> {
     crate::images::check_name("schedule_id", id, MAX_ID_LEN)
 }
 
+/// A `pb::RunState`'s name without its `RUN_STATE_` prefix ("PENDING"),
+/// as the webhook's answers and the CLI say it.
+pub fn run_state_name(state: i32) -> &'static str {
+    pb::RunState::try_from(state).map_or("UNSPECIFIED", |s| {
+        let name = s.as_str_name();
+        name.strip_prefix("RUN_STATE_").unwrap_or(name)
+    })
+}
+
 /// The session template a schedule (or trigger) stores: present, without
 /// inline secrets or an idempotency key, and as `check_session` (which
 /// sees it as CreateSession would) allows; its errors name `session.*`.

@@ -371,16 +371,6 @@ impl Scheduler {
         if !trigger.enabled {
             return Err(refuse(423, "disabled", "the trigger is disabled"));
         }
-        if store
-            .delivery_accepted(&trigger.id, &delivery)
-            .map_err(failed)?
-        {
-            return Err(refuse(
-                409,
-                "replayed",
-                format!("delivery {delivery:?} was accepted before"),
-            ));
-        }
         let wake_up = trigger.kind == pb::TriggerKind::WakeUp as i32;
         let run = RunRow {
             schedule_id: trigger.schedule_id.clone(),
@@ -411,6 +401,7 @@ impl Scheduler {
         } else {
             (format!("trigger:{}", trigger.id), Overlap::Allow)
         };
+        // A delivery id seen before is a run key taken: nothing is recorded.
         let (run, new) = self.admit(&lane, overlap, run, None).map_err(failed)?;
         if !new {
             return Err(refuse(

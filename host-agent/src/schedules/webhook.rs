@@ -13,7 +13,6 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use proto::hostagent as pb;
 
 use super::triggers::{
     Headers, Refusal, DELIVERY_HEADER, MAX_BODY_BYTES, SIGNATURE_HEADER, TIMESTAMP_HEADER,
@@ -52,9 +51,7 @@ async fn trigger(
     let done = tokio::task::spawn_blocking(move || sched.deliver(&id, &h, body, &remote)).await;
     match done {
         Ok(Ok(run)) => {
-            let state = pb::RunState::try_from(run.state)
-                .map(|s| s.as_str_name().trim_start_matches("RUN_STATE_").to_string())
-                .unwrap_or_default();
+            let state = super::run_state_name(run.state);
             (
                 StatusCode::ACCEPTED,
                 Json(serde_json::json!({ "run_id": run.id, "state": state })),

@@ -27,7 +27,7 @@ pub use layers::LayerRow;
 pub use listing::{Cursor, EventFilter, SessionQuery};
 pub use rows::{AuditRow, EventRow, ImageRow, SessionRow, UsageRow, EVENT_SCHEDULE, EVENT_SESSION};
 pub use runs::{Recorded, RunRow};
-pub use triggers::{DeliveryRow, TriggerRow, ACCEPTED, DELIVERY_KEEP_MS};
+pub use triggers::{DeliveryRow, TriggerRow, ACCEPTED};
 
 /// Owner recorded for sessions created before owners existed (database
 /// migration); only admin clients see them.
@@ -160,6 +160,30 @@ fn event_from_row(r: &Row<'_>) -> rusqlite::Result<EventRow> {
     })
 }
 
+/// Appends `ev` (of a session's lifecycle or a schedule's run; its kind
+/// says which) for `owner`; returns its seq.
+pub(super) fn insert_event(c: &Connection, ev: &EventRow, owner: &str) -> rusqlite::Result<u64> {
+    c.execute(
+        "INSERT INTO events(session_id, execution_id, at, from_state, to_state, reason, detail, \
+         owner, kind, schedule_id, run_id, trigger_id) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12)",
+        params![
+            ev.session_id,
+            ev.execution_id,
+            ev.at,
+            ev.from,
+            ev.to,
+            ev.reason,
+            ev.detail,
+            owner,
+            ev.kind,
+            ev.schedule_id,
+            ev.run_id as i64,
+            ev.trigger_id
+        ],
+    )?;
+    Ok(c.last_insert_rowid() as u64)
+}
+
 impl Store {
     /// Opens (creating if needed) the database at `path`.
     pub fn open(path: &Path) -> Result<Store> {
@@ -261,12 +285,7 @@ impl Store {
         self.with(|c| {
             let tx = c.transaction()?;
             put_session(&tx, s)?;
-            tx.execute(
-                "INSERT INTO events(session_id, execution_id, at, from_state, to_state, reason, detail, owner) \
-                 VALUES (?1,?2,?3,?4,?5,?6,?7,?8)",
-                params![ev.session_id, ev.execution_id, ev.at, ev.from, ev.to, ev.reason, ev.detail, s.owner],
-            )?;
-            let seq = tx.last_insert_rowid() as u64;
+            let seq = insert_event(&tx, ev, &s.owner)?;
             if !s.labels.is_empty() {
                 // Written with the session's first event, for watchers
                 // filtering by label (labels never change).

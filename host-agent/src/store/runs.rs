@@ -6,6 +6,8 @@
 use proto::hostagent as pb;
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
+use super::insert_event;
+
 use super::{EventRow, Store, EVENT_SCHEDULE};
 use crate::error::Result;
 
@@ -173,27 +175,6 @@ fn run_from_row(r: &Row<'_>) -> rusqlite::Result<RunRow> {
         delivery_id: r.get(23)?,
         body: r.get(24)?,
     })
-}
-
-/// Appends `ev` for a run of `owner`; returns its seq.
-fn insert_event(c: &Connection, ev: &EventRow, owner: &str) -> rusqlite::Result<u64> {
-    c.execute(
-        "INSERT INTO events(session_id, execution_id, at, from_state, to_state, reason, detail, \
-         owner, kind, schedule_id, run_id, trigger_id) VALUES (?1,?2,?3,0,0,?4,?5,?6,?7,?8,?9,?10)",
-        params![
-            ev.session_id,
-            ev.execution_id,
-            ev.at,
-            ev.reason,
-            ev.detail,
-            owner,
-            ev.kind,
-            ev.schedule_id,
-            ev.run_id as i64,
-            ev.trigger_id
-        ],
-    )?;
-    Ok(c.last_insert_rowid() as u64)
 }
 
 fn insert_run(c: &Connection, run: &RunRow) -> rusqlite::Result<usize> {

@@ -91,9 +91,6 @@ CREATE TABLE IF NOT EXISTS trigger_deliveries(
   received_at INTEGER NOT NULL, http_status INTEGER NOT NULL, outcome TEXT NOT NULL,
   detail TEXT NOT NULL, run_id INTEGER NOT NULL, remote TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS trigger_deliveries_trigger ON trigger_deliveries(trigger_id, seq);
--- A delivery id is accepted once per trigger (kept a day).
-CREATE UNIQUE INDEX IF NOT EXISTS trigger_deliveries_accepted
-  ON trigger_deliveries(trigger_id, delivery_id) WHERE outcome = 'accepted';
 CREATE TABLE IF NOT EXISTS idempotency(
   key TEXT PRIMARY KEY, method TEXT NOT NULL, fingerprint TEXT NOT NULL,
   response BLOB NOT NULL, at INTEGER NOT NULL);

@@ -2,8 +2,7 @@
 //! trigger_deliveries table: every request to a trigger's webhook,
 //! accepted or refused, kept a day. A delivery's run is recorded under the
 //! key `trigger:<id>:<delivery id>`, unique, so a replay is a conflict
-//! whatever the timing; the accepted deliveries' own unique index says so
-//! again.
+//! whatever the timing.
 
 use prost::Message;
 use rusqlite::{params, OptionalExtension, Row};
@@ -11,7 +10,7 @@ use rusqlite::{params, OptionalExtension, Row};
 use super::Store;
 use crate::error::{Error, Result};
 
-/// How long deliveries are kept (and a delivery id is refused again).
+/// How long deliveries are kept.
 pub const DELIVERY_KEEP_MS: i64 = 24 * 3600 * 1000;
 /// Most refused deliveries kept (the oldest go first): a flood of bad
 /// requests cannot fill the disk.
@@ -192,19 +191,6 @@ impl Store {
     /// is none.
     pub fn delete_trigger(&self, id: &str) -> Result<bool> {
         Ok(self.with(|c| c.execute("DELETE FROM triggers WHERE id=?1", [id]))? > 0)
-    }
-
-    /// Whether `trigger` accepted `delivery_id` within the kept day.
-    pub fn delivery_accepted(&self, trigger: &str, delivery_id: &str) -> Result<bool> {
-        self.with(|c| {
-            c.query_row(
-                "SELECT COUNT(*) FROM trigger_deliveries WHERE trigger_id=?1 AND delivery_id=?2 \
-                 AND outcome=?3",
-                params![trigger, delivery_id, ACCEPTED],
-                |r| r.get::<_, i64>(0),
-            )
-        })
-        .map(|n| n > 0)
     }
 
     /// Keeps a delivery (trimming those past their day, and the oldest

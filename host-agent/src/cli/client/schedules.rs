@@ -308,15 +308,6 @@ fn exit_cell(e: Option<&pb::ExecExit>) -> String {
     }
 }
 
-/// `pb::RunState` `state`'s name without the `RUN_STATE_` prefix.
-fn run_state(state: i32) -> &'static str {
-    pb::RunState::try_from(state).map_or("UNSPECIFIED", |s| {
-        s.as_str_name()
-            .strip_prefix("RUN_STATE_")
-            .unwrap_or(s.as_str_name())
-    })
-}
-
 impl Record for pb::ScheduleRun {
     fn headers() -> &'static [&'static str] {
         &[
@@ -329,7 +320,7 @@ impl Record for pb::ScheduleRun {
             self.run_id.to_string(),
             utc(self.fire_at),
             or_dash(&self.cause),
-            run_state(self.state).into(),
+            host_agent::schedules::run_state_name(self.state).into(),
             or_dash(&self.session_id),
             exit_cell(self.exit.as_ref()),
             or_dash(&self.reason),
@@ -354,7 +345,7 @@ impl Record for pb::ScheduleRun {
             "fire_at": self.fire_at,
             "cause": self.cause,
             "key": self.key,
-            "state": run_state(self.state),
+            "state": host_agent::schedules::run_state_name(self.state),
             "session_id": self.session_id,
             "exit": exit,
             "reason": self.reason,
