@@ -17,6 +17,7 @@ use schema::{migrate, SCHEMA};
 
 mod layers;
 mod listing;
+mod outbox;
 mod rows;
 mod runs;
 mod schedules;
@@ -25,6 +26,7 @@ mod triggers;
 
 pub use layers::LayerRow;
 pub use listing::{Cursor, EventFilter, SessionQuery};
+pub use outbox::{OutboxKind, Outgoing, Record};
 pub use rows::{AuditRow, EventRow, ImageRow, SessionRow, UsageRow, EVENT_SCHEDULE, EVENT_SESSION};
 pub use runs::{Recorded, RunRow};
 pub use triggers::{DeliveryRow, TriggerRow, ACCEPTED};
@@ -36,9 +38,11 @@ pub const LEGACY_OWNER: &str = "legacy";
 /// The database. Calls are short and synchronous; the mutex serializes them.
 pub struct Store {
     conn: Mutex<Connection>,
+    /// Woken when an outbox row is written (the fleet exporter waits on it).
+    outbox_ready: std::sync::Arc<tokio::sync::Notify>,
 }
 
-fn audit_row(r: &Row<'_>) -> rusqlite::Result<AuditRow> {
+pub(super) fn audit_row(r: &Row<'_>) -> rusqlite::Result<AuditRow> {
     Ok(AuditRow {
         session_id: r.get(0)?,
         guest_seq: r.get::<_, i64>(1)? as u64,
@@ -111,12 +115,12 @@ fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
     })
 }
 
-const USAGE_COLS: &str = "seq, session_id, execution_id, interval_start, interval_end, \
+pub(super) const USAGE_COLS: &str = "seq, session_id, execution_id, interval_start, interval_end, \
     billed_ms, vcpu_ns, mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk, \
     net_rx_bytes, net_rx_packets, net_tx_bytes, net_tx_packets, net_denied, dns_denied, \
     snapshot_gib_ms";
 
-fn usage_from_row(r: &Row<'_>) -> rusqlite::Result<UsageRow> {
+pub(super) fn usage_from_row(r: &Row<'_>) -> rusqlite::Result<UsageRow> {
     Ok(UsageRow {
         seq: r.get::<_, i64>(0)? as u64,
         session_id: r.get(1)?,
@@ -143,7 +147,12 @@ fn usage_from_row(r: &Row<'_>) -> rusqlite::Result<UsageRow> {
     })
 }
 
-fn event_from_row(r: &Row<'_>) -> rusqlite::Result<EventRow> {
+/// The columns [`event_from_row`] reads, in its order.
+pub(super) const EVENT_COLS: &str =
+    "seq, session_id, execution_id, at, from_state, to_state, reason, detail, \
+     kind, schedule_id, run_id, trigger_id";
+
+pub(super) fn event_from_row(r: &Row<'_>) -> rusqlite::Result<EventRow> {
     Ok(EventRow {
         seq: r.get::<_, i64>(0)? as u64,
         session_id: r.get(1)?,
@@ -192,8 +201,21 @@ impl Store {
         conn.execute_batch(SCHEMA)?;
         migrate(&conn)?;
         conn.execute_batch("PRAGMA synchronous=NORMAL;")?;
+        let outbox_ready = std::sync::Arc::new(tokio::sync::Notify::new());
+        let ready = outbox_ready.clone();
+        // Called inside the writing statement, before its commit; the
+        // exporter reads through this same connection, so it sees the row
+        // only once the writer has released the connection.
+        conn.update_hook(Some(
+            move |action: rusqlite::hooks::Action, _db: &str, table: &str, _row: i64| {
+                if action == rusqlite::hooks::Action::SQLITE_INSERT && table == "outbox" {
+                    ready.notify_one();
+                }
+            },
+        ));
         Ok(Store {
             conn: Mutex::new(conn),
+            outbox_ready,
         })
     }
 

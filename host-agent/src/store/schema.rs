@@ -91,6 +91,28 @@ CREATE TABLE IF NOT EXISTS trigger_deliveries(
   received_at INTEGER NOT NULL, http_status INTEGER NOT NULL, outcome TEXT NOT NULL,
   detail TEXT NOT NULL, run_id INTEGER NOT NULL, remote TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS trigger_deliveries_trigger ON trigger_deliveries(trigger_id, seq);
+-- The fleet export's outbox (store/outbox.rs): a row per record committed
+-- while outbox_on holds its row, written by the triggers below in the
+-- record's own transaction; deleted once JetStream acknowledged it.
+CREATE TABLE IF NOT EXISTS outbox(
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, ref_seq INTEGER NOT NULL,
+  ref_session TEXT NOT NULL DEFAULT '',
+  at INTEGER NOT NULL DEFAULT (CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)));
+CREATE TABLE IF NOT EXISTS outbox_on(id INTEGER PRIMARY KEY CHECK (id = 1));
+CREATE TRIGGER IF NOT EXISTS outbox_events AFTER INSERT ON events
+  WHEN EXISTS (SELECT 1 FROM outbox_on) BEGIN
+  INSERT INTO outbox(kind, ref_seq) VALUES ('events', NEW.seq);
+  INSERT INTO outbox(kind, ref_seq) SELECT 'asks', NEW.seq
+    WHERE NEW.reason IN ('ask', 'ask_answered', 'ask_unanswered');
+END;
+CREATE TRIGGER IF NOT EXISTS outbox_usage AFTER INSERT ON usage
+  WHEN EXISTS (SELECT 1 FROM outbox_on) BEGIN
+  INSERT INTO outbox(kind, ref_seq) VALUES ('usage', NEW.seq);
+END;
+CREATE TRIGGER IF NOT EXISTS outbox_audit AFTER INSERT ON audit
+  WHEN EXISTS (SELECT 1 FROM outbox_on) BEGIN
+  INSERT INTO outbox(kind, ref_seq, ref_session) VALUES ('audit', NEW.guest_seq, NEW.session_id);
+END;
 CREATE TABLE IF NOT EXISTS idempotency(
   key TEXT PRIMARY KEY, method TEXT NOT NULL, fingerprint TEXT NOT NULL,
   response BLOB NOT NULL, at INTEGER NOT NULL);
