@@ -353,6 +353,9 @@ pub struct Config {
     /// (systemd-credentials style), which CreateSession's `secret_refs`
     /// name; read at each create. `None`: `secret_refs` are refused.
     pub secrets_dir: Option<PathBuf>,
+    /// This node in a fleet: NATS JetStream export, registry, image store
+    /// (see [`crate::fleet::FleetConfig`]; without `fleet.nats`, none).
+    pub fleet: crate::fleet::FleetConfig,
 }
 
 impl Default for Config {
@@ -394,6 +397,7 @@ impl Default for Config {
             max_audit_bytes_per_session: 64 << 20,
             max_branch_bundle_bytes: 1 << 30,
             secrets_dir: None,
+            fleet: crate::fleet::FleetConfig::default(),
         }
     }
 }
@@ -409,6 +413,7 @@ impl Config {
 
     /// Checks the values; call after flags are applied.
     pub fn validate(&self) -> Result<()> {
+        self.fleet.validate()?;
         if !self.listen.ip().is_loopback() && self.tls.is_none() {
             return Err(Error::invalid(format!(
                 "listen address {} is not loopback; listening on other addresses requires \

@@ -48,6 +48,14 @@ pub enum Error {
     /// a newer host-agent).
     #[error("schedule: {0}")]
     Schedule(String),
+    /// The fleet's shared services (NATS JetStream, the image object
+    /// store) could not be reached or refused a request.
+    #[error("fleet: {0}")]
+    Fleet(String),
+    /// What the fleet's object store returned is damaged or incomplete (a
+    /// chunk whose SHA-256 is not its name, a manifest that does not parse).
+    #[error("fleet object store: {0}")]
+    Corrupt(String),
     /// The state database failed.
     #[error("database: {0}")]
     Store(#[from] rusqlite::Error),
@@ -97,7 +105,10 @@ impl Error {
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::Timeout(_) => Code::DeadlineExceeded,
-            Error::Vmm(_) | Error::Guest(_) | Error::Network(_) => Code::Unavailable,
+            Error::Vmm(_) | Error::Guest(_) | Error::Network(_) | Error::Fleet(_) => {
+                Code::Unavailable
+            }
+            Error::Corrupt(_) => Code::DataLoss,
             Error::Store(_) | Error::Io { .. } | Error::Snapshot(_) | Error::Schedule(_) => {
                 Code::Internal
             }

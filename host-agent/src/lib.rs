@@ -21,6 +21,7 @@ pub mod config;
 pub mod error;
 pub mod events;
 pub mod execs;
+pub mod fleet;
 pub mod guest;
 pub mod images;
 pub mod io_limits;
@@ -85,6 +86,20 @@ pub async fn serve(
     });
     let mgr = Manager::new(cfg.clone())?;
     mgr.recover().await?;
+    let address = match &listener {
+        Listener::Tcp(l) => l
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|_| cfg.listen.to_string()),
+        Listener::Unix(_) => cfg
+            .listen_unix
+            .as_ref()
+            .map(|p| format!("unix:{}", p.display()))
+            .unwrap_or_default(),
+    };
+    let fleet = fleet::Fleet::start(&mgr, cfg.fleet.clone(), address).await?;
+    // Set once, here, before any call is served.
+    let _ = mgr.fleet.set(fleet.clone());
 
     let m = mgr.clone();
     tokio::spawn(async move {
@@ -166,6 +181,9 @@ pub async fn serve(
         .await;
     health.set_serving::<NodeServer<api::node::NodeApi>>().await;
     health
+        .set_serving::<proto::hostagent::fleet_server::FleetServer<api::fleet::FleetApi>>()
+        .await;
+    health
         .set_serving::<SnapshotsServer<api::snapshots::SnapshotsApi>>()
         .await;
     health
@@ -209,6 +227,9 @@ pub async fn serve(
         .add_service(EventsServer::new(api::events::EventsApi(mgr.clone())))
         .add_service(UsageServer::new(api::usage::UsageApi(mgr.clone())))
         .add_service(NodeServer::new(api::node::NodeApi(mgr.clone())))
+        .add_service(proto::hostagent::fleet_server::FleetServer::new(
+            api::fleet::FleetApi(mgr.clone()),
+        ))
         .add_service(SnapshotsServer::new(api::snapshots::SnapshotsApi(
             mgr.clone(),
         )))
@@ -231,6 +252,7 @@ pub async fn serve(
         }
     };
     let _ = webhook_stop.send(());
+    fleet.leave().await;
     if mgr.cfg.stop_sessions_on_shutdown {
         mgr.stop_all().await;
     }

@@ -9,8 +9,8 @@ use clap::{Parser, Subcommand};
 mod cli;
 
 use cli::client::{
-    run_client, ApprovalsCmd, ClientTls, EventsCmd, ExecArgs, FilesCmd, ImagesCmd, SchedulesCmd,
-    SessionsCmd, SnapshotsCmd, TriggersCmd, TurnsCmd,
+    run_client, ApprovalsCmd, ClientTls, EventsCmd, ExecArgs, FilesCmd, FleetCmd, ImagesCmd,
+    SchedulesCmd, SessionsCmd, SnapshotsCmd, TriggersCmd, TurnsCmd,
 };
 use cli::demo::{run_demo, DemoArgs};
 use cli::serve::{run_serve, ServeArgs};
@@ -108,6 +108,9 @@ enum Cmd {
     /// Webhook triggers: runs started by a signed HTTP request.
     #[command(subcommand)]
     Triggers(TriggersCmd),
+    /// The fleet: the nodes of the registry (NATS KV agentvm_nodes).
+    #[command(subcommand)]
+    Fleet(FleetCmd),
 }
 
 fn main() -> ExitCode {

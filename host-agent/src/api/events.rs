@@ -58,8 +58,21 @@ impl Events for EventsApi {
             .0
             .events
             .watch(self.0.store.clone(), r.since_seq, filter);
-        let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
-            .map(|item| item.map(|e| event_pb(&e)).map_err(Status::from));
+        // In a fleet, each event names its node (as the export does).
+        let node = self
+            .0
+            .fleet
+            .get()
+            .filter(|f| f.js.is_some())
+            .map(|f| f.node.clone())
+            .unwrap_or_default();
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(move |item| {
+            item.map(|e| pb::Event {
+                node: node.clone(),
+                ..event_pb(&e)
+            })
+            .map_err(Status::from)
+        });
         Ok(Response::new(Box::pin(stream)))
     }
 }

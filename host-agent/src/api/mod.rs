@@ -17,6 +17,7 @@ pub mod attach;
 pub mod events;
 pub mod exec;
 pub mod files;
+pub mod fleet;
 pub mod images;
 pub mod listing;
 pub mod node;
@@ -194,6 +195,7 @@ pub fn event_pb(e: &EventRow) -> pb::Event {
         schedule_id: e.schedule_id.clone(),
         run_id: e.run_id,
         trigger_id: e.trigger_id.clone(),
+        node: String::new(),
     }
 }
 

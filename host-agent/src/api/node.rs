@@ -9,6 +9,27 @@ use tonic::{Request, Response, Status};
 
 use crate::sessions::Manager;
 
+/// The node's capacity now (GetCapacity, and the fleet registry's entry).
+pub fn capacity(mgr: &Manager) -> crate::error::Result<pb::Capacity> {
+    let (vcpus_used, mem_used) = mgr.used_resources();
+    let vcpus_total = std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(1);
+    Ok(pb::Capacity {
+        vcpus_total,
+        vcpus_used,
+        memory_mib_total: crate::accounting::host_memory_mib(),
+        memory_mib_used: mem_used,
+        sessions_max: mgr.cfg.max_sessions,
+        sessions_live: mgr.live_count() as u32,
+        warm_pool_ready: mgr.pool.ready() as u32,
+        memory_mib_limit: mgr.memory_limit_mib(),
+        memory_overcommit_ratio: mgr.cfg.memory_overcommit_ratio,
+        snapshot_bytes_used: mgr.layers.session_bytes()?,
+        snapshot_bytes_quota: mgr.cfg.snapshot_quota_mib << 20,
+    })
+}
+
 /// The Node service.
 pub struct NodeApi(pub Arc<Manager>);
 
@@ -18,23 +39,7 @@ impl Node for NodeApi {
         &self,
         _req: Request<pb::GetCapacityRequest>,
     ) -> Result<Response<pb::Capacity>, Status> {
-        let (vcpus_used, mem_used) = self.0.used_resources();
-        let vcpus_total = std::thread::available_parallelism()
-            .map(|n| n.get() as u32)
-            .unwrap_or(1);
-        Ok(Response::new(pb::Capacity {
-            vcpus_total,
-            vcpus_used,
-            memory_mib_total: crate::accounting::host_memory_mib(),
-            memory_mib_used: mem_used,
-            sessions_max: self.0.cfg.max_sessions,
-            sessions_live: self.0.live_count() as u32,
-            warm_pool_ready: self.0.pool.ready() as u32,
-            memory_mib_limit: self.0.memory_limit_mib(),
-            memory_overcommit_ratio: self.0.cfg.memory_overcommit_ratio,
-            snapshot_bytes_used: self.0.layers.session_bytes()?,
-            snapshot_bytes_quota: self.0.cfg.snapshot_quota_mib << 20,
-        }))
+        Ok(Response::new(capacity(&self.0)?))
     }
 
     async fn get_version(

@@ -85,6 +85,12 @@ pub fn required(path: &str) -> Access {
             | "CreateTrigger" | "DeleteTrigger" => Needs(Sessions),
             _ => Unknown,
         },
+        // Pushing and pulling change the fleet's and the node's images.
+        "hostagent.v1.Fleet" => match method {
+            "ListNodes" => Needs(Read),
+            "PushImage" | "PullImage" => Needs(Admin),
+            _ => Unknown,
+        },
         "hostagent.v1.Node" => match method {
             "GetCapacity" | "GetVersion" => Needs(Read),
             _ => Unknown,
@@ -106,13 +112,20 @@ mod tests {
     use super::*;
 
     /// The API definition this crate is built from.
-    const PROTO: &str = include_str!("../../../proto/proto/hostagent.proto");
+    const PROTO: &str = concat!(
+        include_str!("../../../proto/proto/hostagent.proto"),
+        include_str!("../../../proto/proto/fleet.proto")
+    );
 
     #[test]
     fn every_method_of_the_api_has_a_rule() {
         let package = PROTO
             .lines()
-            .find_map(|l| l.trim().strip_prefix("package "))
+            .filter_map(|l| l.trim().strip_prefix("package "))
+            .reduce(|a, b| {
+                assert_eq!(a, b, "every file is of one package");
+                a
+            })
             .and_then(|p| p.strip_suffix(';'))
             .expect("package line");
         let mut service = None;
@@ -128,7 +141,7 @@ mod tests {
                 n += 1;
             }
         }
-        assert!(n >= 22, "only {n} methods found");
+        assert!(n >= 25, "only {n} methods found");
     }
 
     #[test]

@@ -226,6 +226,7 @@ impl Record for pb::Event {
             "schedule_id": self.schedule_id,
             "run_id": self.run_id,
             "trigger_id": self.trigger_id,
+            "node": self.node,
         })
     }
 }

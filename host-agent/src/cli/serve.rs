@@ -125,6 +125,49 @@ pub struct ServeArgs {
     /// which CreateSession's secret_refs name.
     #[arg(long)]
     secrets_dir: Option<PathBuf>,
+    /// NATS server URL(s), comma-separated: export events, usage, asks and
+    /// audit to JetStream, join the node registry, push and pull images.
+    #[arg(long, value_name = "URL")]
+    nats: Option<String>,
+    /// This node's name in the fleet (subjects, message ids, registry)
+    /// [default: the host name].
+    #[arg(long)]
+    node_name: Option<String>,
+    /// The gRPC address the registry shows for this node [default: the
+    /// listen address].
+    #[arg(long)]
+    advertise_address: Option<String>,
+    /// NATS credentials file (.creds: JWT and NKey seed).
+    #[arg(long)]
+    nats_creds: Option<PathBuf>,
+    /// File holding a NATS token.
+    #[arg(long)]
+    nats_token_file: Option<PathBuf>,
+    /// CA of the NATS servers' certificates (PEM); TLS is then required.
+    #[arg(long)]
+    nats_tls_ca: Option<PathBuf>,
+    /// Client certificate for NATS (PEM).
+    #[arg(long, requires = "nats_tls_key")]
+    nats_tls_cert: Option<PathBuf>,
+    /// Client key for NATS (PEM).
+    #[arg(long, requires = "nats_tls_cert")]
+    nats_tls_key: Option<PathBuf>,
+    /// How long the JetStream streams host-agent creates keep messages,
+    /// seconds [default: 604800].
+    #[arg(long)]
+    stream_max_age: Option<u64>,
+    /// How often this node puts its registry entry, seconds [default: 5].
+    #[arg(long)]
+    registry_interval: Option<u64>,
+    /// How long a registry entry lives without a new put, seconds
+    /// [default: 15].
+    #[arg(long)]
+    registry_ttl: Option<u64>,
+    /// Where images are pushed and pulled: `nats` (JetStream's object
+    /// store; the default with --nats), `s3://bucket/prefix` (AWS_*
+    /// environment) or `file:///dir`.
+    #[arg(long, value_name = "nats|URL")]
+    image_store: Option<String>,
 }
 
 fn init_logs(json: bool) {
@@ -232,6 +275,37 @@ pub async fn run_serve(a: ServeArgs) -> Result<(), String> {
     }
     if let Some(v) = a.secrets_dir {
         cfg.secrets_dir = Some(v);
+    }
+    let f = &mut cfg.fleet;
+    for (field, flag) in [
+        (&mut f.nats, a.nats),
+        (&mut f.node_name, a.node_name),
+        (&mut f.advertise_address, a.advertise_address),
+        (&mut f.image_store, a.image_store),
+    ] {
+        if flag.is_some() {
+            *field = flag;
+        }
+    }
+    for (field, flag) in [
+        (&mut f.creds_file, a.nats_creds),
+        (&mut f.token_file, a.nats_token_file),
+        (&mut f.tls_ca, a.nats_tls_ca),
+        (&mut f.tls_cert, a.nats_tls_cert),
+        (&mut f.tls_key, a.nats_tls_key),
+    ] {
+        if flag.is_some() {
+            *field = flag;
+        }
+    }
+    for (field, flag) in [
+        (&mut f.stream_max_age_seconds, a.stream_max_age),
+        (&mut f.registry_interval_seconds, a.registry_interval),
+        (&mut f.registry_ttl_seconds, a.registry_ttl),
+    ] {
+        if let Some(v) = flag {
+            *field = v;
+        }
     }
     cfg.stop_sessions_on_shutdown |= a.stop_sessions_on_shutdown;
     cfg.log_json |= a.log_json;

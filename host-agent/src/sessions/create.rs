@@ -11,10 +11,14 @@ impl Manager {
     /// returns it RUNNING. A retry with the same idempotency key returns the
     /// same session.
     pub async fn create(self: &Arc<Self>, p: CreateParams) -> Result<SessionRow> {
-        let image = self
-            .store
-            .image(&p.image_id)?
-            .ok_or_else(|| Error::not_found("image", &p.image_id))?;
+        let image = match self.store.image(&p.image_id)? {
+            Some(image) => image,
+            // An image this node lacks comes from the fleet's image store.
+            None => match self.fleet.get().filter(|f| f.has_image_store()) {
+                Some(fleet) => fleet.image_or_pull(self, &p.image_id).await?,
+                None => return Err(Error::not_found("image", &p.image_id)),
+            },
+        };
         let fp = p.fingerprint();
         // The session's limits: the image's, with its overrides. A VM of the
         // warm pool runs with the image's, so a session that changes them

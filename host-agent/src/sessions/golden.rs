@@ -49,7 +49,10 @@ impl Manager {
         }
         // The files are read now: check them again (the roots may have changed
         // since registration, or a path in them been replaced by a link).
-        resolve_files(&mut image, &mgr.image_roots)?;
+        // A pulled image's files are its own, in its image directory.
+        if !crate::fleet::images::is_pulled_file(mgr, id, &image.kernel) {
+            resolve_files(&mut image, &mgr.image_roots)?;
+        }
         let settle = if settle_ms == 0 { 200 } else { settle_ms };
         let dir = mgr.image_dir(id);
         let build = dir.join(format!("build-{}", uuid::Uuid::new_v4().simple()));

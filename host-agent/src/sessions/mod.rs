@@ -266,6 +266,8 @@ pub struct Manager {
     pub fingerprint_key: crate::session_env::fingerprint::Key,
     /// The node's snapshot layers.
     pub layers: Arc<crate::layers::Layers>,
+    /// This node in its fleet (set once at start by `serve`).
+    pub fleet: std::sync::OnceLock<Arc<crate::fleet::Fleet>>,
 }
 
 impl Manager {
@@ -320,6 +322,7 @@ impl Manager {
             repository_roots,
             fingerprint_key,
             layers,
+            fleet: std::sync::OnceLock::new(),
         }))
     }
 

@@ -11,6 +11,7 @@
 //! * [`files`]: which files of a test hold a byte string;
 //! * [`vsock_shim`]: the host side of a vmm's vsock socket (`CONNECT
 //!   <port>`), played by a test (feature `vsock-shim`);
+//! * [`nats`]: a `nats-server -js` on a loopback port, for the fleet tests;
 //! * [`agent`]: a host-agent process on a loopback port, with its gRPC
 //!   clients (feature `agent`).
 //!
@@ -27,6 +28,7 @@ pub mod git;
 #[cfg(feature = "guests")]
 pub mod guests;
 pub mod host;
+pub mod nats;
 pub mod process;
 #[cfg(feature = "vsock-shim")]
 pub mod vsock_shim;

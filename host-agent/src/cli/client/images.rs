@@ -1,7 +1,9 @@
-//! `host-agent images`: register, build (the golden snapshot), list, delete.
+//! `host-agent images`: register, build (the golden snapshot), list,
+//! delete, and push to / pull from the fleet's image store.
 
 use clap::Subcommand;
 use proto::hostagent as pb;
+use proto::hostagent::fleet_client::FleetClient;
 use proto::hostagent::images_client::ImagesClient;
 use tonic::transport::Channel;
 
@@ -41,12 +43,54 @@ pub enum ImagesCmd {
     List,
     /// Delete an image.
     Delete { id: String },
+    /// Upload an image (kernel, initrd, root disk, golden snapshot) to the
+    /// fleet's image store; chunks the store has already are skipped.
+    Push { id: String },
+    /// Download an image from the fleet's image store and register it on
+    /// this node, golden snapshot included.
+    Pull { id: String },
 }
 
 /// Runs `images <cmd>`.
 pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: ImagesCmd) -> Result<(), String> {
+    let mut fleet = FleetClient::with_interceptor(ch.clone(), bearer.clone());
     let mut cl = ImagesClient::with_interceptor(ch, bearer);
     match c {
+        ImagesCmd::Push { id } => {
+            let r = fleet
+                .push_image(pb::PushImageRequest { image_id: id })
+                .await
+                .map_err(st)?
+                .into_inner();
+            match out {
+                Output::Table => println!(
+                    "pushed image {} to {}: {} files, {} bytes in {} chunks; uploaded {} chunks, {} bytes",
+                    r.image_id, r.store, r.files, r.bytes, r.chunks, r.chunks_uploaded, r.bytes_uploaded
+                ),
+                Output::Json => println!(
+                    "{}",
+                    serde_json::json!({
+                        "image_id": r.image_id, "store": r.store, "files": r.files,
+                        "bytes": r.bytes, "chunks": r.chunks,
+                        "chunks_uploaded": r.chunks_uploaded, "bytes_uploaded": r.bytes_uploaded,
+                    })
+                ),
+            }
+        }
+        ImagesCmd::Pull { id } => {
+            let r = fleet
+                .pull_image(pb::PullImageRequest { image_id: id })
+                .await
+                .map_err(st)?
+                .into_inner();
+            if let Output::Table = out {
+                eprintln!(
+                    "pulled from {}: {} files, {} bytes in {} chunks, {} bytes fetched",
+                    r.store, r.files, r.bytes, r.chunks, r.bytes_fetched
+                );
+            }
+            print_all(&r.image.into_iter().collect::<Vec<_>>(), out);
+        }
         ImagesCmd::Register {
             id,
             kernel,

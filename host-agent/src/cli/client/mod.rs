@@ -1,6 +1,6 @@
 //! The operator client: the `images`, `sessions`, `events`, `usage`,
 //! `node`, `exec`, `turns`, `approvals`, `audit`, `files`, `snapshots`,
-//! `schedules` and `triggers` subcommands over the gRPC API.
+//! `schedules`, `triggers` and `fleet` subcommands over the gRPC API.
 
 use std::path::PathBuf;
 
@@ -13,6 +13,7 @@ mod approvals;
 mod events;
 mod exec;
 mod files;
+mod fleet;
 mod images;
 mod io_limits;
 mod labels;
@@ -29,6 +30,7 @@ pub use approvals::ApprovalsCmd;
 pub use events::EventsCmd;
 pub use exec::ExecArgs;
 pub use files::FilesCmd;
+pub use fleet::FleetCmd;
 pub use images::ImagesCmd;
 pub use schedules::SchedulesCmd;
 pub use sessions::SessionsCmd;
@@ -124,6 +126,7 @@ pub async fn run_client(
         Cmd::Snapshots(c) => snapshots::run(ch, bearer, out, c).await,
         Cmd::Schedules(c) => schedules::run(ch, bearer, out, c).await,
         Cmd::Triggers(c) => triggers::run(ch, bearer, out, c).await,
+        Cmd::Fleet(c) => fleet::run(ch, bearer, out, c).await,
     }
 }
 
