@@ -24,7 +24,7 @@ pub struct Cli {
     /// cold-boot 20, restore 30, creation-rate 5 rounds, memory-overhead 5,
     /// snapshot-write 10, net-throughput 10, net-latency 10 rounds,
     /// network-setup 20, files-throughput 3, session-persist 5,
-    /// session-fork 5].
+    /// session-fork 5, fleet 10].
     #[arg(long, value_name = "N")]
     pub runs: Option<u32>,
     /// Warm-up runs discarded before measuring [default: 2, 1 with --quick].
@@ -103,6 +103,9 @@ pub enum ScenarioArg {
     SessionPersist,
     /// ForkSession of 1 and of 10 sessions until all are RUNNING (host-agent).
     SessionFork,
+    /// Two nodes over NATS JetStream: event export latency, image pull
+    /// throughput, time to a first session on a node without the image (host-agent).
+    Fleet,
     /// Every scenario, in the order above.
     All,
 }
@@ -122,6 +125,7 @@ impl ScenarioArg {
             ScenarioArg::FilesThroughput => "files-throughput",
             ScenarioArg::SessionPersist => "session-persist",
             ScenarioArg::SessionFork => "session-fork",
+            ScenarioArg::Fleet => "fleet",
             ScenarioArg::All => "all",
         }
     }

@@ -61,12 +61,20 @@ fn every_scenario_runs_once_with_the_real_vmm() {
             "network-setup",
             "files-throughput",
             "session-persist",
-            "session-fork"
+            "session-fork",
+            "fleet"
         ]
     );
     let has_restore = scenarios[1]["status"] == "ok";
     for s in scenarios {
-        if s["name"].as_str().unwrap().starts_with("net") {
+        if s["name"] == "fleet" && s["status"] == "skipped" {
+            // Needs nats-server (scripts/test installs it); says so.
+            println!("fleet: {}", s["reason"]);
+            assert!(
+                s["reason"].as_str().unwrap().starts_with("skipped: "),
+                "{s:#}"
+            );
+        } else if s["name"].as_str().unwrap().starts_with("net") {
             // Needs root and /dev/net/tun; says why when it is skipped.
             if s["status"] == "skipped" {
                 println!("{}: {}", s["name"], s["reason"]);
@@ -86,6 +94,17 @@ fn every_scenario_runs_once_with_the_real_vmm() {
         } else {
             assert_eq!(s["reason"], "skipped: vmm has no restore", "{s:#}");
         }
+    }
+    let fleet_ran = scenarios
+        .iter()
+        .any(|s| s["name"] == "fleet" && s["status"] == "ok");
+    if fleet_ran {
+        for id in ["fleet.first-session.mem256", "fleet.pull-throughput.mem256"] {
+            let m = common::metric(&json, "fleet", id);
+            assert_eq!(m["samples"].as_array().unwrap().len(), 1, "{m:#}");
+        }
+        let m = common::metric(&json, "fleet", "fleet.export-latency");
+        assert!(!m["samples"].as_array().unwrap().is_empty(), "{m:#}");
     }
     if has_restore {
         for (scenario, id) in [

@@ -5,6 +5,7 @@
 pub mod cold_boot;
 pub mod creation_rate;
 pub mod files_throughput;
+pub mod fleet;
 pub mod memory_overhead;
 pub mod net_guest;
 pub mod net_latency;
@@ -86,6 +87,11 @@ pub const ALL: &[Scenario] = &[
         name: session_fork::NAME,
         plan: session_fork::plan,
         run: session_fork::run,
+    },
+    Scenario {
+        name: fleet::NAME,
+        plan: fleet::plan,
+        run: fleet::run,
     },
 ];
 

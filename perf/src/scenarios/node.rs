@@ -149,6 +149,16 @@ impl Node {
     /// Starts host-agent on a new state directory under `dir`, allowing
     /// images from `image_root`.
     pub fn start(ctx: &Context, dir: &Path, image_root: &Path) -> Result<Node> {
+        Node::start_with(ctx, dir, image_root, &[])
+    }
+
+    /// As [`Node::start`], with more `serve` flags (`--nats URL`, ...).
+    pub fn start_with(
+        ctx: &Context,
+        dir: &Path,
+        image_root: &Path,
+        extra: &[String],
+    ) -> Result<Node> {
         let Some(bin) = binary() else {
             return Err(PerfError::HostAgent("no host-agent next to perf".into()));
         };
@@ -166,7 +176,8 @@ impl Node {
             .arg("--allow-unauthenticated-local")
             .arg("--allowed-image-root")
             .arg(image_root)
-            .arg("--stop-sessions-on-shutdown");
+            .arg("--stop-sessions-on-shutdown")
+            .args(extra);
         if !is_root() {
             // The jail needs root; host-agent refuses to start without it
             // unless told to run its vmms unjailed.
