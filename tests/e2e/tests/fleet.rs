@@ -430,3 +430,43 @@ async fn a_node_outside_a_fleet_says_how_to_join_one() {
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
 }
+
+#[tokio::test]
+async fn a_node_joins_a_server_that_wants_a_token_only_with_it() {
+    if !NatsServer::available() {
+        return;
+    }
+    let nats = NatsServer::start_with(&["--auth", "fleet-token-1"]);
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good");
+    let bad = dir.path().join("bad");
+    std::fs::write(&good, "fleet-token-1\n").unwrap();
+    std::fs::write(&bad, "not-the-token\n").unwrap();
+    let flags = |name: &'static str, token: &std::path::Path| {
+        vec![
+            "--nats".to_string(),
+            nats.url(),
+            "--node-name".into(),
+            name.into(),
+            "--registry-interval".into(),
+            "1".into(),
+            "--nats-token-file".into(),
+            token.display().to_string(),
+        ]
+    };
+    let with = flags("with-token", &good);
+    let a = Agent::start(&with.iter().map(String::as_str).collect::<Vec<_>>());
+    until_nodes(&a, "the node with the token", |n| n == ["with-token"]).await;
+    let without = flags("wrong-token", &bad);
+    let b = Agent::start(&without.iter().map(String::as_str).collect::<Vec<_>>());
+    // The refused node never reaches the registry (the other one stays
+    // alone in it), and its calls that need NATS fail.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(node_names(&a).await, ["with-token"]);
+    let e = fleet(&b)
+        .await
+        .list_nodes(pb::ListNodesRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+}

@@ -23,6 +23,7 @@ pub struct NatsServer {
     pub port: u16,
     child: Option<Child>,
     starts: u32,
+    extra: Vec<String>,
 }
 
 impl NatsServer {
@@ -52,6 +53,11 @@ impl NatsServer {
     /// Starts a server on a free loopback port and waits until it accepts
     /// connections.
     pub fn start() -> NatsServer {
+        Self::start_with(&[])
+    }
+
+    /// As [`NatsServer::start`], with more server flags (`--auth TOKEN`).
+    pub fn start_with(extra: &[&str]) -> NatsServer {
         let port = {
             let l = TcpListener::bind("127.0.0.1:0").expect("binding a free port");
             l.local_addr().expect("local addr").port()
@@ -61,6 +67,7 @@ impl NatsServer {
             port,
             child: None,
             starts: 0,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         s.resume();
         s
@@ -84,6 +91,7 @@ impl NatsServer {
             .arg(self.port.to_string())
             .arg("-sd")
             .arg(self.dir.path().join("store"))
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
