@@ -78,6 +78,23 @@ pub struct Gauges {
     /// Guest packets the host-side egress rules dropped and DNS queries the
     /// sessions' resolvers refused, over the sessions in memory.
     pub denied_totals: (u64, u64),
+    /// The fleet export, on a node in a fleet.
+    pub fleet: Option<FleetGauges>,
+}
+
+/// The fleet export's state (see `crate::fleet::export`).
+#[derive(Debug, Clone, Default)]
+pub struct FleetGauges {
+    /// Records waiting in the outbox.
+    pub outbox_rows: u64,
+    /// Age of the oldest waiting record, seconds (0: none waits).
+    pub outbox_oldest_seconds: f64,
+    /// Messages JetStream acknowledged.
+    pub published: u64,
+    /// Of those, the ones it had already (retries it dropped).
+    pub duplicates: u64,
+    /// Failed export spells (each retried).
+    pub failures: u64,
 }
 
 /// Where the endpoint reads the [`Gauges`] from (the session manager), so
@@ -150,6 +167,29 @@ pub fn render(g: &Gauges) -> String {
             "hostagent_guest_messages_dropped_total{{reason=\"{reason}\"}} {n}"
         );
     }
+    if let Some(f) = &g.fleet {
+        let _ = writeln!(out, "# TYPE hostagent_fleet_outbox_records gauge");
+        let _ = writeln!(out, "hostagent_fleet_outbox_records {}", f.outbox_rows);
+        let _ = writeln!(out, "# TYPE hostagent_fleet_outbox_oldest_seconds gauge");
+        let _ = writeln!(
+            out,
+            "hostagent_fleet_outbox_oldest_seconds {}",
+            f.outbox_oldest_seconds
+        );
+        let _ = writeln!(out, "# TYPE hostagent_fleet_exported_total counter");
+        let _ = writeln!(out, "hostagent_fleet_exported_total {}", f.published);
+        let _ = writeln!(
+            out,
+            "# TYPE hostagent_fleet_export_duplicates_total counter"
+        );
+        let _ = writeln!(
+            out,
+            "hostagent_fleet_export_duplicates_total {}",
+            f.duplicates
+        );
+        let _ = writeln!(out, "# TYPE hostagent_fleet_export_failures_total counter");
+        let _ = writeln!(out, "hostagent_fleet_export_failures_total {}", f.failures);
+    }
     let _ = writeln!(out, "# TYPE hostagent_guest_channels_backpressured gauge");
     let _ = writeln!(
         out,
@@ -177,5 +217,38 @@ pub async fn serve<S: GaugeSource>(listener: TcpListener, source: Arc<S>) {
             );
             let _ = sock.write_all(resp.as_bytes()).await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fleet_export_is_rendered_only_on_a_node_in_a_fleet() {
+        let outside = render(&Gauges::default());
+        assert!(!outside.contains("hostagent_fleet_"), "{outside}");
+        let inside = render(&Gauges {
+            fleet: Some(FleetGauges {
+                outbox_rows: 7,
+                outbox_oldest_seconds: 1.5,
+                published: 40,
+                duplicates: 2,
+                failures: 1,
+            }),
+            ..Default::default()
+        });
+        for line in [
+            "hostagent_fleet_outbox_records 7",
+            "hostagent_fleet_outbox_oldest_seconds 1.5",
+            "hostagent_fleet_exported_total 40",
+            "hostagent_fleet_export_duplicates_total 2",
+            "hostagent_fleet_export_failures_total 1",
+        ] {
+            assert!(
+                inside.lines().any(|l| l == line),
+                "{line} missing:\n{inside}"
+            );
+        }
     }
 }

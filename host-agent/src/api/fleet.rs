@@ -1,5 +1,6 @@
-//! `hostagent.v1.Fleet`: the registry's nodes, and images pushed to and
-//! pulled from the fleet's object store.
+//! `hostagent.v1.Fleet`: the registry's nodes, images pushed to and
+//! pulled from the fleet's object store, and sessions moved to another
+//! node through it.
 
 use std::sync::Arc;
 
@@ -7,6 +8,7 @@ use proto::hostagent as pb;
 use proto::hostagent::fleet_server::Fleet as FleetService;
 use tonic::{Request, Response, Status};
 
+use crate::auth::layer::caller_of;
 use crate::error::Error;
 use crate::fleet::Fleet;
 use crate::sessions::Manager;
@@ -52,6 +54,30 @@ impl FleetService for FleetApi {
             chunks_uploaded: m.chunks_moved,
             bytes_uploaded: m.bytes_moved,
         }))
+    }
+
+    async fn move_session(
+        &self,
+        req: Request<pb::MoveSessionRequest>,
+    ) -> Result<Response<pb::Session>, Status> {
+        let caller = caller_of(&req)?;
+        let r = req.into_inner();
+        crate::api::check_session_id(&r.session_id)?;
+        let fleet = self.fleet()?;
+        crate::fleet::bundle::check_to_node(&r.to_node, &fleet.node)?;
+        if !fleet.has_image_store() {
+            return Err(Error::FailedPrecondition(
+                "moving a session needs the fleet's image store: start host-agent (here and \
+                 on the node the session moves to) with the same --image-store URL, or --nats \
+                 URL"
+                .into(),
+            )
+            .into());
+        }
+        // Another client's session is NOT_FOUND, as a session that does not exist.
+        crate::api::owned_session(&self.0, &caller, &r.session_id)?;
+        let row = self.0.move_out(fleet, &r.session_id, &r.to_node).await?;
+        Ok(Response::new(self.0.session_out(&row)))
     }
 
     async fn pull_image(

@@ -271,6 +271,13 @@ impl Sessions for SessionsApi {
         &self,
         req: Request<pb::SessionCall>,
     ) -> Result<Response<pb::Session>, Status> {
+        // A session this node does not know may have been moved here
+        // (MoveSession on another node): taken in first, then resumed.
+        let id = &req.get_ref().session_id;
+        if let (Some(fleet), Err(_)) = (self.0.fleet.get(), self.0.session(id)) {
+            let caller = caller_of(&req)?;
+            self.0.move_in(fleet, &caller, id).await?;
+        }
         self.on_session(req, "ResumeSession", |mgr, id| async move {
             Ok(mgr.session_out(&mgr.resume(&id).await?))
         })

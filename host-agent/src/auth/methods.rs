@@ -85,10 +85,12 @@ pub fn required(path: &str) -> Access {
             | "CreateTrigger" | "DeleteTrigger" => Needs(Sessions),
             _ => Unknown,
         },
-        // Pushing and pulling change the fleet's and the node's images.
+        // Pushing and pulling change the fleet's and the node's images;
+        // moving a session is a call on the caller's own session.
         "hostagent.v1.Fleet" => match method {
             "ListNodes" => Needs(Read),
             "PushImage" | "PullImage" => Needs(Admin),
+            "MoveSession" => Needs(Sessions),
             _ => Unknown,
         },
         "hostagent.v1.Node" => match method {

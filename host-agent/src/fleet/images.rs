@@ -42,6 +42,12 @@ pub struct ImageMeta {
     pub pushed_by: String,
     /// When (Unix ms).
     pub pushed_at: i64,
+    /// The id of the golden snapshot's layer on the pushing node; a node
+    /// that pulls the image records its golden snapshot under the same id,
+    /// so that a session's chain moved between them (MoveSession), whose
+    /// bottom diff names it, resolves. Empty in a push from before moves.
+    #[serde(default)]
+    pub golden_layer: String,
 }
 
 /// Name prefix of the golden snapshot's files in a push.
@@ -129,6 +135,7 @@ impl Fleet {
             .image(id)?
             .ok_or_else(|| Error::not_found("image", id))?;
         let files = push_files(&image)?;
+        let golden_layer = mgr.layers.golden(&image)?.map(|l| l.id).unwrap_or_default();
         let meta = ImageMeta {
             image_id: image.id.clone(),
             cmdline: image.cmdline.clone(),
@@ -139,6 +146,7 @@ impl Fleet {
             golden_built_at: image.golden_built_at,
             pushed_by: self.node.clone(),
             pushed_at: now_ms(),
+            golden_layer,
         };
         let meta = serde_json::to_value(&meta)
             .map_err(|e| Error::Fleet(format!("encoding image {id}'s manifest: {e}")))?;
@@ -284,7 +292,11 @@ impl Fleet {
         }
         crate::io_limits::IoLimits::decode(&image.io_limits)?;
         mgr.store.insert_image(&image)?;
-        if let Err(e) = mgr.layers.golden(&image) {
+        let golden = match meta.golden_layer.as_str() {
+            "" => mgr.layers.golden(&image),
+            id => mgr.layers.golden_as(&image, id),
+        };
+        if let Err(e) = golden {
             let _ = mgr.store.delete_image(id);
             return Err(e);
         }

@@ -8,8 +8,11 @@
 //!   JetStream's, or S3-compatible, GCS, Azure or local-file storage through
 //!   the `object_store` crate), chunked and content-addressed by SHA-256;
 //! * [`images`]: which of an image's files are pushed, and registering a
-//!   pulled one.
+//!   pulled one;
+//! * [`bundle`]: a session paused to disk as it moves to another node
+//!   (MoveSession; taken in by that node's ResumeSession).
 
+pub mod bundle;
 pub mod config;
 pub mod connect;
 pub mod export;
@@ -43,6 +46,9 @@ pub struct Fleet {
     images: tokio::sync::OnceCell<Arc<dyn ObjectStore>>,
     /// Serializes pulls, so two creates of a missing image pull it once.
     pub pull_lock: tokio::sync::Mutex<()>,
+    /// Serializes taking in sessions moved here, so two ResumeSession
+    /// calls of one moved session take it in once.
+    pub move_lock: tokio::sync::Mutex<()>,
 }
 
 impl Fleet {
@@ -105,6 +111,7 @@ impl Fleet {
             export_stats,
             images: tokio::sync::OnceCell::new(),
             pull_lock: tokio::sync::Mutex::new(()),
+            move_lock: tokio::sync::Mutex::new(()),
         }))
     }
 

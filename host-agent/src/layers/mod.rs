@@ -61,7 +61,7 @@ pub const MAX_DIFF_CHAIN: usize = 16;
 
 /// The longest chain the vmm follows (`MAX_CHAIN_DEPTH` in its manifest
 /// module).
-const VMM_MAX_CHAIN: usize = 64;
+pub const VMM_MAX_CHAIN: usize = 64;
 
 /// Where a jailed vmm sees the layers of its chain.
 pub const LAYERS_IN_JAIL: &str = "/layers";
@@ -78,6 +78,47 @@ pub struct NewLayer<'a> {
     pub holders: &'a [&'a str],
     /// `(holder, layer)` holds given up in the same transaction.
     pub release: &'a [(&'a str, &'a str)],
+}
+
+/// How a golden layer's id starts (`g-<uuid>`).
+pub const GOLDEN_PREFIX: &str = "g-";
+
+/// Longest layer id taken from another node.
+const MAX_LAYER_ID: usize = 64;
+
+/// Checks a layer id that came from another node (a moved chain, a pulled
+/// image's golden layer): 1..=64 of `[A-Za-z0-9_-]`, so it names a
+/// directory of the layer store safely. A bad one is [`Error::Corrupt`].
+pub fn check_layer_id(id: &str) -> Result<()> {
+    if id.is_empty()
+        || id.len() > MAX_LAYER_ID
+        || !id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'))
+    {
+        return Err(Error::Corrupt(format!(
+            "snapshot layer id {id:?} must be 1 to {MAX_LAYER_ID} letters, digits, '_' or '-'"
+        )));
+    }
+    Ok(())
+}
+
+/// A layer of a chain moved from another node, its files pulled, to take
+/// in with [`Layers::take_in`].
+pub struct MovedLayer<'a> {
+    /// Its id on the other node (kept: the manifests of the layers above
+    /// name it).
+    pub id: &'a str,
+    /// One of [`kind`] (not a golden snapshot: those come with images).
+    pub kind: &'a str,
+    /// The layer it is a diff over (empty: a full snapshot).
+    pub parent: &'a str,
+    /// The session whose vmm wrote it.
+    pub owner_session: &'a str,
+    /// When it was written (Unix ms).
+    pub created_at: i64,
+    /// Its pulled directory (moved into the store).
+    pub files: &'a Path,
 }
 
 /// A layer with who needs it, for listings.
@@ -134,6 +175,28 @@ impl Layers {
     /// The layer of `image`'s golden snapshot, recorded (held by the image)
     /// the first time it is asked for; `None` when the image has none.
     pub fn golden(&self, image: &ImageRow) -> Result<Option<LayerRow>> {
+        self.golden_with_id(image, None)
+    }
+
+    /// [`Layers::golden`] for an image pulled from the fleet: the first
+    /// time, its golden snapshot is recorded as layer `id`, the id the
+    /// pushing node gave it, so a diff moved from there that names `id` as
+    /// its parent resolves here. An `id` that is not a golden layer's id is
+    /// refused; one this node already uses (another copy of the image,
+    /// deleted while sessions still hold its snapshot) gets a new id, with
+    /// a warning: sessions moved here from that chain cannot resume.
+    pub fn golden_as(&self, image: &ImageRow, id: &str) -> Result<Option<LayerRow>> {
+        check_layer_id(id)?;
+        if !id.starts_with(GOLDEN_PREFIX) {
+            return Err(Error::Corrupt(format!(
+                "image {}'s golden layer id {id:?} does not start with {GOLDEN_PREFIX:?}",
+                image.id
+            )));
+        }
+        self.golden_with_id(image, Some(id))
+    }
+
+    fn golden_with_id(&self, image: &ImageRow, id: Option<&str>) -> Result<Option<LayerRow>> {
         if image.golden_dir.is_empty() {
             return Ok(None);
         }
@@ -144,8 +207,23 @@ impl Layers {
         if let Some(l) = self.store.layer_by_dir(&image.golden_dir)? {
             return Ok(Some(l));
         }
+        let fresh = || format!("{GOLDEN_PREFIX}{}", uuid::Uuid::new_v4().simple());
+        let id = match id {
+            Some(id) if self.store.layer(id)?.is_some() => {
+                let new = fresh();
+                tracing::warn!(
+                    image = %image.id, layer = id, new = %new,
+                    "the pulled image's golden layer id is taken on this node (an earlier \
+                     copy of the image, still held); it gets a new id, and sessions moved \
+                     here from the other node's chain cannot resume"
+                );
+                new
+            }
+            Some(id) => id.to_string(),
+            None => fresh(),
+        };
         let row = LayerRow {
-            id: format!("g-{}", uuid::Uuid::new_v4().simple()),
+            id,
             parent: String::new(),
             kind: kind::GOLDEN.into(),
             dir: image.golden_dir.clone(),
@@ -204,6 +282,101 @@ impl Layers {
             return Err(e);
         }
         Ok(row)
+    }
+
+    /// Takes in `chain` (bottom first), a chain moved from another node,
+    /// with `holder` holding its top. The bottom's parent, if any, must be
+    /// a layer of this node (the image's golden snapshot, recorded under
+    /// the id the pushing node gave it); each layer above is a diff over the
+    /// one below. A layer whose id this node has already is used as it is
+    /// (ids are never reused for other contents); any other is moved in
+    /// from its pulled directory as [`files::adopt`] does, its manifest
+    /// pointed at its parent. Under the lock [`Layers::collect`] takes, so
+    /// no layer of the chain is collected before its child is recorded. On
+    /// failure nothing is recorded or held and the layers made are removed.
+    pub fn take_in(&self, chain: &[MovedLayer<'_>], holder: &str) -> Result<Vec<LayerRow>> {
+        let _g = self.guard();
+        let mut made: Vec<LayerRow> = Vec::new();
+        let mut rows = Vec::new();
+        let result = (|| {
+            for (i, l) in chain.iter().enumerate() {
+                check_layer_id(l.id)?;
+                let expected_parent = match i {
+                    0 => l.parent,
+                    _ => chain[i - 1].id,
+                };
+                if l.parent != expected_parent || l.kind == kind::GOLDEN {
+                    return Err(Error::Corrupt(format!(
+                        "moved snapshot layer {} ({}) does not fit its chain: parent {:?}, \
+                         expected {expected_parent:?}",
+                        l.id, l.kind, l.parent
+                    )));
+                }
+                if i == 0 && !l.parent.is_empty() && self.store.layer(l.parent)?.is_none() {
+                    return Err(Error::Snapshot(format!(
+                        "snapshot layer {}, the base of the moved chain, is not on this node",
+                        l.parent
+                    )));
+                }
+                let top = i + 1 == chain.len();
+                if let Some(have) = self.store.layer(l.id)? {
+                    if have.parent != l.parent {
+                        return Err(Error::Snapshot(format!(
+                            "snapshot layer {} is on this node already with parent {:?}, not \
+                             {:?}",
+                            l.id, have.parent, l.parent
+                        )));
+                    }
+                    if top {
+                        self.store.hold_layer(l.id, holder)?;
+                    }
+                    rows.push(have);
+                    continue;
+                }
+                let dir = self.root.join(l.id);
+                let parent = (!l.parent.is_empty()).then_some(l.parent);
+                let bytes = files::adopt(l.files, &dir, parent)
+                    .and_then(|b| match parent {
+                        // A full snapshot names no parent, whatever it said.
+                        None => files::set_parent(&dir, None).map(|()| b),
+                        Some(_) => Ok(b),
+                    })
+                    .map_err(|e| {
+                        let _ = std::fs::remove_dir_all(&dir);
+                        Error::Snapshot(e.to_string())
+                    })?;
+                let row = LayerRow {
+                    id: l.id.to_string(),
+                    parent: l.parent.to_string(),
+                    kind: l.kind.to_string(),
+                    dir: dir.display().to_string(),
+                    bytes,
+                    created_at: l.created_at,
+                    owner_session: l.owner_session.to_string(),
+                };
+                let holders: &[&str] = if top { &[holder] } else { &[] };
+                if let Err(e) = self.store.insert_layer(&row, holders, &[]) {
+                    let _ = std::fs::remove_dir_all(&dir);
+                    return Err(e);
+                }
+                made.push(row.clone());
+                rows.push(row);
+            }
+            Ok(())
+        })();
+        match result {
+            Ok(()) => Ok(rows),
+            Err(e) => {
+                if let Some(top) = chain.last() {
+                    let _ = self.store.release_layer(Some(top.id), holder);
+                }
+                for l in made.iter().rev() {
+                    self.remove_files(l);
+                    let _ = self.store.delete_layer(&l.id);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Measures layer `id` again (after a disk copy was put in it).

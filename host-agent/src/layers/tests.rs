@@ -345,3 +345,78 @@ fn at_start_a_directory_no_layer_names_is_removed_and_a_lost_layer_is_named() {
     let err = layers.chain(&d.id).unwrap_err().to_string();
     assert!(err.contains(&g.id) && err.contains("missing"), "{err}");
 }
+
+#[test]
+fn a_chain_moved_from_another_node_is_taken_in_under_its_ids_over_the_golden_id_given() {
+    let t = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(&t.path().join("db")).unwrap());
+    let layers = Layers::open(t.path(), store.clone()).unwrap();
+    let image = ImageRow {
+        id: "i".into(),
+        golden_dir: golden_dir(&t.path().join("images"), "i", 1),
+        ..Default::default()
+    };
+    // The pulled image's golden snapshot keeps the pushing node's layer id.
+    assert!(layers.golden_as(&image, "../x").is_err());
+    assert!(layers.golden_as(&image, "p1").is_err(), "not a golden id");
+    let g = layers.golden_as(&image, "g-from-a").unwrap().unwrap();
+    assert_eq!(g.id, "g-from-a");
+    assert_eq!(layers.golden(&image).unwrap().unwrap().id, "g-from-a");
+    assert!(layers.root().join("g-from-a").is_symlink());
+
+    let pulled = t.path().join("pulled");
+    let p1 = vmm_writes(&pulled, "p1");
+    let p2 = vmm_writes(&pulled, "p2");
+    let moved = |parent0: &'static str| {
+        vec![
+            MovedLayer {
+                id: "p1",
+                kind: kind::PAUSE,
+                parent: parent0,
+                owner_session: "s",
+                created_at: 1,
+                files: &p1,
+            },
+            MovedLayer {
+                id: "p2",
+                kind: kind::PAUSE,
+                parent: "p1",
+                owner_session: "s",
+                created_at: 2,
+                files: &p2,
+            },
+        ]
+    };
+    // A base this node lacks: nothing is recorded, the files stay put.
+    let e = layers.take_in(&moved("g-other"), "session:s").unwrap_err();
+    assert!(e.to_string().contains("g-other"), "{e}");
+    assert!(store.layer("p1").unwrap().is_none() && p1.is_dir());
+
+    let rows = layers.take_in(&moved("g-from-a"), "session:s").unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(store.held_by("session:s").unwrap(), vec!["p2".to_string()]);
+    let chain: Vec<String> = layers
+        .chain("p2")
+        .unwrap()
+        .into_iter()
+        .map(|l| l.id)
+        .collect();
+    assert_eq!(chain, ["g-from-a", "p1", "p2"]);
+    // Each manifest names its parent layer by id, as the vmm resolves it.
+    for (id, parent) in [("p1", "g-from-a"), ("p2", "p1")] {
+        let m: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(layers.root().join(id).join("manifest")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(m["parent"], parent);
+    }
+    // Nothing is collected while the session holds the top.
+    layers.collect(false).unwrap();
+    assert_eq!(store.layers().unwrap().len(), 3);
+    layers.release(None, "session:s").unwrap();
+    assert_eq!(
+        store.layers().unwrap().len(),
+        1,
+        "the golden snapshot stays"
+    );
+}

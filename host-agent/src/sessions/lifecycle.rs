@@ -29,6 +29,9 @@ pub mod reason {
     pub const RESUME_FAILED: &str = "resume_failed";
     /// host-agent restarted while the session was being restored.
     pub const HOST_AGENT_RESTART: &str = "host_agent_restart";
+    /// The session moved to another node (MoveSession): its STOPPED here,
+    /// and the event that records its arrival there.
+    pub const MOVED: &str = "moved";
     /// Stops for what the guest sent (audit over its limit or out of order).
     pub use crate::guest::reason::{AUDIT_LIMIT, AUDIT_OUT_OF_ORDER};
 }

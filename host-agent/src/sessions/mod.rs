@@ -9,7 +9,9 @@
 //! (CreateSession and getting a VM), `channel` (the guest channel),
 //! `exits` (a vmm ending), `ops` (pause, resume, snapshot, rollback, stop,
 //! delete), `limits` (usage samples and the time limits), `recover`
-//! (re-attach after a restart). This file keeps the types and the lookups.
+//! (re-attach after a restart), `moves` (a session paused to disk moving
+//! to another node, and taken in there). This file keeps the types and the
+//! lookups.
 
 mod asks;
 mod channel;
@@ -20,6 +22,7 @@ mod fork;
 mod golden;
 mod lifecycle;
 mod limits;
+mod moves;
 mod net_usage;
 mod network;
 mod ops;
@@ -508,6 +511,27 @@ impl metrics::GaugeSource for Manager {
             usage_totals: self.usage_totals(),
             guest_backpressured: self.guest_backpressured(),
             denied_totals: self.denied_totals(),
+            fleet: self.fleet_gauges(),
         }
+    }
+}
+
+impl Manager {
+    /// The fleet export's outbox and counters, in a fleet.
+    fn fleet_gauges(&self) -> Option<metrics::FleetGauges> {
+        let fleet = self.fleet.get().filter(|f| f.js.is_some())?;
+        let (outbox_rows, oldest) = self.store.outbox_backlog().unwrap_or_default();
+        let s = &fleet.export_stats;
+        use std::sync::atomic::Ordering::Relaxed;
+        Some(metrics::FleetGauges {
+            outbox_rows,
+            outbox_oldest_seconds: match oldest {
+                0 => 0.0,
+                at => ((now_ms() - at).max(0) as f64) / 1000.0,
+            },
+            published: s.published.load(Relaxed),
+            duplicates: s.duplicates.load(Relaxed),
+            failures: s.failures.load(Relaxed),
+        })
     }
 }

@@ -35,6 +35,14 @@ impl Manager {
         if state == S::Running as i32 {
             return Ok(sess.row());
         }
+        let row = sess.row();
+        if state == S::Stopped as i32 && row.reason == reason::MOVED {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} was {} (MoveSession); resume it there (to move it back \
+                 here, delete it here first with DeleteSession)",
+                row.detail
+            )));
+        }
         if state != S::Paused as i32 {
             return Err(Error::FailedPrecondition(format!(
                 "session {id} is {}; only a PAUSED session can be resumed",

@@ -17,6 +17,7 @@ use schema::{migrate, SCHEMA};
 
 mod layers;
 mod listing;
+mod moves;
 mod outbox;
 mod rows;
 mod runs;
@@ -398,38 +399,7 @@ impl Store {
 
     /// Appends a usage record; returns its seq.
     pub fn insert_usage(&self, u: &UsageRow) -> Result<u64> {
-        self.with(|c| {
-            c.execute(
-                "INSERT INTO usage(session_id, execution_id, interval_start, interval_end, billed_ms, \
-                 vcpu_ns, mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk, \
-                 net_rx_bytes, net_rx_packets, net_tx_bytes, net_tx_packets, net_denied, \
-                 dns_denied, snapshot_gib_ms, owner) \
-                 VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19, \
-                 COALESCE((SELECT owner FROM sessions WHERE id = ?1), 'legacy'))",
-                params![
-                    u.session_id,
-                    u.execution_id,
-                    u.interval_start,
-                    u.interval_end,
-                    u.billed_ms,
-                    u.vcpu_ns as i64,
-                    u.mem_alloc_gib_ms,
-                    u.mem_resident_gib_ms,
-                    u.disk_bytes as i64,
-                    u.is_final,
-                    u.raw_cpu_ns as i64,
-                    u.raw_disk as i64,
-                    u.net.rx_bytes as i64,
-                    u.net.rx_packets as i64,
-                    u.net.tx_bytes as i64,
-                    u.net.tx_packets as i64,
-                    u.net.denied_packets as i64,
-                    u.net.dns_denied as i64,
-                    u.snapshot_gib_ms
-                ],
-            )?;
-            Ok(c.last_insert_rowid() as u64)
-        })
+        self.with(|c| insert_usage(c, u))
     }
 
     /// The latest usage record of a session.
@@ -585,6 +555,40 @@ impl Store {
 }
 
 /// Labels as stored: a JSON object.
+/// Inserts usage record `u` (owned as its session is); returns its seq.
+fn insert_usage(c: &Connection, u: &UsageRow) -> rusqlite::Result<u64> {
+    c.execute(
+        "INSERT INTO usage(session_id, execution_id, interval_start, interval_end, billed_ms, \
+         vcpu_ns, mem_alloc, mem_res, disk, final, raw_cpu_ns, raw_disk, \
+         net_rx_bytes, net_rx_packets, net_tx_bytes, net_tx_packets, net_denied, \
+         dns_denied, snapshot_gib_ms, owner) \
+         VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19, \
+         COALESCE((SELECT owner FROM sessions WHERE id = ?1), 'legacy'))",
+        params![
+            u.session_id,
+            u.execution_id,
+            u.interval_start,
+            u.interval_end,
+            u.billed_ms,
+            u.vcpu_ns as i64,
+            u.mem_alloc_gib_ms,
+            u.mem_resident_gib_ms,
+            u.disk_bytes as i64,
+            u.is_final,
+            u.raw_cpu_ns as i64,
+            u.raw_disk as i64,
+            u.net.rx_bytes as i64,
+            u.net.rx_packets as i64,
+            u.net.tx_bytes as i64,
+            u.net.tx_packets as i64,
+            u.net.denied_packets as i64,
+            u.net.dns_denied as i64,
+            u.snapshot_gib_ms
+        ],
+    )?;
+    Ok(c.last_insert_rowid() as u64)
+}
+
 fn labels_json(labels: &std::collections::BTreeMap<String, String>) -> String {
     // A map of strings always serializes.
     serde_json::to_string(labels).unwrap_or_else(|_| "{}".into())

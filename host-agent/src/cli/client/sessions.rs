@@ -1,8 +1,9 @@
 //! `host-agent sessions`: create, list, get, pause, resume, stop, delete,
-//! snapshot, restore, network, expose, unexpose.
+//! snapshot, restore, move, network, expose, unexpose.
 
 use clap::Subcommand;
 use proto::hostagent as pb;
+use proto::hostagent::fleet_client::FleetClient;
 use proto::hostagent::sessions_client::SessionsClient;
 use tonic::transport::Channel;
 
@@ -76,6 +77,15 @@ pub enum SessionsCmd {
     },
     /// Roll a session back to one of its snapshots.
     Restore { id: String, snapshot_dir: String },
+    /// Move a session paused to disk to another node of the fleet (through
+    /// the image store); it is STOPPED (moved) here, and the other node's
+    /// `sessions resume SESSION` takes it in and resumes it.
+    Move {
+        id: String,
+        /// The node it moves to (its --node-name).
+        #[arg(long = "to", value_name = "NODE")]
+        to: String,
+    },
     /// Replace a live session's egress allowlist and add denied blocks
     /// (narrowing only, unless the client is an admin); prints the network.
     Network {
@@ -127,7 +137,7 @@ impl SizeArgs {
 
 /// Runs `sessions <cmd>`.
 pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Result<(), String> {
-    let mut cl = SessionsClient::with_interceptor(ch, bearer);
+    let mut cl = SessionsClient::with_interceptor(ch.clone(), bearer.clone());
     let call = |id: String| pb::SessionCall {
         session_id: id,
         idempotency_key: String::new(),
@@ -259,6 +269,14 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
             print_all(&[n], out);
             return Ok(());
         }
+        SessionsCmd::Move { id, to } => FleetClient::with_interceptor(ch, bearer)
+            .move_session(pb::MoveSessionRequest {
+                session_id: id,
+                to_node: to,
+            })
+            .await
+            .map_err(st)?
+            .into_inner(),
         SessionsCmd::Restore { id, snapshot_dir } => cl
             .restore_session(pb::RestoreSessionRequest {
                 session_id: id,

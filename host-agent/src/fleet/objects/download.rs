@@ -120,6 +120,29 @@ pub async fn pull(store: &dyn ObjectStore, key: &str, dest: &Path) -> Result<Pul
     }
 }
 
+/// The `meta` of pushed key `key` (its manifest read and checked, no
+/// chunk fetched), or `None` when nothing complete was pushed under it.
+/// What a [`pull`] of it would return, unless the key is pushed again
+/// meanwhile.
+pub async fn meta(store: &dyn ObjectStore, key: &str) -> Result<Option<serde_json::Value>> {
+    manifest::check_key(key)?;
+    let mname = manifest::manifest_name(key);
+    let Some(raw) = store
+        .get(&mname)
+        .await
+        .map_err(|e| manifest::with_context(e, &format!("reading {key}'s manifest")))?
+    else {
+        return Ok(None);
+    };
+    let m = Manifest::parse(&raw, key).map_err(|why| {
+        Error::Corrupt(format!(
+            "manifest {mname} in {} is refused: {why}",
+            store.describe()
+        ))
+    })?;
+    Ok(Some(m.meta))
+}
+
 /// `<dest>.partial`, beside `dest`.
 fn partial_path(dest: &Path) -> Result<PathBuf> {
     let name = dest.file_name().ok_or_else(|| {

@@ -9,8 +9,8 @@ use crate::error::{Error, Result};
 
 /// The manifest format this host-agent writes and reads.
 pub(super) const FORMAT: u32 = 1;
-/// Most files one image may hold.
-pub(super) const MAX_FILES: usize = 64;
+/// Most files one push may hold.
+pub const MAX_FILES: usize = 64;
 /// Smallest chunk size a pulled manifest may state.
 pub(super) const MIN_CHUNK_BYTES: u64 = 64 << 10;
 /// Largest chunk size a pulled manifest may state.

@@ -29,7 +29,8 @@ use std::path::PathBuf;
 
 use crate::error::Result;
 
-pub use download::{pull, PullStats, Pulled};
+pub use download::{meta, pull, PullStats, Pulled};
+pub use manifest::MAX_FILES;
 pub use upload::{push, PushStats};
 
 /// Size of the pieces files are cut into (the last piece of a file may be
