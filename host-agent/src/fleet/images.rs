@@ -20,9 +20,10 @@ use crate::launch::NETWORK_MARKER;
 use crate::sessions::{now_ms, Manager};
 use crate::store::ImageRow;
 
-/// The manifest's `meta`: the image's settings.
+/// The manifest's `meta`: the image's settings. Fields a newer host-agent
+/// adds are ignored (the manifest's format number says what must be
+/// understood), so nodes of mixed versions still share images.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ImageMeta {
     /// The image id.
     pub image_id: String,
