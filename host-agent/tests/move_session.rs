@@ -32,21 +32,6 @@ fn node(name: &str, store: &Path) -> Agent {
     ])
 }
 
-fn persist_req(id: &str) -> pb::PauseSessionRequest {
-    pb::PauseSessionRequest {
-        session_id: id.into(),
-        idempotency_key: String::new(),
-        persist: true,
-    }
-}
-
-fn call(id: &str) -> pb::SessionCall {
-    pb::SessionCall {
-        session_id: id.into(),
-        idempotency_key: String::new(),
-    }
-}
-
 fn move_req(id: &str, to: &str) -> pb::MoveSessionRequest {
     pb::MoveSessionRequest {
         session_id: id.into(),

@@ -15,21 +15,6 @@ use common::*;
 use proto::hostagent as pb;
 use tonic::Code;
 
-fn persist_req(id: &str) -> pb::PauseSessionRequest {
-    pb::PauseSessionRequest {
-        session_id: id.into(),
-        idempotency_key: String::new(),
-        persist: true,
-    }
-}
-
-fn call(id: &str) -> pb::SessionCall {
-    pb::SessionCall {
-        session_id: id.into(),
-        idempotency_key: String::new(),
-    }
-}
-
 /// The serial log of session `id`'s (jailed) vmm.
 fn serial_log(agent: &Agent, id: &str) -> PathBuf {
     agent

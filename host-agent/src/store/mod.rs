@@ -194,6 +194,26 @@ pub(super) fn insert_event(c: &Connection, ev: &EventRow, owner: &str) -> rusqli
     Ok(c.last_insert_rowid() as u64)
 }
 
+/// Writes session row `s` and appends its event `ev` (in the caller's
+/// transaction); returns the event's seq.
+pub(super) fn put_session_with_event(
+    c: &Connection,
+    s: &SessionRow,
+    ev: &EventRow,
+) -> rusqlite::Result<u64> {
+    put_session(c, s)?;
+    let seq = insert_event(c, ev, &s.owner)?;
+    if !s.labels.is_empty() {
+        // Written with the session's first event, for watchers filtering
+        // by label (labels never change).
+        c.execute(
+            "INSERT OR IGNORE INTO session_labels VALUES (?1, ?2)",
+            params![s.id, labels_json(&s.labels)],
+        )?;
+    }
+    Ok(seq)
+}
+
 impl Store {
     /// Opens (creating if needed) the database at `path`.
     pub fn open(path: &Path) -> Result<Store> {
@@ -307,16 +327,7 @@ impl Store {
     pub fn transition(&self, s: &SessionRow, ev: &EventRow) -> Result<u64> {
         self.with(|c| {
             let tx = c.transaction()?;
-            put_session(&tx, s)?;
-            let seq = insert_event(&tx, ev, &s.owner)?;
-            if !s.labels.is_empty() {
-                // Written with the session's first event, for watchers
-                // filtering by label (labels never change).
-                tx.execute(
-                    "INSERT OR IGNORE INTO session_labels VALUES (?1, ?2)",
-                    params![s.id, labels_json(&s.labels)],
-                )?;
-            }
+            let seq = put_session_with_event(&tx, s, ev)?;
             tx.commit()?;
             Ok(seq)
         })

@@ -2,7 +2,7 @@
 
 use rusqlite::params;
 
-use super::{insert_event, insert_usage, labels_json, put_session, Store};
+use super::{insert_usage, put_session_with_event, Store};
 use crate::error::Result;
 use crate::store::{AuditRow, EventRow, SessionRow, UsageRow};
 
@@ -27,14 +27,7 @@ impl Store {
     ) -> Result<u64> {
         self.with(|c| {
             let tx = c.transaction()?;
-            put_session(&tx, s)?;
-            let seq = insert_event(&tx, ev, &s.owner)?;
-            if !s.labels.is_empty() {
-                tx.execute(
-                    "INSERT OR IGNORE INTO session_labels VALUES (?1, ?2)",
-                    params![s.id, labels_json(&s.labels)],
-                )?;
-            }
+            let seq = put_session_with_event(&tx, s, ev)?;
             let outbox_before: i64 =
                 tx.query_row("SELECT COALESCE(MAX(seq), 0) FROM outbox", [], |r| r.get(0))?;
             for a in audit {

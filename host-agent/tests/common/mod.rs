@@ -23,6 +23,23 @@ pub use test_harness::guests::counter_kernel;
 pub use test_harness::host::{is_root, jail_supported};
 pub use test_harness::process::{kill_processes_under, sigkill};
 
+/// PauseSession of `id` to disk.
+pub fn persist_req(id: &str) -> pb::PauseSessionRequest {
+    pb::PauseSessionRequest {
+        session_id: id.into(),
+        idempotency_key: String::new(),
+        persist: true,
+    }
+}
+
+/// A call on session `id` without an idempotency key.
+pub fn call(id: &str) -> pb::SessionCall {
+    pb::SessionCall {
+        session_id: id.into(),
+        idempotency_key: String::new(),
+    }
+}
+
 /// Checks usage records of one session: seqs increase, intervals are
 /// contiguous, cumulative counters never decrease.
 pub fn check_usage_chain(recs: &[pb::UsageRecord]) {

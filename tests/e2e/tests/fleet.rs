@@ -42,6 +42,17 @@ async fn fleet(a: &Agent) -> FleetClient<tonic::transport::Channel> {
     FleetClient::new(a.channel().await)
 }
 
+async fn push(a: &Agent, image: &str) -> pb::PushImageResponse {
+    fleet(a)
+        .await
+        .push_image(pb::PushImageRequest {
+            image_id: image.into(),
+        })
+        .await
+        .expect("push")
+        .into_inner()
+}
+
 async fn node_names(a: &Agent) -> Vec<String> {
     fleet(a)
         .await
@@ -223,14 +234,7 @@ async fn three_nodes_share_images_registry_events_and_usage_through_jetstream() 
 
     // An image built on A, pushed; a second push uploads nothing.
     a.counter_image("img").await;
-    let pushed = fleet(&a)
-        .await
-        .push_image(pb::PushImageRequest {
-            image_id: "img".into(),
-        })
-        .await
-        .expect("push")
-        .into_inner();
+    let pushed = push(&a, "img").await;
     assert!(
         pushed.files >= 4 && pushed.chunks_uploaded > 0,
         "{pushed:?}"
@@ -239,14 +243,7 @@ async fn three_nodes_share_images_registry_events_and_usage_through_jetstream() 
         pushed.store.starts_with("NATS object store agentvm_images"),
         "{pushed:?}"
     );
-    let again = fleet(&a)
-        .await
-        .push_image(pb::PushImageRequest {
-            image_id: "img".into(),
-        })
-        .await
-        .expect("push again")
-        .into_inner();
+    let again = push(&a, "img").await;
     assert_eq!(
         (again.chunks_uploaded, again.bytes_uploaded),
         (0, 0),
