@@ -396,15 +396,19 @@ async fn three_nodes_share_images_registry_events_and_usage_through_jetstream() 
     c.kill9();
     let gone = until_nodes(&a, "node-c gone", |n| !n.iter().any(|x| x == "node-c")).await;
     eprintln!("node-c left the registry {gone:?} after its SIGKILL (TTL {TTL_S} s)");
+    // Its entry expires TTL_S after its last put, at most a second before
+    // the kill; the bound leaves room for a loaded machine, and an entry
+    // without a TTL would never go (until_nodes gives up after a minute).
     assert!(
-        gone <= Duration::from_secs(TTL_S + 3),
+        gone <= Duration::from_secs(2 * TTL_S),
         "node-c stayed {gone:?}, past its {TTL_S} s TTL"
     );
+    // A clean stop deletes the entry before host-agent exits.
     b.terminate();
-    let gone = until_nodes(&a, "node-b gone", |n| n == ["node-a"]).await;
-    assert!(
-        gone < Duration::from_secs(TTL_S),
-        "a clean stop left after {gone:?}"
+    assert_eq!(
+        node_names(&a).await,
+        ["node-a"],
+        "node-b's entry outlived its clean stop"
     );
 }
 
