@@ -67,6 +67,7 @@ pub const GROUPS: &[Group] = &[
             "node-agent-api",
             "node-persist",
             "node-fork",
+            "node-move",
             "node-sizing",
             "pool-timing",
         ],

@@ -74,6 +74,7 @@ pub fn run(ctx: &mut Ctx, name: &str) -> Check {
         "node-agent-api" => node::agent_api(ctx, name),
         "node-persist" => node::persist(ctx, name),
         "node-fork" => node::fork(ctx, name),
+        "node-move" => node::moves(ctx, name),
         "node-sizing" => node::sizing(ctx, name),
         "pool-timing" => node::pool_timing(ctx, name),
         "net-resolve" => network::resolve(ctx, name),

@@ -15,6 +15,22 @@ pub fn secrets_dir(ctx: &Ctx) -> std::path::PathBuf {
     ctx.scratch.join("secrets")
 }
 
+/// The fleet node name of the group's host-agent, and of the second one
+/// `node-move` starts.
+pub const NODE_A: &str = "node-a";
+/// The second node's name.
+pub const NODE_B: &str = "node-b";
+
+/// The directory of the image store every node shares (`node-move`).
+pub fn image_store_dir(ctx: &Ctx) -> std::path::PathBuf {
+    ctx.scratch.join("image-store")
+}
+
+/// That store as host-agent's `image_store` URL.
+pub fn image_store(ctx: &Ctx) -> String {
+    format!("file://{}", image_store_dir(ctx).display())
+}
+
 /// A host-agent process in the outer VM, stopped (sessions with it) on drop.
 pub struct HostAgent {
     child: Child,
@@ -35,7 +51,23 @@ impl HostAgent {
         warm_pool: u32,
         network: Option<serde_json::Value>,
     ) -> Result<HostAgent, String> {
-        let state = ctx.scratch.join("host-agent");
+        Self::start_as(ctx, NODE_A, warm_pool, network)
+    }
+
+    /// Starts fleet node `node` (state `host-agent` for [`NODE_A`],
+    /// `host-agent-<node>` otherwise), every node with the group's
+    /// [`image_store`].
+    pub fn start_as(
+        ctx: &Ctx,
+        node: &str,
+        warm_pool: u32,
+        network: Option<serde_json::Value>,
+    ) -> Result<HostAgent, String> {
+        let state = if node == NODE_A {
+            ctx.scratch.join("host-agent")
+        } else {
+            ctx.scratch.join(format!("host-agent-{node}"))
+        };
         std::fs::create_dir_all(&state).map_err(|e| e.to_string())?;
         // A real guest booting under nested emulation takes far longer
         // than on hardware to answer: wait for it generously. The scenarios
@@ -52,7 +84,7 @@ impl HostAgent {
                 .flatten()
                 .filter_map(|p| p.parent().map(|d| d.to_path_buf()))
                 .collect();
-        let config = ctx.scratch.join("host-agent.json");
+        let config = ctx.scratch.join(format!("host-agent-{node}.json"));
         let secrets = secrets_dir(ctx);
         std::fs::create_dir_all(&secrets).map_err(|e| e.to_string())?;
         let mut settings = serde_json::json!({
@@ -61,16 +93,21 @@ impl HostAgent {
             "allowed_image_roots": image_roots,
             "allowed_repository_roots": [ctx.scratch],
             "secrets_dir": secrets,
+            "fleet": {"node_name": node, "image_store": image_store(ctx)},
         });
         if let Some(network) = network {
             settings["network"] = network;
         }
         std::fs::write(&config, settings.to_string()).map_err(|e| e.to_string())?;
-        // One log per start (pool-timing restarts it on the same state).
+        // One log per start (pool-timing restarts it on the same state;
+        // node-move starts a second node).
         let starts = std::fs::read_dir(&ctx.scratch)
             .map(|d| {
                 d.flatten()
-                    .filter(|e| e.file_name().to_string_lossy().starts_with("host-agent-"))
+                    .filter(|e| {
+                        let n = e.file_name().to_string_lossy().into_owned();
+                        n.starts_with("host-agent-") && n.ends_with(".log")
+                    })
                     .count()
             })
             .unwrap_or(0);

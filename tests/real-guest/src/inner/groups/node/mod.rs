@@ -6,6 +6,7 @@
 //! snapshot that are two machines (`clones`), the Files service and
 //! terminal execs in a real guest (`agent_api`), a session paused to disk
 //! and resumed (`persist`), a session forked into two (`fork`), a session
+//! paused to disk moved to a second node (`moves`), a session
 //! sized below its image (`sizing`), and how long
 //! CreateSession takes from a warm VM and from the golden snapshot.
 
@@ -25,6 +26,7 @@ mod agent_api;
 mod clones;
 mod fork;
 mod host_agent;
+mod moves;
 mod persist;
 mod records;
 mod secrets;
@@ -34,6 +36,7 @@ pub use agent_api::agent_api;
 pub use clones::clones;
 pub use fork::fork;
 pub use host_agent::HostAgent;
+pub use moves::moves;
 pub use persist::persist;
 use records::{audit_agrees, usage_covers};
 pub use secrets::secrets;
