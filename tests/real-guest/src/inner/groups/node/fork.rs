@@ -49,8 +49,39 @@ fn fork_flow(ctx: &mut Ctx) -> Check {
     Ok(note)
 }
 
+/// Writes `text` to `file` in session `s`'s workspace and commits it with
+/// `message`; the new HEAD.
+pub(super) async fn commit_file(
+    ch: &Channel,
+    s: &pb::Session,
+    file: &str,
+    text: &str,
+    message: &str,
+) -> Result<String, String> {
+    let script = format!("printf '%s\\n' '{text}' > {file}");
+    run(ch, s, &["sh", "-c", &script]).await?;
+    run(ch, s, &["git", "add", file]).await?;
+    run(
+        ch,
+        s,
+        &[
+            "git",
+            "-c",
+            "user.name=Agent",
+            "-c",
+            "user.email=agent@example.com",
+            "commit",
+            "-q",
+            "-m",
+            message,
+        ],
+    )
+    .await?;
+    run(ch, s, &["git", "rev-parse", "HEAD"]).await
+}
+
 /// `argv` in session `s`; its standard output, trimmed, if it exited 0.
-async fn run(ch: &Channel, s: &pb::Session, argv: &[&str]) -> Result<String, String> {
+pub(super) async fn run(ch: &Channel, s: &pb::Session, argv: &[&str]) -> Result<String, String> {
     let r = exec(ch.clone(), s, argv).await?;
     expect_ok(&format!("{argv:?} in session {}", s.session_id), &r)?;
     Ok(r.stdout.trim().to_string())
@@ -78,28 +109,7 @@ fn fork_checks(
     out: &std::path::Path,
 ) -> Check {
     let src = source.session_id.clone();
-    let head = a.block_on(async {
-        let script = format!("printf '%s\\n' '{TEXT}' > {FILE}");
-        run(ch, source, &["sh", "-c", &script]).await?;
-        run(ch, source, &["git", "add", FILE]).await?;
-        run(
-            ch,
-            source,
-            &[
-                "git",
-                "-c",
-                "user.name=Agent",
-                "-c",
-                "user.email=agent@example.com",
-                "commit",
-                "-q",
-                "-m",
-                "before the fork",
-            ],
-        )
-        .await?;
-        run(ch, source, &["git", "rev-parse", "HEAD"]).await
-    })?;
+    let head = a.block_on(commit_file(ch, source, FILE, TEXT, "before the fork"))?;
     let forked = a.block_on(bounded(
         &format!("ForkSession {src} count {FORKS}"),
         pb::sessions_client::SessionsClient::new(ch.clone()).fork_session(pb::ForkSessionRequest {

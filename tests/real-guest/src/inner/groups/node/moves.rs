@@ -15,10 +15,11 @@ use std::time::Instant;
 use proto::hostagent as pb;
 use tonic::transport::Channel;
 
+use super::fork::{commit_file, run};
 use super::host_agent::{image_store_dir, NODE_A, NODE_B};
 use super::persist::{bounded, record_vmm, remove_sessions};
 use super::sizing::open_repository;
-use super::{agent, create_running, exec, expect_ok, git, keep_logs, HostAgent};
+use super::{agent, create_running, git, keep_logs, HostAgent};
 use crate::inner::{Check, Ctx};
 
 /// The file the session commits before its move, and what it holds.
@@ -32,13 +33,6 @@ pub fn moves(ctx: &mut Ctx, name: &str) -> Check {
     let note = result?;
     ctx.info(name, &note);
     Ok(note)
-}
-
-/// `argv` in session `s`; its standard output, trimmed, if it exited 0.
-async fn run(ch: &Channel, s: &pb::Session, argv: &[&str]) -> Result<String, String> {
-    let r = exec(ch.clone(), s, argv).await?;
-    expect_ok(&format!("{argv:?} in session {}", s.session_id), &r)?;
-    Ok(r.stdout.trim().to_string())
 }
 
 fn move_flow(ctx: &mut Ctx) -> Check {
@@ -94,28 +88,7 @@ fn move_checks(
     out: &std::path::Path,
 ) -> Check {
     let id = s.session_id.clone();
-    let head = a.block_on(async {
-        let script = format!("printf '%s\\n' '{TEXT}' > {FILE}");
-        run(ch_a, s, &["sh", "-c", &script]).await?;
-        run(ch_a, s, &["git", "add", FILE]).await?;
-        run(
-            ch_a,
-            s,
-            &[
-                "git",
-                "-c",
-                "user.name=Agent",
-                "-c",
-                "user.email=agent@example.com",
-                "commit",
-                "-q",
-                "-m",
-                "before the move",
-            ],
-        )
-        .await?;
-        run(ch_a, s, &["git", "rev-parse", "HEAD"]).await
-    })?;
+    let head = a.block_on(commit_file(ch_a, s, FILE, TEXT, "before the move"))?;
     let paused = a.block_on(bounded(
         &format!("PauseSession(persist) {id}"),
         pb::sessions_client::SessionsClient::new(ch_a.clone()).pause_session(
