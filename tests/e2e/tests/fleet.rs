@@ -23,6 +23,8 @@ use proto::hostagent::fleet_client::FleetClient;
 use test_harness::agent::{Agent, S};
 use test_harness::nats::NatsServer;
 
+mod common;
+
 const TTL_S: u64 = 4;
 
 fn node(name: &str, nats: &NatsServer) -> Agent {
@@ -470,4 +472,96 @@ async fn a_node_joins_a_server_that_wants_a_token_only_with_it() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asks_and_audit_records_of_a_guest_init_session_are_exported_each_once() {
+    if !NatsServer::available() {
+        return;
+    }
+    let nats = NatsServer::start();
+    let guest = common::start_guest().await;
+    let vsock = guest.vsock().display().to_string();
+    let agent = Agent::start(&[
+        "--guest-vsock-uds",
+        &vsock,
+        "--no-vsock-device",
+        "--nats",
+        &nats.url(),
+        "--node-name",
+        "gi-node",
+    ]);
+    agent.guest_init_image().await;
+    let s = common::guest_init_session(&agent, &guest).await;
+    // An allowed command, then one the rules ask about, answered once.
+    let (out, _) = common::exec(&agent, &s, &["echo", "exported"], vec![])
+        .await
+        .expect("exec echo");
+    assert_eq!(common::exit_code(&out), Some(0), "{out:?}");
+    let answer = async {
+        let mut approvals = pb::approvals_client::ApprovalsClient::new(agent.channel().await);
+        let start = Instant::now();
+        loop {
+            let asks = approvals
+                .list_asks(pb::ListAsksRequest {
+                    session_id: s.session_id.clone(),
+                })
+                .await
+                .expect("list asks")
+                .into_inner()
+                .asks;
+            if let Some(ask) = asks.first() {
+                approvals
+                    .answer(pb::AnswerRequest {
+                        session_id: s.session_id.clone(),
+                        execution_id: s.execution_id.clone(),
+                        ask_id: ask.ask_id.clone(),
+                        reply: pb::Reply::Once as i32,
+                    })
+                    .await
+                    .expect("answer");
+                return;
+            }
+            assert!(start.elapsed() < Duration::from_secs(30), "no ask came");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let (asked, ()) = tokio::join!(common::exec(&agent, &s, &["ls", "-a"], vec![]), answer);
+    let (out, _) = asked.expect("exec ls");
+    assert_eq!(common::exit_code(&out), Some(0), "{out:?}");
+    agent.stop(&s.session_id).await;
+
+    // What the node holds, and what JetStream holds of it.
+    let asks: Vec<u64> = all_events(&agent)
+        .await
+        .iter()
+        .filter(|e| e.reason.starts_with("ask"))
+        .map(|e| e.seq)
+        .collect();
+    assert!(asks.len() >= 2, "an ask and its answer: {asks:?}");
+    let audit = common::host_audit(&agent, &s).await;
+    assert!(!audit.is_empty());
+    let client = async_nats::connect(nats.url())
+        .await
+        .expect("connect to NATS");
+    let js = async_nats::jetstream::new(client);
+    until_stream_holds(&js, "AGENTVM_ASKS", asks.len() as u64).await;
+    until_stream_holds(&js, "AGENTVM_AUDIT", audit.len() as u64).await;
+    let mut want = BTreeMap::new();
+    want.insert("gi-node", asks);
+    check_exactly_once::<pb::Event>(
+        "asks",
+        &read_stream(&js, "AGENTVM_ASKS").await,
+        &want,
+        |e| e.seq,
+    );
+    let stored = read_stream(&js, "AGENTVM_AUDIT").await;
+    let got: Vec<pb::AuditRecord> = stored
+        .iter()
+        .map(|m| pb::AuditRecord::decode(m.payload.as_slice()).expect("an AuditRecord"))
+        .collect();
+    assert_eq!(got, audit, "the exported audit chain is the node's");
+    assert!(stored
+        .iter()
+        .all(|m| m.node == "gi-node" && m.id.starts_with("gi-node:audit:")));
 }
