@@ -23,7 +23,7 @@ pub mod vsock;
 
 pub use client::Client;
 pub use command::{
-    DiskSpec, JailSpec, NetSpec, RestoreSpec, RunSpec, Serial, VmmCommand, VsockSpec,
+    DiskSpec, FsSpec, JailSpec, NetSpec, RestoreSpec, RunSpec, Serial, VmmCommand, VsockSpec,
 };
 pub use error::ControlError;
 pub use protocol::{

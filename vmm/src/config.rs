@@ -5,11 +5,12 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use serde::Deserialize;
-use vmm_api::command::{DiskSpec, NetSpec};
+use vmm_api::command::{DiskSpec, FsSpec, NetSpec};
 use vmm_api::rate_limit::{IoLimit, NetLimits, SpecError};
 
 use crate::arch::x86_64::layout::MAX_DEVICES;
 use crate::arch::x86_64::mptable::MAX_CPUS;
+pub use crate::memory::MemoryMode;
 
 /// Guest memory when none is given, in MiB.
 pub const DEFAULT_MEM_MIB: u64 = 128;
@@ -59,6 +60,8 @@ pub struct DeviceConfig {
     pub net: Option<NetConfig>,
     /// virtio-rng.
     pub rng: bool,
+    /// virtio-fs devices served by vhost-user backends, after the others.
+    pub fs: Vec<FsConfig>,
 }
 
 impl DeviceConfig {
@@ -68,6 +71,7 @@ impl DeviceConfig {
             + usize::from(self.vsock.is_some())
             + usize::from(self.net.is_some())
             + usize::from(self.rng)
+            + self.fs.len()
     }
 
     /// Parses the CLI / config-file forms of every device.
@@ -76,7 +80,17 @@ impl DeviceConfig {
         vsock: Option<&str>,
         net: Option<&str>,
         rng: bool,
+        fs: &[String],
     ) -> Result<DeviceConfig, ConfigError> {
+        let fs = fs
+            .iter()
+            .map(|f| f.parse())
+            .collect::<Result<Vec<FsConfig>, _>>()?;
+        for (i, f) in fs.iter().enumerate() {
+            if fs[..i].iter().any(|g| g.tag == f.tag) {
+                return Err(ConfigError::FsDuplicateTag(f.tag.clone()));
+            }
+        }
         Ok(DeviceConfig {
             disks: disks
                 .iter()
@@ -85,6 +99,52 @@ impl DeviceConfig {
             vsock: vsock.map(str::parse).transpose()?,
             net: net.map(str::parse).transpose()?,
             rng,
+            fs,
+        })
+    }
+
+    /// The guest memory these devices need: `requested`, or shared memory
+    /// when a vhost-user device is configured and nothing was asked for.
+    pub fn memory_mode(&self, requested: Option<MemoryMode>) -> Result<MemoryMode, ConfigError> {
+        match requested {
+            Some(MemoryMode::Private) if !self.fs.is_empty() => Err(ConfigError::FsNeedsShared),
+            Some(mode) => Ok(mode),
+            None if !self.fs.is_empty() => Ok(MemoryMode::Shared),
+            None => Ok(MemoryMode::Private),
+        }
+    }
+}
+
+/// Longest virtio-fs tag: the device's `tag` configuration field is 36 bytes.
+pub const FS_TAG_MAX: usize = vmm_api::command::MAX_TAG_LEN;
+
+/// A virtio-fs device: `TAG:SOCKET[,queues=N]` (the syntax is
+/// `vmm_api::command::FsSpec`'s). TAG (1..=36 bytes of `[A-Za-z0-9_.-]`) is
+/// what the guest mounts (`mount -t virtiofs TAG`); SOCKET is the listening
+/// vhost-user socket of its backend (virtiofsd); N request queues (1..=16,
+/// default 1) besides the high-priority queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FsConfig {
+    /// The mount tag.
+    pub tag: String,
+    /// The backend's vhost-user socket.
+    pub socket: PathBuf,
+    /// Request queues.
+    pub queues: u16,
+}
+
+impl FromStr for FsConfig {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let spec: FsSpec = s.parse().map_err(|source| ConfigError::Fs {
+            input: s.to_string(),
+            source,
+        })?;
+        Ok(FsConfig {
+            tag: spec.tag,
+            socket: spec.socket,
+            queues: spec.queues.unwrap_or(1),
         })
     }
 }
@@ -206,6 +266,24 @@ pub enum ConfigError {
         #[source]
         source: SpecError,
     },
+    /// A virtio-fs device is not `TAG:SOCKET[,queues=N]`.
+    #[error("invalid fs {input:?}: {source} (the form is TAG:SOCKET[,queues=N])")]
+    Fs {
+        /// The option as given.
+        input: String,
+        /// What is wrong with it.
+        #[source]
+        source: SpecError,
+    },
+    /// Two virtio-fs devices with one tag.
+    #[error("two --fs devices have the tag {0:?}: each tag names one share")]
+    FsDuplicateTag(String),
+    /// Private memory asked for together with a vhost-user device.
+    #[error("--memory private cannot be used with --fs: its backend maps guest memory, which must be shared (--memory shared or shared-hugepages)")]
+    FsNeedsShared,
+    /// The memory mode is not one of the accepted forms.
+    #[error("invalid memory mode: {0}")]
+    Memory(String),
     /// vCPU count out of range.
     #[error("{0} vCPUs requested: the VM needs between 1 and {MAX_CPUS} vCPUs")]
     VcpuCount(u64),
@@ -263,6 +341,11 @@ pub struct ConfigFile {
     pub net: Option<String>,
     /// virtio-rng.
     pub rng: Option<bool>,
+    /// virtio-fs devices, each `TAG:SOCKET[,queues=N]`.
+    pub fs: Option<Vec<String>>,
+    /// Guest memory backing: `private`, `shared` or `shared-hugepages`
+    /// (default: shared with fs devices, else private).
+    pub memory: Option<String>,
     /// ACPI tables (default true); false keeps the MP table and
     /// `virtio_mmio.device=` command-line entries only, for kernels without ACPI.
     pub acpi: Option<bool>,
@@ -295,6 +378,8 @@ impl ConfigFile {
             vsock: overrides.vsock.or(self.vsock),
             net: overrides.net.or(self.net),
             rng: overrides.rng.or(self.rng),
+            fs: overrides.fs.or(self.fs),
+            memory: overrides.memory.or(self.memory),
             acpi: overrides.acpi.or(self.acpi),
         }
     }
@@ -311,6 +396,8 @@ pub struct VmConfig {
     pub cmdline: String,
     /// Guest memory in MiB (size checks against the host happen at allocation).
     pub mem_mib: u64,
+    /// How guest memory is backed.
+    pub memory: MemoryMode,
     /// vCPU count, 1..=MAX_CPUS (the KVM limit is checked when the VM is built).
     pub vcpus: u8,
     /// Serial output.
@@ -352,15 +439,24 @@ impl TryFrom<ConfigFile> for VmConfig {
             f.vsock.as_deref(),
             f.net.as_deref(),
             f.rng.unwrap_or(false),
+            &f.fs.unwrap_or_default(),
         )?;
         if devices.count() > MAX_DEVICES {
             return Err(ConfigError::TooManyDevices(devices.count()));
         }
+        let requested = f
+            .memory
+            .as_deref()
+            .map(str::parse::<MemoryMode>)
+            .transpose()
+            .map_err(ConfigError::Memory)?;
+        let memory = devices.memory_mode(requested)?;
         Ok(VmConfig {
             kernel,
             initrd: f.initrd,
             cmdline: f.cmdline.unwrap_or_else(|| DEFAULT_CMDLINE.to_string()),
             mem_mib: f.mem_mib.unwrap_or(DEFAULT_MEM_MIB),
+            memory,
             vcpus,
             serial,
             control_socket: f.control_socket,
@@ -373,6 +469,53 @@ impl TryFrom<ConfigFile> for VmConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fs_devices_parse_and_bad_ones_are_named() {
+        let f: FsConfig = "cache:/run/fs.sock".parse().unwrap();
+        assert_eq!((f.tag.as_str(), f.queues), ("cache", 1));
+        assert_eq!(f.socket, PathBuf::from("/run/fs.sock"));
+        let f: FsConfig = "a.b-c_d:/x:y.sock,queues=4".parse().unwrap();
+        assert_eq!((f.socket, f.queues), (PathBuf::from("/x:y.sock"), 4));
+        for bad in [
+            "",
+            ":/s",
+            "cache",
+            "cache:",
+            "ca che:/s",
+            "cache:/s,queues=0",
+            "cache:/s,queues=17",
+            "cache:/s,queues=x",
+            &format!("{}:/s", "t".repeat(37)),
+        ] {
+            let err = bad.parse::<FsConfig>().unwrap_err().to_string();
+            assert!(err.contains("TAG:SOCKET"), "{bad:?}: {err}");
+        }
+        let dup = DeviceConfig::parse(&[], None, None, false, &["a:/1".into(), "a:/2".into()]);
+        assert!(matches!(dup, Err(ConfigError::FsDuplicateTag(t)) if t == "a"));
+    }
+
+    #[test]
+    fn fs_devices_make_memory_shared_and_refuse_private() {
+        let with_fs = DeviceConfig::parse(&[], None, None, false, &["a:/1".into()]).unwrap();
+        assert_eq!(with_fs.memory_mode(None).unwrap(), MemoryMode::Shared);
+        assert_eq!(
+            with_fs
+                .memory_mode(Some(MemoryMode::SharedHugepages))
+                .unwrap(),
+            MemoryMode::SharedHugepages
+        );
+        assert!(matches!(
+            with_fs.memory_mode(Some(MemoryMode::Private)),
+            Err(ConfigError::FsNeedsShared)
+        ));
+        let none = DeviceConfig::default();
+        assert_eq!(none.memory_mode(None).unwrap(), MemoryMode::Private);
+        assert_eq!(
+            none.memory_mode(Some(MemoryMode::Shared)).unwrap(),
+            MemoryMode::Shared
+        );
+    }
 
     #[test]
     fn virtio_device_forms_parse() {

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use vmm::config::{parse_acpi, ConfigFile, DeviceConfig, SerialConfig, VmConfig};
+use vmm::config::{parse_acpi, ConfigFile, DeviceConfig, MemoryMode, SerialConfig, VmConfig};
 use vmm::control::server::ControlServer;
 use vmm::exit::{EXIT_BAD_INPUT, EXIT_VM_FAILURE};
 use vmm::jail::cgroup::{parse_cpu_max, parse_size, CgroupLimits};
@@ -150,6 +150,16 @@ struct RestoreArgs {
     /// The snapshot has a virtio-rng device.
     #[arg(long)]
     rng: bool,
+    /// virtio-fs device served by a vhost-user backend (virtiofsd) listening on SOCKET:
+    /// `TAG:SOCKET[,queues=N]`; the guest mounts TAG (`mount -t virtiofs TAG DIR`).
+    /// Give the snapshot's tags in its order; each restore needs a fresh backend. Makes guest memory shared (a memfd the backend maps).
+    #[arg(long = "fs", value_name = "TAG:SOCKET[,queues=N]")]
+    fs: Vec<String>,
+    /// Guest memory backing: private, shared or shared-hugepages [default: shared with
+    /// --fs, else private]. Shared memory is filled by copying the snapshot into a new
+    /// memfd (--memory-backend file) or lazily through userfaultfd (uffd).
+    #[arg(long, value_name = "private|shared|shared-hugepages")]
+    memory: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -197,6 +207,16 @@ struct RunArgs {
     /// virtio-rng fed by the host's getrandom.
     #[arg(long)]
     rng: bool,
+    /// virtio-fs device served by a vhost-user backend (virtiofsd) listening on SOCKET:
+    /// `TAG:SOCKET[,queues=N]`; the guest mounts TAG (`mount -t virtiofs TAG DIR`).
+    /// Repeat for more shares. Makes guest memory shared (a memfd the backend maps).
+    #[arg(long = "fs", value_name = "TAG:SOCKET[,queues=N]")]
+    fs: Vec<String>,
+    /// Guest memory backing: private (anonymous), shared (a memfd, as vhost-user
+    /// backends need) or shared-hugepages (a 2 MiB hugetlbfs memfd) [default: shared
+    /// with --fs, else private].
+    #[arg(long, value_name = "private|shared|shared-hugepages")]
+    memory: Option<String>,
     /// ACPI tables (RSDP, XSDT, FADT, MADT, DSDT), the VM generation ID and ACPI
     /// power-off/reset [default: on]. `off` is for kernels built without ACPI: the
     /// virtio devices are then announced as `virtio_mmio.device=` on the kernel
@@ -236,6 +256,8 @@ fn run(args: RunArgs) -> Result<i32, (i32, String)> {
         vsock: args.vsock,
         net: args.net,
         rng: args.rng.then_some(true),
+        fs: (!args.fs.is_empty()).then_some(args.fs),
+        memory: args.memory,
         acpi: args
             .acpi
             .as_deref()
@@ -256,7 +278,22 @@ fn run(args: RunArgs) -> Result<i32, (i32, String)> {
 
 fn restore(args: RestoreArgs) -> Result<i32, (i32, String)> {
     let bad = |e: &dyn std::fmt::Display| (EXIT_BAD_INPUT, e.to_string());
+    let devices = DeviceConfig::parse(
+        &args.disk,
+        args.vsock.as_deref(),
+        args.net.as_deref(),
+        args.rng,
+        &args.fs,
+    )
+    .map_err(|e| bad(&e))?;
+    let requested = args
+        .memory
+        .as_deref()
+        .map(str::parse::<MemoryMode>)
+        .transpose()
+        .map_err(|e| bad(&e))?;
     let config = RestoreConfig {
+        memory: devices.memory_mode(requested).map_err(|e| bad(&e))?,
         snapshot: args.snapshot,
         backend: args
             .memory_backend
@@ -265,13 +302,7 @@ fn restore(args: RestoreArgs) -> Result<i32, (i32, String)> {
         serial: args.serial.parse::<SerialConfig>().map_err(|e| bad(&e))?,
         control_socket: args.control_socket,
         paused: args.paused,
-        devices: DeviceConfig::parse(
-            &args.disk,
-            args.vsock.as_deref(),
-            args.net.as_deref(),
-            args.rng,
-        )
-        .map_err(|e| bad(&e))?,
+        devices,
     };
     let blocked = signals::block_termination_signals().map_err(|e| {
         (
@@ -457,13 +488,21 @@ mod tests {
             }),
             net: Some(net),
             rng: true,
+            fs: vec![vmm_api::command::FsSpec::new("cache", "/run/fs.sock").unwrap()],
         }
     }
 
     /// The devices the vmm parses from the options are the ones built.
-    fn assert_devices_parse_as_built(disks: &[String], net: Option<&str>) {
+    fn assert_devices_parse_as_built(disks: &[String], net: Option<&str>, fs: &[String]) {
         let built = devices();
-        let parsed = DeviceConfig::parse(disks, None, net, false).unwrap();
+        let parsed = DeviceConfig::parse(disks, None, net, false, fs).unwrap();
+        assert_eq!(parsed.fs.len(), built.fs.len());
+        for (p, b) in parsed.fs.iter().zip(&built.fs) {
+            assert_eq!(
+                (&p.tag, &p.socket, p.queues),
+                (&b.tag, &b.socket, b.queues.unwrap_or(1))
+            );
+        }
         assert_eq!(parsed.disks.len(), built.disks.len());
         for (p, b) in parsed.disks.iter().zip(&built.disks) {
             assert_eq!(
@@ -514,7 +553,7 @@ mod tests {
                 "/d/ro.img,ro,bw=4194304/250+1048576,iops=100"
             ]
         );
-        assert_devices_parse_as_built(&a.disk, a.net.as_deref());
+        assert_devices_parse_as_built(&a.disk, a.net.as_deref(), &a.fs);
         assert_eq!(a.vsock.as_deref(), Some("3:/run/v.sock"));
         assert_eq!(a.serial.as_deref(), Some("file:/run/serial.log"));
         assert_eq!(a.acpi.as_deref(), Some("off"));
@@ -567,6 +606,6 @@ mod tests {
             r.net.as_deref(),
             Some("tap0,mac=02:00:00:00:00:01,rx_bw=1048576,tx_ops=10/10")
         );
-        assert_devices_parse_as_built(&r.disk, r.net.as_deref());
+        assert_devices_parse_as_built(&r.disk, r.net.as_deref(), &r.fs);
     }
 }

@@ -19,6 +19,7 @@ const GUESTS: &[&str] = &[
     "net_perf",
     "virtio_hostile",
     "virtio_vsock",
+    "virtio_fs",
     "i8042_probe",
     "serial_fifo",
     "acpi",

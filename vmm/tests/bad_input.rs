@@ -167,3 +167,68 @@ fn bad_serial_and_config_files() {
 fn unknown_flags_are_usage_errors() {
     assert_bad_input(&["run", "--kernal", "x"], "unexpected argument '--kernal'");
 }
+
+#[test]
+fn bad_fs_devices() {
+    let g = guest("hello");
+    let g = g.to_str().unwrap();
+    let tag_rule = "expected 1 to 36 bytes of letters, digits, '_', '.' or '-'";
+    let long = "t".repeat(37);
+    let long_tag = format!("{long}:/tmp/fs.sock");
+    let long_why = format!("invalid tag {long:?}: {tag_rule}");
+    for (spec, why) in [
+        (":/tmp/fs.sock", format!("invalid tag \"\": {tag_rule}").as_str()),
+        (long_tag.as_str(), long_why.as_str()),
+        ("share", "invalid fs \"share\": expected TAG:SOCKET[,queues=N]"),
+        (
+            "share:",
+            "invalid socket \"share:\": expected TAG:SOCKET[,queues=N] with a non-empty SOCKET path",
+        ),
+        (
+            "share:/tmp/fs.sock,queues=0",
+            "invalid queues \"0\": expected a count of 1 to 16",
+        ),
+    ] {
+        // The message quotes the option and says what is wrong and what the form is.
+        assert_bad_input(
+            &["run", "--kernel", g, "--fs", spec],
+            &format!("invalid fs {spec:?}: {why} (the form is TAG:SOCKET[,queues=N])"),
+        );
+    }
+    assert_bad_input(
+        &[
+            "run",
+            "--kernel",
+            g,
+            "--fs",
+            "a:/tmp/1.sock",
+            "--fs",
+            "a:/tmp/2.sock",
+        ],
+        "two --fs devices have the tag \"a\"",
+    );
+    // A restore checks its --fs options the same way, before reading the snapshot.
+    assert_bad_input(
+        &[
+            "restore",
+            "--snapshot",
+            "/nonexistent",
+            "--fs",
+            ":/tmp/fs.sock",
+        ],
+        &format!("invalid fs \":/tmp/fs.sock\": invalid tag \"\": {tag_rule}"),
+    );
+    // The vhost-user backend maps guest memory: private memory cannot work.
+    assert_bad_input(
+        &[
+            "run",
+            "--kernel",
+            g,
+            "--fs",
+            "a:/tmp/1.sock",
+            "--memory",
+            "private",
+        ],
+        "--memory private cannot be used with --fs",
+    );
+}

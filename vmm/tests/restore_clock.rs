@@ -46,7 +46,11 @@ fn read_tsc(fd: &VcpuFd) -> u64 {
 
 /// A VM with one vCPU set up for its first instruction, as `vmm run` does.
 fn booted(kvm: &KvmHandle) -> (Vm, Vcpu) {
-    let vm = Vm::new(kvm, create_guest_memory(16).unwrap()).unwrap();
+    let vm = Vm::new(
+        kvm,
+        create_guest_memory(16, vmm::memory::MemoryMode::Private).unwrap(),
+    )
+    .unwrap();
     let vcpu = Vcpu::new(vm.fd(), 0, buses()).unwrap();
     let supported = kvm
         .kvm()
@@ -133,7 +137,11 @@ fn a_restored_vm_s_clocks_continue_from_the_snapshot_without_the_paused_time() {
 
     // Restored into a new VM in `vmm restore`'s order: the VM's state,
     // then each vCPU's.
-    let vm2 = Vm::new(&kvm, create_guest_memory(16).unwrap()).unwrap();
+    let vm2 = Vm::new(
+        &kvm,
+        create_guest_memory(16, vmm::memory::MemoryMode::Private).unwrap(),
+    )
+    .unwrap();
     let start = Instant::now();
     vm_persist::restore(vm2.fd(), &vm_state).unwrap();
     let vcpu2 = Vcpu::new(vm2.fd(), 0, buses()).unwrap();

@@ -33,7 +33,11 @@ fn read_msr(fd: &VcpuFd, index: u32) -> u64 {
 }
 
 fn new_vcpu(kvm: &KvmHandle) -> (Vm, Vcpu) {
-    let vm = Vm::new(kvm, create_guest_memory(16).unwrap()).unwrap();
+    let vm = Vm::new(
+        kvm,
+        create_guest_memory(16, vmm::memory::MemoryMode::Private).unwrap(),
+    )
+    .unwrap();
     let buses = Buses {
         io: Arc::new(Bus::new()),
         mmio: Arc::new(Bus::new()),

@@ -5,11 +5,13 @@
 //! UTF-8.
 
 mod devices;
+mod fs;
 mod jail;
 
 use std::path::PathBuf;
 
 pub use devices::{parse_mac, DiskSpec, NetSpec};
+pub use fs::{check_tag, FsSpec, MAX_TAG_LEN};
 pub use jail::{jail_id, Bind, JailSpec};
 
 /// Where the guest's serial console goes.
@@ -90,6 +92,11 @@ pub struct Devices {
     pub net: Option<NetSpec>,
     /// virtio-rng.
     pub rng: bool,
+    /// virtio-fs shares, in device order (after every other device). Any
+    /// share makes the vmm map guest memory shared (memfd), as a
+    /// vhost-user daemon needs; a restore takes the same tags in the same
+    /// order as the snapshotted VM had.
+    pub fs: Vec<FsSpec>,
 }
 
 impl Devices {
@@ -109,6 +116,9 @@ impl Devices {
         }
         if self.rng {
             args.push("--rng".into());
+        }
+        for f in &self.fs {
+            args.extend(["--fs".into(), f.arg()]);
         }
     }
 }
@@ -280,6 +290,10 @@ mod tests {
             }),
             net: Some(NetSpec::with_mac("tap0", "02:00:00:00:00:01").unwrap()),
             rng: true,
+            fs: vec![
+                FsSpec::new("cache", "/run/fs/0.sock").unwrap(),
+                FsSpec::new("data", "/run/fs/1.sock").unwrap(),
+            ],
         };
         assert_eq!(
             spec.args().join(" "),
@@ -287,7 +301,8 @@ mod tests {
              --cmdline console=ttyS0 panic=1 --mem-mib 256 --vcpus 2 --acpi off \
              --serial file:/run/serial.log --control-socket /run/control.sock \
              --disk /d/root.ext4 --disk /d/ro.img,ro --vsock 3:/run/v.sock \
-             --net tap0,mac=02:00:00:00:00:01 --rng"
+             --net tap0,mac=02:00:00:00:00:01 --rng --fs cache:/run/fs/0.sock \
+             --fs data:/run/fs/1.sock"
         );
         assert_eq!(
             RunSpec::new("/k").args(),
@@ -313,10 +328,13 @@ mod tests {
         spec.globals.log_json = true;
         spec.globals.log_level = Some("warn,vmm::acpi=info".into());
         spec.devices.serial = Serial::None;
+        let mut share = FsSpec::new("cache", "/fs/0.sock").unwrap();
+        share.queues = Some(1);
+        spec.devices.fs.push(share);
         assert_eq!(
             spec.args().join(" "),
             "--log-format json --log-level warn,vmm::acpi=info restore --snapshot /s/golden \
-             --memory-backend uffd --paused --serial none"
+             --memory-backend uffd --paused --serial none --fs cache:/fs/0.sock,queues=1"
         );
         let jail = JailSpec {
             id: "vm1".into(),

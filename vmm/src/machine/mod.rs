@@ -156,6 +156,7 @@ impl StartError {
                 SetupError::Block(_)
                 | SetupError::Net(_)
                 | SetupError::Vsock(_)
+                | SetupError::Fs(_)
                 | SetupError::TooMany(_)
                 | SetupError::Restore { .. },
             ) => EXIT_BAD_INPUT,
@@ -293,7 +294,7 @@ impl Machine {
                 max,
             });
         }
-        let memory = create_guest_memory(config.mem_mib)?;
+        let memory = create_guest_memory(config.mem_mib, config.memory)?;
 
         let kernel = loader::load_kernel(&memory, &config.kernel)?;
         let virtio_devices = virtio_setup::create_devices(&config.devices)?;

@@ -7,7 +7,7 @@ use super::{
     acpi, build_devices, reset_trigger, serial_irq, serial_output, Machine, MachineShared,
     StartError,
 };
-use crate::config::{DeviceConfig, SerialConfig};
+use crate::config::{DeviceConfig, MemoryMode, SerialConfig};
 use crate::devices::acpi::persist::AcpiRestoreArgs;
 use crate::devices::acpi::AcpiDevices;
 use crate::devices::legacy::i8042::{AUX_IRQ, I8042, KBD_IRQ};
@@ -31,6 +31,8 @@ pub struct RestoreConfig {
     pub snapshot: PathBuf,
     /// How guest memory is populated.
     pub backend: MemoryBackend,
+    /// How guest memory is backed (shared for vhost-user devices).
+    pub memory: MemoryMode,
     /// Serial output for the restored guest.
     pub serial: SerialConfig,
     /// Control socket path.
@@ -58,7 +60,10 @@ impl Machine {
                 max: kvm.max_vcpus(),
             });
         }
-        let memory = restore_memory::build(&layers, config.backend)?;
+        let restore_memory::RestoredMemory {
+            mem: memory,
+            ready: memory_ready,
+        } = restore_memory::build(&layers, config.backend, config.memory)?;
         let vm = Vm::new(&kvm, memory)?;
         vm_persist::restore(vm.fd(), &state.vm)?;
 
@@ -76,8 +81,12 @@ impl Machine {
         )?;
         // Virtio device state is not in the snapshot format yet (see
         // devices/virtio/setup.rs: VirtioRuntime::save, restore_devices).
-        let virtio_devices =
-            virtio_setup::restore_devices(&config.devices, vm.memory(), &state.virtio)?;
+        let virtio_devices = virtio_setup::restore_devices(
+            &config.devices,
+            vm.memory(),
+            &memory_ready,
+            &state.virtio,
+        )?;
         let i8042 = I8042::restore(reset_trigger(&coordinator), &state.i8042)?;
         // A snapshot without ACPI state (ACPI off, or format 1.0 or 1.1)
         // restores without ACPI devices, exactly as before they existed.

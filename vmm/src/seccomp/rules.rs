@@ -281,6 +281,16 @@ const SOCKETS: &[i64] = &[
     libc::SYS_readv,
 ];
 
+/// vhost-user requests (virtio-fs): messages with descriptors, and the pipe
+/// a backend's state moves through for a snapshot or restore.
+const VHOST_USER: &[i64] = &[
+    libc::SYS_sendmsg,
+    libc::SYS_recvmsg,
+    libc::SYS_pipe2,
+    libc::SYS_read,
+    libc::SYS_write,
+];
+
 /// Event loops: epoll and eventfds.
 const EVENTS: &[i64] = &[
     libc::SYS_epoll_create1,
@@ -352,6 +362,9 @@ pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Rules>, seccompiler::Back
                 libc::SYS_fsync,
                 libc::SYS_fdatasync,
             ]);
+            // A driver starting or resetting a virtio-fs device: the vhost-user
+            // requests to its backend (file descriptors travel with sendmsg).
+            allow(VHOST_USER);
             ioctls.extend(kvm::VCPU);
         }
         ThreadKind::Main => {
@@ -365,6 +378,7 @@ pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Rules>, seccompiler::Back
         ThreadKind::Control => {
             allow(FILES);
             allow(SOCKETS);
+            allow(VHOST_USER);
             allow(SPAWN);
             allow(EVENTS);
             ioctls.extend(kvm::VM);
@@ -373,6 +387,7 @@ pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Rules>, seccompiler::Back
         ThreadKind::Device => {
             allow(FILES);
             allow(SOCKETS);
+            allow(VHOST_USER);
             allow(EVENTS);
             allow(SPAWN);
             ioctls.extend(kvm::VM);

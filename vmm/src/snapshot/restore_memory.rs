@@ -7,6 +7,13 @@
 //! * `uffd`: anonymous memory registered with userfaultfd; a handler thread
 //!   serves each first touch with the page from the newest layer that holds
 //!   it (or a zero page).
+//!
+//! Shared memory (a memfd, for vhost-user backends) cannot map the memory
+//! file, so `file` copies every layer's pages into a fresh memfd, and `uffd`
+//! registers the memfd with userfaultfd (missing-page faults on shmem) and
+//! fills its snapshot pages in the background, between faults: the backend
+//! maps the memfd without going through the fault handler, so it may only be
+//! given the memory (see `MemoryReady`) once those pages are in place.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -22,7 +29,15 @@ use vm_memory::{
 use super::manifest::{Layer, RegionLayout, MEMORY_FILE};
 use super::memory_file::{file_offset_to_gpa, split_by_region};
 pub use super::pages::RestoreMemoryError;
-use crate::memory::GuestMemoryMmap;
+use crate::memory::{create_shared, GuestMemoryMmap, MemoryMode, MemoryReady};
+
+/// Restored guest memory and whether its snapshot pages are all in place.
+pub struct RestoredMemory {
+    /// The memory.
+    pub mem: GuestMemoryMmap,
+    /// Complete now, or once the background filling ends (shared uffd).
+    pub ready: MemoryReady,
+}
 
 /// How restored guest memory is populated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -57,19 +72,58 @@ fn open_memory(layer: &Layer) -> Result<(PathBuf, File), RestoreMemoryError> {
     Ok((path, file))
 }
 
-/// Builds guest memory for the chain `layers` (base first) with `backend`.
+/// Builds guest memory for the chain `layers` (base first) with `backend`,
+/// backed as `mode` says.
 pub fn build(
     layers: &[Layer],
     backend: MemoryBackend,
-) -> Result<GuestMemoryMmap, RestoreMemoryError> {
+    mode: MemoryMode,
+) -> Result<RestoredMemory, RestoreMemoryError> {
     let Some(base) = layers.first() else {
         return Err(RestoreMemoryError::Map("empty snapshot chain".into()));
     };
     let regions = base.manifest.regions.clone();
-    match backend {
-        MemoryBackend::File => build_file_backed(layers, &regions),
-        MemoryBackend::Uffd => super::uffd::build(layers, &regions),
+    let now = |mem| RestoredMemory {
+        mem,
+        ready: MemoryReady::now(),
+    };
+    match (backend, mode.is_shared()) {
+        (MemoryBackend::File, false) => build_file_backed(layers, &regions).map(now),
+        (MemoryBackend::Uffd, false) => super::uffd::build(layers, &regions, None),
+        (MemoryBackend::File, true) => build_shared_copy(layers, &regions, mode).map(now),
+        (MemoryBackend::Uffd, true) => super::uffd::build(layers, &regions, Some(mode)),
     }
+}
+
+/// The guest ranges of `regions`.
+pub(super) fn ranges(
+    regions: &[RegionLayout],
+) -> Result<Vec<(GuestAddress, usize)>, RestoreMemoryError> {
+    regions
+        .iter()
+        .map(|r| {
+            usize::try_from(r.size)
+                .map(|size| (GuestAddress(r.gpa), size))
+                .map_err(|_| RestoreMemoryError::Map("region too large".into()))
+        })
+        .collect()
+}
+
+/// A fresh memfd with every layer's pages copied in, oldest first.
+fn build_shared_copy(
+    layers: &[Layer],
+    regions: &[RegionLayout],
+    mode: MemoryMode,
+) -> Result<GuestMemoryMmap, RestoreMemoryError> {
+    let mem = create_shared(&ranges(regions)?, mode)
+        .map_err(|e| RestoreMemoryError::Map(e.to_string()))?;
+    for layer in layers {
+        apply_diff(&mem, regions, layer)?;
+    }
+    for region in mem.iter() {
+        vm_memory::mmap::MmapRegion::bitmap(region).reset();
+    }
+    Ok(mem)
 }
 
 fn build_file_backed(
@@ -104,7 +158,7 @@ fn build_file_backed(
     Ok(mem)
 }
 
-/// Copies a diff layer's pages over `mem`.
+/// Copies a layer's pages (those its manifest lists) over `mem`.
 fn apply_diff(
     mem: &GuestMemoryMmap,
     regions: &[RegionLayout],

@@ -26,6 +26,10 @@
 //!   received frames and acknowledges every 64, `mode=echo` sends every
 //!   received frame back (see the source for the frame format).
 //! * `virtio_vsock`: connects to a host port and accepts a host-initiated connection over virtio-vsock.
+//! * `virtio_fs`: speaks FUSE to the first virtio-fs device: INIT, then LOOKUP,
+//!   OPEN, READ and RELEASE of `file=NAME` (default `hello.txt`) and a CREATE
+//!   of `new.txt`; `loop=1` then repeats the read rounds forever, printing
+//!   `fs.round=N ...` each, and resets on the first error reply.
 //! * `virtio_hostile`: a misbehaving virtio-blk driver (bad sizes, buffers, chains).
 //! * `i8042_probe`: runs Linux's i8042 probe sequence by polling and reports what it read.
 //! * `serial_fifo`: resets the UART's receive FIFO once input arrived, then echoes the next line.
@@ -56,6 +60,7 @@ pub const ALL: &[&str] = &[
     "net_perf",
     "virtio_hostile",
     "virtio_vsock",
+    "virtio_fs",
     "i8042_probe",
     "serial_fifo",
     "acpi",

@@ -1,11 +1,12 @@
 //! virtio devices on the virtio-mmio transport (version 2): the transport in
-//! `mmio`, one folder per device (`block`, `rng`, `net`, `vsock`), each with
+//! `mmio`, one folder per device (`block`, `rng`, `net`, `vsock`, `fs`), each with
 //! its `persist` module. Queues are split virtqueues from the virtio-queue
 //! crate; device work runs on the event thread (`event_loop`), woken by the
 //! queue eventfds that KVM signals when the guest writes QueueNotify.
 
 pub mod block;
 pub mod event_loop;
+pub mod fs;
 pub mod io_counters;
 pub mod mmio;
 pub mod net;

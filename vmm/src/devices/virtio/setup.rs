@@ -12,6 +12,8 @@ use vmm_api::protocol::{BlkCounters, NetCounters};
 use super::block::persist::{BlockConstructorArgs, BlockState};
 use super::block::{Block, BlockError};
 use super::event_loop::{EventLoop, EventLoopError, Subscriber};
+use super::fs::persist::{FsConstructorArgs, FsState};
+use super::fs::{Fs, FsError};
 use super::io_counters::{BlkIoCounters, NetIoCounters};
 use super::mmio::persist::{MmioConstructorArgs, MmioState};
 use super::mmio::{MmioTransport, SharedVirtioDevice, MMIO_WINDOW, QUEUE_NOTIFY_OFFSET};
@@ -23,10 +25,10 @@ use super::rng::{Rng, RngError};
 use super::vsock::persist::{VsockConstructorArgs, VsockState};
 use super::vsock::{Vsock, VsockError};
 use super::Interrupt;
-use crate::config::{DeviceConfig, DiskConfig, NetConfig, VsockConfig};
+use crate::config::{DeviceConfig, DiskConfig, FsConfig, NetConfig, VsockConfig};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::irq::IrqLine;
-use crate::memory::GuestMemoryMmap;
+use crate::memory::{GuestMemoryMmap, MemoryReady};
 use crate::persist::Persist;
 
 pub use crate::arch::x86_64::layout::{
@@ -57,6 +59,9 @@ pub enum SetupError {
     /// The vsock could not be created.
     #[error(transparent)]
     Vsock(#[from] VsockError),
+    /// A virtio-fs backend could not be used.
+    #[error(transparent)]
+    Fs(#[from] FsError),
     /// More devices than interrupt lines.
     #[error("{0} virtio devices configured but at most {MAX_DEVICES} fit (one interrupt each: GSIs {VIRTIO_FIRST_GSI}..={VIRTIO_LAST_GSI} but 12, the keyboard controller's)")]
     TooMany(usize),
@@ -123,6 +128,8 @@ pub enum DeviceHandle {
     Vsock(Arc<Mutex<Vsock>>),
     /// virtio-rng.
     Rng(Arc<Mutex<Rng>>),
+    /// virtio-fs.
+    Fs(Arc<Mutex<Fs>>),
 }
 
 fn locked<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -136,6 +143,7 @@ impl DeviceHandle {
             DeviceHandle::Net(d) => d.clone(),
             DeviceHandle::Vsock(d) => d.clone(),
             DeviceHandle::Rng(d) => d.clone(),
+            DeviceHandle::Fs(d) => d.clone(),
         }
     }
 
@@ -145,6 +153,7 @@ impl DeviceHandle {
             DeviceHandle::Net(d) => d.clone(),
             DeviceHandle::Vsock(d) => d.clone(),
             DeviceHandle::Rng(d) => d.clone(),
+            DeviceHandle::Fs(d) => d.clone(),
         }
     }
 }
@@ -172,9 +181,11 @@ enum Kind<'a> {
     Net(&'a NetConfig),
     Vsock(&'a VsockConfig),
     Rng,
+    Fs(&'a FsConfig),
 }
 
-/// The configured devices with their names, in device order: block, net, vsock, rng.
+/// The configured devices with their names, in device order: block, net,
+/// vsock, rng, fs.
 fn kinds(config: &DeviceConfig) -> Vec<(String, Kind<'_>)> {
     let mut kinds: Vec<(String, Kind)> = config
         .disks
@@ -190,6 +201,9 @@ fn kinds(config: &DeviceConfig) -> Vec<(String, Kind<'_>)> {
     }
     if config.rng {
         kinds.push(("virtio-rng".into(), Kind::Rng));
+    }
+    for fs in &config.fs {
+        kinds.push((format!("virtio-fs {:?}", fs.tag), Kind::Fs(fs)));
     }
     kinds
 }
@@ -240,6 +254,9 @@ pub fn create_devices(config: &DeviceConfig) -> Result<Vec<PlannedDevice>, Setup
                 DeviceHandle::Vsock(Arc::new(Mutex::new(Vsock::new(v.cid, &v.uds_path)?)))
             }
             Kind::Rng => DeviceHandle::Rng(Arc::new(Mutex::new(Rng::new()?))),
+            Kind::Fs(fs) => DeviceHandle::Fs(Arc::new(Mutex::new(Fs::new(
+                &fs.tag, &fs.socket, fs.queues,
+            )?))),
         };
         let (addr, gsi) = slot(i);
         devices.push(PlannedDevice {
@@ -265,6 +282,8 @@ pub enum DeviceState {
     Vsock(VsockState),
     /// virtio-rng.
     Rng(RngState),
+    /// virtio-fs.
+    Fs(FsState),
 }
 
 /// The state of one virtio-mmio slot.
@@ -293,6 +312,7 @@ pub struct VirtioState {
 pub fn restore_devices(
     config: &DeviceConfig,
     mem: &GuestMemoryMmap,
+    memory_ready: &MemoryReady,
     state: &VirtioState,
 ) -> Result<Vec<PlannedDevice>, SetupError> {
     let kinds = kinds(config);
@@ -306,7 +326,7 @@ pub fn restore_devices(
             "virtio devices",
             format!(
                 "the snapshot has {} virtio devices, the restore was given {}: pass the \
-                 same --disk/--net/--vsock/--rng devices as the snapshotted VM",
+                 same --disk/--net/--vsock/--rng/--fs devices as the snapshotted VM",
                 state.slots.len(),
                 kinds.len()
             ),
@@ -362,6 +382,17 @@ pub fn restore_devices(
                     interrupt: irq,
                 };
                 DeviceHandle::Rng(Arc::new(Mutex::new(Rng::restore(args, st).map_err(err)?)))
+            }
+            (Kind::Fs(fs), DeviceState::Fs(st)) => {
+                let args = FsConstructorArgs {
+                    tag: fs.tag.clone(),
+                    socket: fs.socket.clone(),
+                    request_queues: fs.queues,
+                    mem,
+                    memory_ready: memory_ready.clone(),
+                    interrupt: irq,
+                };
+                DeviceHandle::Fs(Arc::new(Mutex::new(Fs::restore(args, st).map_err(err)?)))
             }
             _ => {
                 return Err(mismatch(
@@ -491,6 +522,12 @@ impl VirtioRuntime {
                     DeviceHandle::Net(x) => DeviceGuard::Net(locked(x)),
                     DeviceHandle::Vsock(x) => DeviceGuard::Vsock(locked(x)),
                     DeviceHandle::Rng(x) => DeviceGuard::Rng(locked(x)),
+                    DeviceHandle::Fs(x) => {
+                        let mut fs = locked(x);
+                        // The backend writes guest memory itself: stop it too.
+                        fs.stop_for_snapshot();
+                        DeviceGuard::Fs(fs)
+                    }
                 };
                 (d, device)
             })
@@ -505,11 +542,23 @@ enum DeviceGuard<'a> {
     Net(std::sync::MutexGuard<'a, Net>),
     Vsock(std::sync::MutexGuard<'a, Vsock>),
     Rng(std::sync::MutexGuard<'a, Rng>),
+    Fs(std::sync::MutexGuard<'a, Fs>),
 }
 
-/// Every virtio device, locked: no device work runs while this lives.
+/// Every virtio device, locked: no device work runs while this lives
+/// (vhost-user backends' vrings are stopped until it is dropped).
 pub struct QuiescedDevices<'a> {
     guards: Vec<(&'a Attached, DeviceGuard<'a>)>,
+}
+
+impl Drop for QuiescedDevices<'_> {
+    fn drop(&mut self) {
+        for (_, guard) in &mut self.guards {
+            if let DeviceGuard::Fs(fs) = guard {
+                fs.resume_after_snapshot();
+            }
+        }
+    }
 }
 
 impl QuiescedDevices<'_> {
@@ -522,6 +571,7 @@ impl QuiescedDevices<'_> {
                 DeviceGuard::Net(g) => DeviceState::Net(g.save()?),
                 DeviceGuard::Vsock(g) => DeviceState::Vsock(g.save()?),
                 DeviceGuard::Rng(g) => DeviceState::Rng(g.save()?),
+                DeviceGuard::Fs(g) => DeviceState::Fs(g.save()?),
             };
             slots.push(SlotState {
                 addr: d.addr,
@@ -550,7 +600,7 @@ pub fn attach(
         match &d.handle {
             DeviceHandle::Net(n) => net_counters = Some(locked(n).io_counters()),
             DeviceHandle::Block(b) => blk_counters.push(locked(b).io_counters()),
-            DeviceHandle::Vsock(_) | DeviceHandle::Rng(_) => {}
+            DeviceHandle::Vsock(_) | DeviceHandle::Rng(_) | DeviceHandle::Fs(_) => {}
         }
         let what = format!("{} at {:#x}", d.name, d.addr);
         vm.register_irqfd(d.interrupt.irq().eventfd(), d.gsi)

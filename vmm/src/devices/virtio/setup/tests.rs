@@ -17,6 +17,7 @@ fn config(disk: PathBuf, rng: bool) -> DeviceConfig {
         vsock: None,
         net: None,
         rng,
+        fs: Vec::new(),
     }
 }
 
@@ -77,7 +78,7 @@ fn restore_into_new_vm(rig: &Rig, state: &VirtioState) -> (kvm_ioctls::VmFd, Bus
     let vm = rig.kvm.create_vm().unwrap();
     vm.create_irq_chip().unwrap();
     let mut bus = Bus::new();
-    let restored = restore_devices(&rig.cfg, &rig.mem, state).unwrap();
+    let restored = restore_devices(&rig.cfg, &rig.mem, &MemoryReady::now(), state).unwrap();
     let runtime = attach(&vm, &rig.mem, &mut bus, restored).unwrap();
     (vm, bus, runtime)
 }
@@ -130,11 +131,11 @@ fn a_whole_device_set_round_trips_through_its_state_and_mismatches_are_refused()
 
     // A configuration without the rng does not fit the snapshot.
     let no_rng = config(rig.disk.0.clone(), false);
-    assert!(restore_devices(&no_rng, &rig.mem, &state).is_err());
+    assert!(restore_devices(&no_rng, &rig.mem, &MemoryReady::now(), &state).is_err());
     // Nor does a snapshot whose slots were swapped.
     let mut swapped = state.clone();
     swapped.slots.swap(0, 1);
-    assert!(restore_devices(&rig.cfg, &rig.mem, &swapped).is_err());
+    assert!(restore_devices(&rig.cfg, &rig.mem, &MemoryReady::now(), &swapped).is_err());
 }
 
 #[test]
