@@ -53,6 +53,10 @@ pub struct Cli {
     /// Passed to `vmm restore --memory-backend`.
     #[arg(long, value_name = "BACKEND", value_parser = ["file", "uffd"])]
     pub memory_backend: Option<String>,
+    /// Passed to `vmm run` and `vmm restore` as `--memory`: private (the
+    /// default), shared (a memfd, as vhost-user backends need) or shared-hugepages.
+    #[arg(long, value_name = "MODE", value_parser = ["private", "shared", "shared-hugepages"])]
+    pub memory: Option<String>,
     /// Frames per net-throughput run [default: 20000; 2000 with --quick].
     #[arg(long, value_name = "N")]
     pub net_frames: Option<u64>,

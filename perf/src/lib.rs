@@ -136,15 +136,17 @@ pub fn run(cli: Cli) -> Result<Outcome> {
         concurrency: cli.concurrency.unwrap_or(machine.cores).max(1),
         kernel: cli.kernel.as_ref().map(|k| k.display().to_string()),
         memory_backend: cli.memory_backend.clone(),
+        memory: cli.memory.clone(),
         timeout_s: cli.timeout_secs,
         net_frames: cli.net_frames,
         net_pings: cli.net_pings,
         session_mem_mib,
         dirty_permille,
     };
-    let mut backends: Vec<Box<dyn Backend>> = vec![Box::new(VmmBackend::new(
+    let mut backends: Vec<Box<dyn Backend>> = vec![Box::new(VmmBackend::with_memory(
         vmm.clone(),
         cli.memory_backend.clone(),
+        cli.memory.clone(),
     ))];
     if let Some(fc) = &cli.vs_firecracker {
         backends.push(Box::new(FirecrackerBackend::new(fc.clone())));

@@ -50,6 +50,9 @@ pub struct Settings {
     pub kernel: Option<String>,
     /// `--memory-backend` passed to `vmm restore`.
     pub memory_backend: Option<String>,
+    /// `--memory` passed to `vmm run` and `vmm restore`.
+    #[serde(default)]
+    pub memory: Option<String>,
     /// Per-step timeout, seconds.
     pub timeout_s: u64,
     /// `--net-frames`: frames per net-throughput run, when given.

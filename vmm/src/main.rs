@@ -489,6 +489,7 @@ mod tests {
             net: Some(net),
             rng: true,
             fs: vec![vmm_api::command::FsSpec::new("cache", "/run/fs.sock").unwrap()],
+            memory: Some("shared-hugepages".into()),
         }
     }
 

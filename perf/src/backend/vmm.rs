@@ -39,6 +39,7 @@ pub fn logged_build_us(stderr: &str, target: &str) -> Option<f64> {
 pub struct VmmBackend {
     binary: PathBuf,
     memory_backend: Option<String>,
+    memory: Option<String>,
     has_restore: bool,
 }
 
@@ -47,6 +48,16 @@ impl VmmBackend {
     /// `vmm restore --memory-backend` when set. Probes once whether the
     /// binary has the `restore` subcommand.
     pub fn new(binary: PathBuf, memory_backend: Option<String>) -> Self {
+        Self::with_memory(binary, memory_backend, None)
+    }
+
+    /// As [`Self::new`], with guest memory backed as `memory` says
+    /// (`vmm run|restore --memory`: private, shared, shared-hugepages).
+    pub fn with_memory(
+        binary: PathBuf,
+        memory_backend: Option<String>,
+        memory: Option<String>,
+    ) -> Self {
         let has_restore = Command::new(&binary)
             .args(["restore", "--help"])
             .stdin(Stdio::null())
@@ -58,6 +69,7 @@ impl VmmBackend {
         VmmBackend {
             binary,
             memory_backend,
+            memory,
             has_restore,
         }
     }
@@ -104,13 +116,20 @@ impl Backend for VmmBackend {
 
     fn boot(&self, spec: &BootSpec, dir: &Path, timeout: Duration) -> Result<Vm> {
         let socket = spec.control.then(|| dir.join("control.sock"));
-        let process = VmProcess::spawn("vmm run", &self.binary, run_args(spec, socket.clone()))?;
+        let mut args = run_args(spec, socket.clone());
+        if let Some(m) = &self.memory {
+            args.extend(["--memory".into(), m.clone()]);
+        }
+        let process = VmProcess::spawn("vmm run", &self.binary, args)?;
         Self::connect(process, socket, timeout)
     }
 
     fn restore(&self, snapshot: &Path, dir: &Path, control: bool, timeout: Duration) -> Result<Vm> {
         let socket = control.then(|| dir.join("control.sock"));
-        let args = restore_args(snapshot, self.memory_backend.clone(), socket.clone());
+        let mut args = restore_args(snapshot, self.memory_backend.clone(), socket.clone());
+        if let Some(m) = &self.memory {
+            args.extend(["--memory".into(), m.clone()]);
+        }
         let process = VmProcess::spawn("vmm restore", &self.binary, args)?;
         Self::connect(process, socket, timeout)
     }

@@ -41,6 +41,11 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
             .notes
             .push(format!("vmm restore --memory-backend {backend}"));
     }
+    if let Some(memory) = &ctx.settings.memory {
+        result
+            .notes
+            .push(format!("vmm run|restore --memory {memory}"));
+    }
     for &mem_mib in &ctx.settings.mem_sizes_mib {
         // Snapshots first, then runs that restore every VMM in turn, so a
         // change in the machine's load hits all of them alike.
@@ -61,6 +66,10 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
             .param(
                 "memory_backend",
                 ctx.settings.memory_backend.as_deref().unwrap_or("default"),
+            )
+            .param(
+                "memory",
+                ctx.settings.memory.as_deref().unwrap_or("private"),
             );
             sets.push((snapshot, latency));
         }

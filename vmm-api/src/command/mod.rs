@@ -97,6 +97,9 @@ pub struct Devices {
     /// vhost-user daemon needs; a restore takes the same tags in the same
     /// order as the snapshotted VM had.
     pub fs: Vec<FsSpec>,
+    /// Guest memory backing, `--memory private|shared|shared-hugepages`
+    /// (`None`: the vmm's default, shared with fs shares, else private).
+    pub memory: Option<String>,
 }
 
 impl Devices {
@@ -119,6 +122,9 @@ impl Devices {
         }
         for f in &self.fs {
             args.extend(["--fs".into(), f.arg()]);
+        }
+        if let Some(m) = &self.memory {
+            args.extend(["--memory".into(), m.clone()]);
         }
     }
 }
@@ -294,6 +300,7 @@ mod tests {
                 FsSpec::new("cache", "/run/fs/0.sock").unwrap(),
                 FsSpec::new("data", "/run/fs/1.sock").unwrap(),
             ],
+            memory: Some("shared-hugepages".into()),
         };
         assert_eq!(
             spec.args().join(" "),
@@ -302,7 +309,7 @@ mod tests {
              --serial file:/run/serial.log --control-socket /run/control.sock \
              --disk /d/root.ext4 --disk /d/ro.img,ro --vsock 3:/run/v.sock \
              --net tap0,mac=02:00:00:00:00:01 --rng --fs cache:/run/fs/0.sock \
-             --fs data:/run/fs/1.sock"
+             --fs data:/run/fs/1.sock --memory shared-hugepages"
         );
         assert_eq!(
             RunSpec::new("/k").args(),

@@ -335,9 +335,17 @@ impl Backend {
         };
         written.map_err(|e| self.state_err(format!("writing it: {e}")))?;
         drop(ours);
-        self.frontend
-            .check_device_state()
-            .map_err(self.fail("CHECK_DEVICE_STATE (load)"))
+        self.frontend.check_device_state().map_err(|e| match e {
+            vhost::Error::VhostUserProtocol(_) if !self.watchdog.fired() => {
+                self.state_err(format!(
+                    "it could not load the snapshot's state ({e}); its own log says which file \
+                 or directory it could not open: a backend serving a directory other than \
+                 the snapshotted one needs every path the guest had open, or \
+                 `--migration-on-error guest-error`"
+                ))
+            }
+            other => self.fail("CHECK_DEVICE_STATE (load)")(other),
+        })
     }
 
     fn require_device_state(&self) -> Result<(), BackendError> {
