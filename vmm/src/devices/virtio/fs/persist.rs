@@ -67,6 +67,9 @@ impl Persist for Fs {
                     self.tag
                 )))
             }
+            // Restored, and the backend not started yet: its state is still
+            // the one the restore brought.
+            (Rings::WaitingForMemory, _) => self.state_to_load.clone(),
             _ => None,
         };
         Ok(FsState {

@@ -374,3 +374,23 @@ fn an_idle_device_saves_and_a_restore_must_match_its_tag() {
         "{err}"
     );
 }
+
+#[test]
+fn a_restored_device_waiting_for_memory_saves_the_state_it_was_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _rx) = fake_backend(dir.path());
+    let mut fs = Fs::new("cache", &path, 1).unwrap();
+    let (ready, _signal) = MemoryReady::pending().unwrap();
+    fs.memory_ready = ready;
+    fs.state_to_load = Some(vec![1, 2, 3]);
+    let mem = shared_memory();
+    let _mocks = activate_fs(&mut fs, &mem);
+    assert_eq!(
+        fs.rings,
+        Rings::WaitingForMemory,
+        "the backend waits for the memory"
+    );
+    let state = fs.save().unwrap();
+    assert_eq!(state.backend_state, Some(vec![1, 2, 3]));
+    assert!(state.common.activated);
+}
