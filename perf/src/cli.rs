@@ -89,6 +89,9 @@ pub enum ScenarioArg {
     ColdBoot,
     /// Spawn restoring a snapshot -> first guest output (p50/p90/p99 per memory size).
     Restore,
+    /// Restore of a snapshot holding memory, per memory backing (private or
+    /// shared memfd) and fill (file or uffd): ready to run, working set touched again.
+    RestoreMemory,
     /// Sustained restores per second with N in flight.
     CreationRate,
     /// VMM resident memory minus guest memory touched.
@@ -120,6 +123,7 @@ impl ScenarioArg {
         match self {
             ScenarioArg::ColdBoot => "cold-boot",
             ScenarioArg::Restore => "restore",
+            ScenarioArg::RestoreMemory => "restore-memory",
             ScenarioArg::CreationRate => "creation-rate",
             ScenarioArg::MemoryOverhead => "memory-overhead",
             ScenarioArg::SnapshotWrite => "snapshot-write",

@@ -53,6 +53,7 @@ fn every_scenario_runs_once_with_the_real_vmm() {
         [
             "cold-boot",
             "restore",
+            "restore-memory",
             "creation-rate",
             "memory-overhead",
             "snapshot-write",
@@ -107,6 +108,14 @@ fn every_scenario_runs_once_with_the_real_vmm() {
         assert!(!m["samples"].as_array().unwrap().is_empty(), "{m:#}");
     }
     if has_restore {
+        // Every backing and fill of restore-memory, both clocks.
+        for mode in ["private_file", "private_uffd", "shared_file", "shared_uffd"] {
+            for what in ["ready", "redirtied"] {
+                let id = format!("restore_memory.{what}.{mode}.mem64");
+                let m = common::metric(&json, "restore-memory", &id);
+                assert_eq!(m["samples"].as_array().unwrap().len(), 1, "{m:#}");
+            }
+        }
         for (scenario, id) in [
             ("restore", "restore.latency.mem64"),
             ("memory-overhead", "memory-overhead.restored.mem64"),

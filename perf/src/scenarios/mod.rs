@@ -14,6 +14,7 @@ pub mod net_throughput;
 pub mod node;
 pub mod prepare;
 pub mod restore;
+pub mod restore_memory;
 pub mod session_fork;
 pub mod session_persist;
 pub mod snapshot_write;
@@ -42,6 +43,11 @@ pub const ALL: &[Scenario] = &[
         name: restore::NAME,
         plan: restore::plan,
         run: restore::run,
+    },
+    Scenario {
+        name: restore_memory::NAME,
+        plan: restore_memory::plan,
+        run: restore_memory::run,
     },
     Scenario {
         name: creation_rate::NAME,
