@@ -11,6 +11,7 @@
 //! * [`policy`]: rules, wrappers, manifest, egress and secrets.
 //! * [`clone_safety`]: each restore's own random state, hostname and machine id.
 //! * [`sizing`]: a session's vCPUs and root disk within the VM.
+//! * [`shares`]: mounting the session's virtio-fs shares (PID 1 only).
 //! * [`turn`]: grouping a turn's processes and killing them.
 //! * [`audit`]: the hash-chained audit log and its verifier.
 //! * [`privilege`]: the unprivileged user agent commands run as.
@@ -33,6 +34,7 @@ pub mod privilege;
 pub mod pty;
 pub mod reaper;
 pub mod session;
+pub mod shares;
 pub mod sizing;
 pub mod turn;
 pub mod workspace;

@@ -356,6 +356,16 @@ pub struct Config {
     /// This node in a fleet: NATS JetStream export, registry, image store
     /// (see [`crate::fleet::FleetConfig`]; without `fleet.nats`, none).
     pub fleet: crate::fleet::FleetConfig,
+    /// Directories that shares' host paths (RegisterImage and CreateSession
+    /// `shares`) must lie in, after resolving links. Empty (the default):
+    /// shares are refused with FAILED_PRECONDITION.
+    pub allowed_share_roots: Vec<PathBuf>,
+    /// The virtiofsd binary that serves shares; `None`: `virtiofsd` from
+    /// PATH. `$AGENTVM_VIRTIOFSD` wins over both.
+    pub virtiofsd_path: Option<PathBuf>,
+    /// virtiofsd's `--cache` for every share (see
+    /// [`crate::shares::VirtiofsCache`]; `auto` by default).
+    pub virtiofs_cache: crate::shares::VirtiofsCache,
 }
 
 impl Default for Config {
@@ -398,6 +408,9 @@ impl Default for Config {
             max_branch_bundle_bytes: 1 << 30,
             secrets_dir: None,
             fleet: crate::fleet::FleetConfig::default(),
+            allowed_share_roots: vec![],
+            virtiofsd_path: None,
+            virtiofs_cache: crate::shares::VirtiofsCache::Auto,
         }
     }
 }
@@ -499,6 +512,14 @@ impl Config {
                 "jail.uid_range holds fewer uids than max_sessions: creates fail once it is used up"
             );
         }
+        for r in &self.allowed_share_roots {
+            if !r.is_absolute() {
+                return Err(Error::invalid(format!(
+                    "allowed_share_roots: {} is not an absolute path (--allowed-share-root)",
+                    r.display()
+                )));
+            }
+        }
         if self.logs.max_file_bytes < 4096 {
             return Err(Error::invalid(
                 "logs.max_file_bytes must be at least 4096 (--max-log-bytes)",
@@ -539,6 +560,11 @@ impl Config {
         self.allowed_repository_roots
             .clone()
             .unwrap_or_else(|| vec![self.state_dir.join(DEFAULT_REPOSITORY_ROOT)])
+    }
+
+    /// The virtiofsd binary to run (see [`crate::shares::virtiofsd::binary`]).
+    pub fn virtiofsd(&self) -> PathBuf {
+        crate::shares::virtiofsd::binary(self.virtiofsd_path.as_deref())
     }
 
     /// The vsock Unix socket of the VM whose directory is `dir`.

@@ -38,6 +38,10 @@ pub enum Error {
     /// The guest channel failed.
     #[error("guest: {0}")]
     Guest(String),
+    /// A share's virtiofsd could not be started (or died before its VM
+    /// could connect to it).
+    #[error("virtiofsd: {0}")]
+    Virtiofsd(String),
     /// Making, changing or reading a VM's network failed.
     #[error("network: {0}")]
     Network(String),
@@ -105,9 +109,11 @@ impl Error {
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::Timeout(_) => Code::DeadlineExceeded,
-            Error::Vmm(_) | Error::Guest(_) | Error::Network(_) | Error::Fleet(_) => {
-                Code::Unavailable
-            }
+            Error::Vmm(_)
+            | Error::Guest(_)
+            | Error::Network(_)
+            | Error::Fleet(_)
+            | Error::Virtiofsd(_) => Code::Unavailable,
             Error::Corrupt(_) => Code::DataLoss,
             Error::Store(_) | Error::Io { .. } | Error::Snapshot(_) | Error::Schedule(_) => {
                 Code::Internal

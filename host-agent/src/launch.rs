@@ -1,11 +1,15 @@
 //! Launching a VM from a snapshot: the vmm's restore command line and jail
 //! ([`restore_launch`]), and the VM's own copy of its root disk
 //! ([`prepare_disk`], [`copy_disk`]). Used for sessions and warm VMs alike.
+//! A session whose devices are not its golden snapshot's (its shares)
+//! boots the image instead ([`boot_launch`]).
 
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use vmm_api::command::{jail_id, Bind, DiskSpec, JailSpec, NetSpec, RestoreSpec, Serial};
+use vmm_api::command::{
+    jail_id, Bind, Devices, DiskSpec, JailSpec, NetSpec, RestoreSpec, RunSpec, Serial,
+};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -69,8 +73,76 @@ pub fn restore_launch(
                 .collect(),
         ),
     };
+    let jail = jail_for(cfg, image, dir, uid, binds, netns);
+    let mut spec = RestoreSpec::new(snapshot);
+    spec.globals.log_max_bytes = Some(cfg.logs.max_file_bytes);
+    spec.paused = paused;
+    spec.devices = vm_devices(cfg, image, &inside, netns.is_some());
+    (spec, jail)
+}
+
+/// How to boot `image` (its files resolved) for a session's VM in `dir`
+/// instead of restoring a snapshot: the vmm's run (paths as the vmm sees
+/// them: the kernel and initrd bound read-only into a jail) and, for a VM
+/// jailed as `uid`, the jail. The devices are those of a restore (the
+/// golden boot's): a copy of the root disk, rng and vsock for guest-init,
+/// the network's tap with `netns` (its addresses on the kernel command
+/// line, as the golden boot has them); the caller adds the shares.
+pub fn boot_launch(
+    cfg: &Config,
+    image: &ImageRow,
+    dir: &Path,
+    uid: Option<u32>,
+    netns: Option<&str>,
+) -> (RunSpec, Option<JailSpec>) {
+    let (_, inside) = run_dirs(dir, uid.is_some());
+    let mut binds = Vec::new();
+    let mut bound = |host: &str, jail: &str| match uid {
+        Some(_) => {
+            binds.push(Bind {
+                host: PathBuf::from(host),
+                jail: jail.into(),
+                read_only: true,
+            });
+            PathBuf::from(jail)
+        }
+        None => PathBuf::from(host),
+    };
+    let kernel = bound(&image.kernel, KERNEL_IN_JAIL);
+    let initrd = (!image.initrd.is_empty()).then(|| bound(&image.initrd, INITRD_IN_JAIL));
+    let mut spec = RunSpec::new(kernel);
+    spec.initrd = initrd;
+    spec.globals.log_max_bytes = Some(cfg.logs.max_file_bytes);
+    spec.mem_mib = u64::from(image.mem_mib);
+    spec.vcpus = u64::from(image.vcpus);
+    let mut cmdline = image.cmdline.clone();
+    if netns.is_some() {
+        cmdline = format!(
+            "{cmdline} {} {}",
+            crate::network::addressing::guest_kernel_ip_param(),
+            crate::network::addressing::guest_kernel_ip6_param()
+        )
+        .trim()
+        .to_string();
+    }
+    spec.cmdline = (!cmdline.is_empty()).then_some(cmdline);
+    spec.devices = vm_devices(cfg, image, &inside, netns.is_some());
+    let jail = jail_for(cfg, image, dir, uid, binds, netns);
+    (spec, jail)
+}
+
+/// The jail of a VM of `image` in `dir` jailed as `uid` (= gid), with
+/// `binds`, in network namespace `netns` if given (`None` unjailed).
+fn jail_for(
+    cfg: &Config,
+    image: &ImageRow,
+    dir: &Path,
+    uid: Option<u32>,
+    binds: Vec<Bind>,
+    netns: Option<&str>,
+) -> Option<JailSpec> {
     let overhead = cfg.jail.memory_overhead_mib;
-    let jail = uid.map(|uid| JailSpec {
+    uid.map(|uid| JailSpec {
         id: jail_id(dir),
         root: dir.join("jail"),
         uid,
@@ -86,31 +158,37 @@ pub fn restore_launch(
         // A session's own CPU cap is set by its caller (`Resources::cpu_max`).
         cpu_max: None,
         netns: netns.map(|n| PathBuf::from("/run/netns").join(n)),
-    });
+    })
+}
+
+/// The devices every VM of `image` has, as its golden boot had them (see
+/// `sessions::golden`), with its run directory `inside` as the vmm sees it:
+/// the serial log, its copy of the root disk, rng and vsock for guest-init,
+/// the network device `with_net`; with the image's (the session's) limits.
+fn vm_devices(cfg: &Config, image: &ImageRow, inside: &Path, with_net: bool) -> Devices {
     let limits = IoLimits::decode(&image.io_limits).unwrap_or_else(|e| {
         // Written by this host-agent after the same check: only a damaged
         // database gets here; the VM still starts, and the operator is told.
         tracing::error!(image = %image.id, error = %e, "the image's rate limits do not read back; none applied");
         IoLimits::default()
     });
-    let mut spec = RestoreSpec::new(snapshot);
-    spec.globals.log_max_bytes = Some(cfg.logs.max_file_bytes);
-    spec.paused = paused;
-    spec.devices.serial = Serial::File(inside.join("serial.log"));
+    let mut devices = Devices {
+        serial: Serial::File(inside.join("serial.log")),
+        ..Devices::default()
+    };
     if !image.rootfs.is_empty() {
         let mut disk = DiskSpec::rw(inside.join(VM_DISK));
         disk.limits = limits.disk;
-        spec.devices.disks.push(disk);
+        devices.disks.push(disk);
     }
-    // As the golden boot had it (see images::build_golden).
-    spec.devices.rng = image.guest_init;
-    spec.devices.vsock = cfg.vsock_device(image.guest_init, &inside);
-    if netns.is_some() {
+    devices.rng = image.guest_init;
+    devices.vsock = cfg.vsock_device(image.guest_init, inside);
+    if with_net {
         let mut nic = guest_nic();
         nic.limits = limits.net;
-        spec.devices.net = Some(nic);
+        devices.net = Some(nic);
     }
-    (spec, jail)
+    devices
 }
 
 /// The file in a golden snapshot directory that says the snapshot has a
@@ -230,6 +308,12 @@ pub enum Source<'a> {
 /// Where a jailed VM sees its image's golden snapshot.
 const GOLDEN_IN_JAIL: &str = "/golden";
 
+/// Where a jailed VM booted for a session sees its image's kernel.
+const KERNEL_IN_JAIL: &str = "/boot/kernel";
+
+/// Where a jailed VM booted for a session sees its image's initrd.
+const INITRD_IN_JAIL: &str = "/boot/initrd";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,5 +424,53 @@ mod tests {
             spec.snapshot,
             Path::new("/state/sessions/0b5e-s1/snapshots/123-ab")
         );
+    }
+
+    #[test]
+    fn a_booted_vm_gets_the_image_kernel_bound_into_its_jail_and_the_restore_devices() {
+        let cfg = Config::default();
+        let dir = Path::new("/state/sessions/0b5e-s1");
+        let img = ImageRow {
+            initrd: "/k/initrd".into(),
+            cmdline: "console=ttyS0".into(),
+            rootfs: "/k/rootfs.ext4".into(),
+            mem_mib: 256,
+            vcpus: 2,
+            ..image(true)
+        };
+        let (spec, jail) = boot_launch(&cfg, &img, dir, Some(1000), None);
+        let jail = jail.expect("a jail");
+        assert_eq!(
+            jail.binds,
+            vec![
+                Bind {
+                    host: PathBuf::from("/k"),
+                    jail: "/boot/kernel".into(),
+                    read_only: true,
+                },
+                Bind {
+                    host: PathBuf::from("/k/initrd"),
+                    jail: "/boot/initrd".into(),
+                    read_only: true,
+                },
+            ]
+        );
+        assert_eq!(spec.kernel, Path::new("/boot/kernel"));
+        assert_eq!(spec.initrd.as_deref(), Some(Path::new("/boot/initrd")));
+        assert_eq!((spec.mem_mib, spec.vcpus), (256, 2));
+        assert_eq!(spec.cmdline.as_deref(), Some("console=ttyS0"));
+        let (restore, _) = restore_launch(&cfg, &img, dir, false, Source::Golden, Some(1000), None);
+        assert_eq!(
+            spec.devices, restore.devices,
+            "the golden snapshot's devices"
+        );
+        assert_eq!(spec.devices.disks[0].path, Path::new("/run/disk.ext4"));
+        // Unjailed: the files where they are; with a network, its addresses.
+        let (spec, jail) = boot_launch(&cfg, &img, dir, None, Some("ns1"));
+        assert_eq!(jail, None);
+        assert_eq!(spec.kernel, Path::new("/k"));
+        let cmdline = spec.cmdline.unwrap();
+        assert!(cmdline.starts_with("console=ttyS0 ip="), "{cmdline}");
+        assert!(spec.devices.net.is_some());
     }
 }

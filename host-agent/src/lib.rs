@@ -37,6 +37,7 @@ pub mod safe_fs;
 pub mod schedules;
 pub mod session_env;
 pub mod sessions;
+pub mod shares;
 pub mod store;
 pub mod supervisor;
 

@@ -30,6 +30,7 @@ use vmm_api::{ControlError, SnapshotKind, SnapshotReply, StatusReply, VmState};
 
 use crate::accounting::{is_zombie, parent_pid, process_start_ticks};
 use crate::error::{Error, Result};
+use crate::shares::{Daemons, Started};
 
 /// How a vmm process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +70,9 @@ pub struct VmmProcess {
     pub jailed: bool,
     /// The uid (= gid) a jailed vmm runs as.
     pub jail_uid: Option<u32>,
+    /// The virtiofsd processes serving its shares: killed when it exits or
+    /// is killed.
+    pub fs: std::sync::Arc<Daemons>,
     /// The jailed vmm's pid, once found (it lives exactly as long as its jailer).
     jailed_vmm: std::sync::Mutex<Option<u32>>,
     exited: watch::Receiver<Option<ExitStatus>>,
@@ -105,8 +109,9 @@ impl VmmProcess {
         *self.exited.borrow()
     }
 
-    /// Sends SIGKILL (if it still runs).
+    /// Sends SIGKILL (if it still runs), and kills its virtiofsd processes.
     pub fn kill(&self) {
+        self.fs.end();
         if self.exit_status().is_none() && process_start_ticks(self.pid) == Some(self.start_ticks) {
             // SAFETY: kill(2) with a pid we started and verified by its start
             // time; no memory is involved.
@@ -270,12 +275,17 @@ pub fn kill_orphans(sessions_dir: &Path, live: &std::collections::HashSet<u32>) 
 /// With `netns` and no jail, the vmm runs in that network namespace
 /// (`ip netns exec`, which execs the vmm in the same process); a jailed vmm
 /// joins its namespace through [`JailSpec::netns`].
+///
+/// `fs` are the virtiofsd processes serving the devices of `command`'s
+/// `--fs` (started first: the vmm connects to them as it starts); they
+/// become the vmm's, ended with it (killed if the vmm cannot be started).
 pub fn spawn(
     vmm: &Path,
     dir: &Path,
     mut command: VmmCommand,
     jail: Option<&JailSpec>,
     netns: Option<&str>,
+    fs: Started,
 ) -> Result<VmmProcess> {
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
@@ -317,7 +327,10 @@ pub fn spawn(
         .id()
         .ok_or_else(|| Error::Vmm("vmm exited before its pid was read".into()))?;
     let start_ticks = process_start_ticks(pid).unwrap_or(0);
+    let daemons = std::sync::Arc::new(Daemons::default());
+    daemons.adopt(fs);
     let (tx, rx) = watch::channel(None);
+    let ended = daemons.clone();
     tokio::spawn(async move {
         let status = match child.wait().await {
             Ok(s) => {
@@ -330,6 +343,8 @@ pub fn spawn(
             }
             Err(_) => ExitStatus::Unknown,
         };
+        // Its daemons go first, so whoever sees the exit sees them gone.
+        ended.end();
         let _ = tx.send(Some(status));
     });
     Ok(VmmProcess {
@@ -339,6 +354,7 @@ pub fn spawn(
         dir: dir.to_path_buf(),
         jailed: jail.is_some(),
         jail_uid: jail.map(|j| j.uid),
+        fs: daemons,
         jailed_vmm: std::sync::Mutex::new(None),
         exited: rx,
     })
@@ -346,8 +362,9 @@ pub fn spawn(
 
 /// Re-attaches to a vmm this host-agent (an earlier run of it) started:
 /// checks the pid still names the same process (start time) and watches it
-/// through a pidfd. `None` if the process is gone.
-pub fn attach(pid: u32, start_ticks: u64, dir: &Path) -> Option<VmmProcess> {
+/// through a pidfd. `None` if the process is gone. Its virtiofsd processes
+/// (recorded as [`Daemons::encode`] wrote them) are taken back with it.
+pub fn attach(pid: u32, start_ticks: u64, dir: &Path, fs_daemons: &str) -> Option<VmmProcess> {
     if pid == 0 || process_start_ticks(pid) != Some(start_ticks) || is_zombie(pid) {
         return None;
     }
@@ -369,10 +386,14 @@ pub fn attach(pid: u32, start_ticks: u64, dir: &Path) -> Option<VmmProcess> {
     // stays the same until the AsyncFd (which owns it) is dropped.
     let afd =
         unsafe { AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE) }.ok()?;
+    let daemons = std::sync::Arc::new(Daemons::default());
+    daemons.attach_recorded(fs_daemons);
+    let ended = daemons.clone();
     let (tx, rx) = watch::channel(None);
     tokio::spawn(async move {
         // A pidfd becomes readable when the process exits.
         let _ = afd.readable().await;
+        ended.end();
         let _ = tx.send(Some(ExitStatus::Unknown));
     });
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
@@ -394,6 +415,7 @@ pub fn attach(pid: u32, start_ticks: u64, dir: &Path) -> Option<VmmProcess> {
         dir: dir.to_path_buf(),
         jailed,
         jail_uid,
+        fs: daemons,
         jailed_vmm: std::sync::Mutex::new(None),
         exited: rx,
     })
@@ -461,6 +483,7 @@ mod tests {
             dir: PathBuf::new(),
             jailed: true,
             jail_uid: None,
+            fs: Default::default(),
             jailed_vmm: std::sync::Mutex::new(None),
             exited: rx,
         };

@@ -28,6 +28,9 @@ impl Session {
             .map_err(|e| error(Code::Internal, format!("session not started: {e}"), ""))?;
         let branch = session::branch_for(&req.session_id)
             .map_err(|e| error(Code::InvalidArgument, e.to_string(), ""))?;
+        // Before the clone: the shares the session's commands (and its
+        // build) read from are there when the first one runs.
+        let shares_note = mount_shares(&req, &cfg).await?;
         let ws = cfg.workspace.clone();
         let commit = session::clone_and_branch(bundle, &ws, &req.base_ref, &branch)
             .await
@@ -123,6 +126,16 @@ impl Session {
                 action: "session.size",
                 resource: &branch,
                 result: &size_note,
+                ..Default::default()
+            })
+            .await;
+        }
+        if !shares_note.is_empty() {
+            s.audit(Entry {
+                actor: "host",
+                action: "session.shares",
+                resource: &branch,
+                result: &shares_note,
                 ..Default::default()
             })
             .await;
@@ -484,6 +497,36 @@ async fn size_session(req: &StartSession, cfg: &Config) -> Result<(Turns, String
     .map_err(|e| error(Code::Internal, format!("session not started: {e}"), ""))?;
     done.extend(machine);
     Ok((turns, done.join(" ")))
+}
+
+/// Mounts the session's virtio-fs shares (StartSession's `mounts`; see
+/// [`crate::shares`]): returns what was done, for the audit log. They are
+/// checked in every mode, but mounted only where guest-init runs the
+/// machine (`own_machine`); elsewhere (a host process in tests) they are
+/// left out, and said so.
+async fn mount_shares(req: &StartSession, cfg: &Config) -> Result<String, Failure> {
+    if req.mounts.is_empty() {
+        return Ok(String::new());
+    }
+    let keep = [cfg.workspace.as_path(), cfg.state_dir.as_path()];
+    let plan = crate::shares::plan(&req.mounts, &keep).map_err(|e| {
+        error(
+            Code::InvalidArgument,
+            format!("session not started: {e}"),
+            "",
+        )
+    })?;
+    let what = crate::shares::describe(&plan);
+    if !cfg.own_machine {
+        tracing::warn!(shares = %what, "not PID 1: the session's shares are not mounted");
+        return Ok(format!("not mounted (not PID 1): {what}"));
+    }
+    tokio::task::spawn_blocking(move || crate::shares::apply(&plan))
+        .await
+        .map_err(|e| error(Code::Internal, e.to_string(), ""))?
+        .map_err(|e| error(Code::Internal, format!("session not started: {e}"), ""))?;
+    tracing::info!(shares = %what, "shares mounted");
+    Ok(format!("mounted {what}"))
 }
 
 /// How long a grown root disk may take to show its size in the guest.

@@ -220,6 +220,8 @@ pub struct SessionSpec {
     pub ask_timeout_ms: u32,
     /// StartSession's size fields (vcpus, mem_mib, root_disk_bytes).
     pub size: (u32, u32, u64),
+    /// StartSession's virtio-fs shares to mount.
+    pub mounts: Vec<proto::guest::Mount>,
 }
 
 impl SessionSpec {
@@ -233,6 +235,7 @@ impl SessionSpec {
             env: BTreeMap::new(),
             ask_timeout_ms: 0,
             size: (0, 0, 0),
+            mounts: vec![],
         }
     }
 }
@@ -407,6 +410,7 @@ impl Client {
             root_disk_bytes: spec.size.2,
             // Not PID 1: mixed into nothing (the test machine's pool stays).
             entropy: vec![7; 64],
+            mounts: spec.mounts.clone(),
         }))
         .await;
         let chunks: Vec<&[u8]> = bundle.chunks(1000).collect();

@@ -16,6 +16,16 @@ use crate::store::ImageRow;
 /// The Images service.
 pub struct ImagesApi(pub Arc<Manager>);
 
+/// RegisterImage's `shares` checked, their directories resolved under the
+/// share roots and their mount paths filled in, in the stored form.
+fn image_shares(mgr: &Manager, shares: &[pb::Share]) -> Result<String, Error> {
+    let mut shares = crate::shares::check_request("shares", shares)?;
+    crate::shares::resolve(mgr.share_roots.as_ref(), "shares", &mut shares)?;
+    crate::shares::fill_mount_paths(&mut shares);
+    crate::shares::check_distinct_mounts(&shares)?;
+    Ok(crate::shares::encode(&shares))
+}
+
 impl ImagesApi {
     /// RegisterImage from a session's snapshot (`from_session_id`).
     async fn register_from_session(
@@ -32,6 +42,7 @@ impl ImagesApi {
             ("mem_mib", r.mem_mib != 0),
             ("vcpus", r.vcpus != 0),
             ("guest_init", r.guest_init),
+            ("shares", !r.shares.is_empty()),
         ]
         .into_iter()
         .filter(|(_, given)| *given)
@@ -113,6 +124,11 @@ impl Images for ImagesApi {
                 &r.io_limits
             )
         );
+        // Only when given, so keys stored before shares still match.
+        let fp = match r.shares.is_empty() {
+            true => fp,
+            false => format!("{fp} shares:{:?}", r.shares),
+        };
         let mgr = &self.0;
         let img = idempotent(
             mgr,
@@ -135,8 +151,10 @@ impl Images for ImagesApi {
                     golden_built_at: 0,
                     io_limits: crate::io_limits::IoLimits::from_pb(r.io_limits.as_ref())?.encode(),
                     source_session: String::new(),
+                    shares: String::new(),
                 };
                 validate(&mut row, &mgr.image_roots)?;
+                row.shares = image_shares(mgr, &r.shares)?;
                 mgr.store.insert_image(&row)?;
                 Ok(image_pb(&row))
             },

@@ -131,6 +131,7 @@ pub fn image_pb(i: &ImageRow) -> pb::Image {
         initrd_path: i.initrd.clone(),
         io_limits: limits_pb(&i.io_limits),
         source_session_id: i.source_session.clone(),
+        shares: crate::shares::to_pb(&i.shares, &i.id),
     }
 }
 
@@ -177,6 +178,7 @@ pub fn session_pb(s: &SessionRow) -> pb::Session {
         snapshot_bytes: 0,
         auto_resume: s.auto_resume,
         parent_session_id: s.parent_session.clone(),
+        shares: crate::shares::to_pb(&s.shares, &s.id),
     }
 }
 

@@ -105,6 +105,7 @@ pub(crate) fn create_params(
             ("secrets", !r.secrets.is_empty()),
             ("secret_refs", !r.secret_refs.is_empty()),
             ("resources", sized),
+            ("shares", !r.shares.is_empty()),
         ]
         .into_iter()
         .filter_map(|(name, set)| set.then_some(name))
@@ -112,7 +113,8 @@ pub(crate) fn create_params(
         if !given.is_empty() {
             return Err(Error::invalid(format!(
                 "{}: image {:?} was made from session {}, and its sessions start as forks of \
-                 it, with its repository, agent, environment, secrets and size; leave these empty",
+                 it, with its repository, agent, environment, secrets, size and shares; leave \
+                 these empty",
                 given.join(", "),
                 image.id,
                 image.source_session
@@ -136,6 +138,10 @@ pub(crate) fn create_params(
         r.secret_refs,
         mgr.cfg.secrets_dir.as_deref(),
     )?;
+    // Shares: their form, then their directories under the share roots
+    // (merged with the image's at create).
+    let mut shares = crate::shares::check_request("shares", &r.shares)?;
+    crate::shares::resolve(mgr.share_roots.as_ref(), "shares", &mut shares)?;
     // The repository is used as it resolves now, and only under the roots.
     let repository = if r.repository_path.is_empty() {
         String::new()
@@ -161,6 +167,7 @@ pub(crate) fn create_params(
         session_env: Arc::new(session_env),
         resources: r.resources,
         auto_resume: r.auto_resume,
+        shares,
     })
 }
 

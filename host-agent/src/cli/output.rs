@@ -115,6 +115,7 @@ impl Record for pb::Image {
             "created_at": self.created_at,
             "golden_built_at": self.golden_built_at,
             "io_limits": self.io_limits.as_ref().map(limits_json),
+            "shares": shares_json(&self.shares),
         })
     }
 }
@@ -167,8 +168,24 @@ impl Record for pb::Session {
                 "cpu_millis": r.cpu_millis,
                 "disk_mib": r.disk_mib,
             })),
+            "shares": shares_json(&self.shares),
         })
     }
+}
+
+/// Shares as JSON, in device order.
+fn shares_json(shares: &[pb::Share]) -> Value {
+    shares
+        .iter()
+        .map(|s| {
+            json!({
+                "tag": s.tag,
+                "host_path": s.host_path,
+                "read_only": s.read_only,
+                "mount_path": s.mount_path,
+            })
+        })
+        .collect()
 }
 
 /// Rate limits as JSON: the fields that are set.
@@ -505,6 +522,12 @@ mod tests {
             image_id: "img".into(),
             state: pb::SessionState::Running as i32,
             vmm_pid: 42,
+            shares: vec![pb::Share {
+                tag: "cargo".into(),
+                host_path: "/srv/cargo".into(),
+                read_only: true,
+                mount_path: "/mnt/cargo".into(),
+            }],
             ..Default::default()
         };
         assert_eq!(
@@ -515,5 +538,7 @@ mod tests {
         assert_eq!(j["state"], "RUNNING");
         assert_eq!(j["vmm_pid"], 42);
         assert_eq!(j["limits"], Value::Null);
+        assert_eq!(j["shares"][0]["mount_path"], "/mnt/cargo");
+        assert_eq!(j["shares"][0]["read_only"], true);
     }
 }

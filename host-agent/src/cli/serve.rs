@@ -125,6 +125,18 @@ pub struct ServeArgs {
     /// which CreateSession's secret_refs name.
     #[arg(long)]
     secrets_dir: Option<PathBuf>,
+    /// A directory whose subdirectories images and sessions may share into
+    /// their VMs with virtio-fs (repeatable; replaces allowed_share_roots of
+    /// the config file; none: shares are refused).
+    #[arg(long)]
+    allowed_share_root: Vec<PathBuf>,
+    /// The virtiofsd binary serving shares [default: virtiofsd from PATH;
+    /// $AGENTVM_VIRTIOFSD wins over both].
+    #[arg(long)]
+    virtiofsd: Option<PathBuf>,
+    /// virtiofsd's --cache for every share [default: auto].
+    #[arg(long, value_enum)]
+    virtiofs_cache: Option<host_agent::shares::VirtiofsCache>,
     /// NATS server URL(s), comma-separated: export events, usage, asks and
     /// audit to JetStream, join the node registry, push and pull images.
     #[arg(long, value_name = "URL")]
@@ -275,6 +287,15 @@ pub async fn run_serve(a: ServeArgs) -> Result<(), String> {
     }
     if let Some(v) = a.secrets_dir {
         cfg.secrets_dir = Some(v);
+    }
+    if !a.allowed_share_root.is_empty() {
+        cfg.allowed_share_roots = a.allowed_share_root;
+    }
+    if let Some(v) = a.virtiofsd {
+        cfg.virtiofsd_path = Some(v);
+    }
+    if let Some(v) = a.virtiofs_cache {
+        cfg.virtiofs_cache = v;
     }
     let f = &mut cfg.fleet;
     for (field, flag) in [

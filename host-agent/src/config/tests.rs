@@ -139,3 +139,38 @@ fn schedule_settings_come_from_the_file_with_their_defaults() {
     assert_eq!(cfg.webhook_listen, Some("0.0.0.0:7071".parse().unwrap()));
     assert_eq!(cfg.schedule_retry_window_seconds, 30);
 }
+
+#[test]
+fn share_settings_come_from_the_file_with_their_defaults() {
+    use crate::shares::VirtiofsCache;
+    let cfg = Config::default();
+    assert!(
+        cfg.allowed_share_roots.is_empty(),
+        "no shares unless allowed"
+    );
+    assert_eq!(
+        (cfg.virtiofsd_path.as_deref(), cfg.virtiofs_cache),
+        (None, VirtiofsCache::Auto)
+    );
+    let cfg: Config = serde_json::from_str(
+        r#"{"allowed_share_roots": ["/srv/caches"], "virtiofsd_path": "/opt/virtiofsd",
+            "virtiofs_cache": "metadata"}"#,
+    )
+    .unwrap();
+    assert_eq!(cfg.allowed_share_roots, vec![PathBuf::from("/srv/caches")]);
+    assert_eq!(cfg.virtiofs_cache, VirtiofsCache::Metadata);
+    assert!(cfg.validate().is_ok());
+    if std::env::var_os(crate::shares::virtiofsd::ENV_VIRTIOFSD).is_none() {
+        assert_eq!(cfg.virtiofsd(), PathBuf::from("/opt/virtiofsd"));
+    }
+    for mode in ["auto", "always", "never", "metadata"] {
+        let cfg: Config =
+            serde_json::from_str(&format!(r#"{{"virtiofs_cache": "{mode}"}}"#)).unwrap();
+        assert_eq!(cfg.virtiofs_cache.as_str(), mode);
+    }
+    let err = serde_json::from_str::<Config>(r#"{"virtiofs_cache": "sometimes"}"#).unwrap_err();
+    assert!(err.to_string().contains("unknown variant"), "{err}");
+    let relative: Config = serde_json::from_str(r#"{"allowed_share_roots": ["caches"]}"#).unwrap();
+    let err = relative.validate().unwrap_err().to_string();
+    assert!(err.contains("allowed_share_roots"), "{err}");
+}

@@ -49,6 +49,11 @@ pub struct ImageMeta {
     /// bottom diff names it, resolves. Empty in a push from before moves.
     #[serde(default)]
     pub golden_layer: String,
+    /// Its shares, encoded as stored (their devices are in the golden
+    /// snapshot; the directories are checked against the pulling node's
+    /// roots whenever a VM starts). Empty in a push from before shares.
+    #[serde(default)]
+    pub shares: String,
 }
 
 /// Name prefix of the golden snapshot's files in a push.
@@ -148,6 +153,7 @@ impl Fleet {
             pushed_by: self.node.clone(),
             pushed_at: now_ms(),
             golden_layer,
+            shares: image.shares.clone(),
         };
         let meta = serde_json::to_value(&meta)
             .map_err(|e| Error::Fleet(format!("encoding image {id}'s manifest: {e}")))?;
@@ -287,6 +293,7 @@ impl Fleet {
             golden_built_at: meta.golden_built_at,
             io_limits: meta.io_limits,
             source_session: String::new(),
+            shares: meta.shares,
         };
         if image.kernel.is_empty() {
             return Err(Error::Corrupt(format!("image {id}'s push holds no kernel")));

@@ -74,6 +74,7 @@ impl Manager {
                 // At most 86400 s (Config::validate): fits in u32 ms.
                 ask_timeout_ms: (self.cfg.ask_timeout_seconds * 1000) as u32,
                 entropy: fresh_entropy()?,
+                mounts: self.shares_of(sess).iter().map(|s| s.to_mount()).collect(),
                 ..sizing
             }))
             .await?;

@@ -32,11 +32,34 @@ impl Manager {
             disk_bytes,
             self.cfg.jailed(),
         )?;
-        // Warm VMs are restored with the image's limits and size (an image
-        // made from a session has none).
+        // The session's shares: the image's (checked again: the roots or
+        // the directories may have changed) with its own.
+        let image_shares = self.image_shares(&image);
+        let mut checked = image_shares.clone();
+        crate::shares::resolve(
+            self.share_roots.as_ref(),
+            "the image's shares",
+            &mut checked,
+        )?;
+        let shares = crate::shares::merge(&checked, &p.shares)?;
+        // The golden snapshot has the image's shares' devices: a session
+        // with other tags boots the image instead.
+        let boot = !crate::shares::same_devices(&shares, &image_shares);
+        if boot && !image.source_session.is_empty() {
+            return Err(Error::FailedPrecondition(format!(
+                "image {:?} was made from session {}: its sessions start from its snapshot, \
+                 whose shares are {:?}; a session cannot change them",
+                image.id,
+                image.source_session,
+                crate::shares::tags(&image_shares)
+            )));
+        }
+        // Warm VMs are restored with the image's limits, size and shares
+        // (an image made from a session has none).
         let warm = limits.encode() == image.io_limits
             && size.is_image_default(&image, disk_bytes)
-            && image.source_session.is_empty();
+            && image.source_session.is_empty()
+            && shares == image_shares;
         let image = ImageRow {
             io_limits: limits.encode(),
             ..image
@@ -100,8 +123,12 @@ impl Manager {
             let now = now_ms();
             // The session holds the layer its memory descends from, so the
             // golden snapshot stays while the session may need it (a pause
-            // to disk writes a diff over it).
-            let base = match self.layers.golden(&image)? {
+            // to disk writes a diff over it). A booted one descends from none.
+            let golden = match boot {
+                true => None,
+                false => self.layers.golden(&image)?,
+            };
+            let base = match golden {
                 Some(g) => {
                     self.layers
                         .hold(&g.id, &crate::layers::session_holder(&id))?;
@@ -136,6 +163,7 @@ impl Manager {
                 resources: size.encode(),
                 base_layer: base,
                 auto_resume: p.auto_resume,
+                shares: crate::shares::encode(&shares),
                 ..Default::default()
             };
             if !p.idempotency_key.is_empty() {
@@ -158,6 +186,7 @@ impl Manager {
                 })?),
             };
             let sess = self.insert_session(row, image.clone());
+            sess.lock().boot = boot;
             if let Some(chain) = template {
                 let mut i = sess.lock();
                 i.restore_from = Some(chain);
@@ -311,8 +340,18 @@ impl Manager {
                 Err((e, _)) => return Err(e),
             }
         }
-        let from = match sess.lock().restore_from.as_ref().and_then(|c| c.last()) {
-            Some(top) => format!("from snapshot layer {}", top.id),
+        let (top, booted) = {
+            let i = sess.lock();
+            let top = i
+                .restore_from
+                .as_ref()
+                .and_then(|c| c.last())
+                .map(|l| l.id.clone());
+            (top, i.boot)
+        };
+        let from = match top {
+            Some(id) => format!("from snapshot layer {id}"),
+            None if booted => "booted (its shares are not the golden snapshot's devices)".into(),
             None => "from the golden snapshot".into(),
         };
         Ok(if failures.is_empty() {
@@ -393,6 +432,7 @@ impl Manager {
         i.row.vmm_pid = vmm.pid;
         i.row.vmm_start_ticks = vmm.start_ticks;
         i.row.jail_uid = vmm.jail_uid.unwrap_or(0);
+        i.row.fs_daemons = vmm.fs.encode();
         self.store.put_session(&i.row)
     }
 
@@ -441,6 +481,7 @@ impl Manager {
             i.guest = None;
             i.row.vmm_pid = 0;
             i.row.vmm_start_ticks = 0;
+            i.row.fs_daemons.clear();
             // The uid goes back to the range below, not with the session
             // (were it to fail, it would be released twice).
             i.row.jail_uid = 0;
@@ -454,7 +495,9 @@ impl Manager {
         Err((e, exited))
     }
 
-    /// A new vmm restoring the golden snapshot into `dir`, not yet adopted.
+    /// A new vmm restoring the golden snapshot into `dir` (or booting the
+    /// image, for a session whose shares are not the snapshot's devices),
+    /// its shares' virtiofsd started first; not yet adopted.
     pub(super) async fn spawn_cold(
         self: &Arc<Self>,
         sess: &Arc<Session>,
@@ -462,6 +505,9 @@ impl Manager {
         dir: &Path,
         grant: Option<&Grant>,
     ) -> Result<VmmProcess> {
+        if sess.lock().boot {
+            return self.spawn_boot(sess, image, dir, grant).await;
+        }
         let uid = self.allocate_jail_uid()?;
         // Recorded at once: a failure before the vmm is adopted fails the
         // session, which gives the uid back.
@@ -499,19 +545,24 @@ impl Manager {
         if let (Some(jail), Some(size)) = (jail.as_mut(), size) {
             jail.cpu_max = size.cpu_max();
         }
+        let mut command = args.into();
+        let fs = self
+            .launch_shares(dir, uid, &self.shares_of(sess), &mut command)
+            .await?;
         supervisor::spawn(
             &self.vmm_path,
             dir,
-            args.into(),
+            command,
             jail.as_ref(),
             netns.as_deref(),
+            fs,
         )
     }
 
     /// Makes the network of the session's VM in `dir`, with the policy of
     /// `grant` (the tap owned by the jail's `uid`); returns the namespace.
     /// Kept with the session, released when it ends.
-    async fn session_network(
+    pub(super) async fn session_network(
         self: &Arc<Self>,
         sess: &Arc<Session>,
         dir: &Path,

@@ -296,6 +296,8 @@ impl Manager {
                 base_layer: top.id.clone(),
                 auto_resume: row.auto_resume,
                 parent_session: row.id.clone(),
+                // The fork's devices are the source's: its shares too.
+                shares: row.shares.clone(),
                 ..Default::default()
             };
             let sess = self.insert_session(child, image.clone());

@@ -1,6 +1,7 @@
 //! Building an image's golden snapshot: boot it on a copy of its root disk
-//! in a fresh build directory, capture it (`images::capture`, shared with
-//! the `images golden` command), keep the disk and console with the
+//! (and with its shares' virtio-fs devices, their virtiofsd started for the
+//! build) in a fresh build directory, capture it (`images::capture`, shared
+//! with the `images golden` command), keep the disk and console with the
 //! snapshot, record it and replace the image's warm VMs.
 
 use ::images::capture::{capture, Capture, CaptureError, Ready};
@@ -111,6 +112,18 @@ impl Manager {
                     .to_string(),
                 );
             }
+            // The image's shares: the snapshot keeps their devices (guest-init
+            // mounts nothing before a session); their daemons end with the
+            // build (dropped below).
+            let launched = crate::shares::virtiofsd::launch(
+                mgr.fs_settings(),
+                &build,
+                None,
+                &mgr.image_shares(&image),
+            )
+            .await?;
+            boot.devices.fs = launched.specs;
+            let _fs = launched.daemons;
             let job = Capture {
                 vmm: mgr.vmm_path.clone(),
                 boot,

@@ -14,6 +14,7 @@
 //! lookups.
 
 mod asks;
+mod boot;
 mod channel;
 mod commands;
 mod create;
@@ -31,6 +32,7 @@ mod ports;
 mod recover;
 mod resolver;
 pub mod resources;
+mod shares;
 mod template;
 mod turns;
 mod warm;
@@ -103,6 +105,9 @@ pub struct CreateParams {
     pub session_env_digest: String,
     /// The session's size as asked (checked against the image at create).
     pub resources: Option<proto::hostagent::SessionResources>,
+    /// The session's own shares (checked, host paths resolved), merged
+    /// with the image's at create.
+    pub shares: Vec<crate::shares::Share>,
     /// Exec and Files calls resume it when it is paused to disk.
     pub auto_resume: bool,
 }
@@ -131,6 +136,11 @@ impl CreateParams {
         }
         if self.auto_resume {
             f.push_str(" auto_resume");
+        }
+        // Only when given, so keys stored before shares still match.
+        if !self.shares.is_empty() {
+            f.push_str(" shares:");
+            f.push_str(&crate::shares::encode(&self.shares));
         }
         // Only a keyed digest of the environment and secrets, and only when
         // there are some (so keys stored before them still match).
@@ -181,6 +191,10 @@ struct Inner {
     /// failed once it was asked for may have moved the vmm's own dirty
     /// tracking on, so a diff over the session's base would miss pages.
     full_layer_next: bool,
+    /// Its VM boots the image's kernel rather than restoring the golden
+    /// snapshot: its shares' tags are not the snapshot's (CreateSession
+    /// only; its later VMs restore its own layers).
+    boot: bool,
 }
 
 /// One session in memory.
@@ -260,6 +274,11 @@ pub struct Manager {
     pub image_roots: PathRoots,
     /// Where CreateSession's repository may lie.
     pub repository_roots: PathRoots,
+    /// Where shares' host directories may lie (`None`: no shares; see
+    /// [`crate::shares`]).
+    pub share_roots: Option<PathRoots>,
+    /// The virtiofsd binary serving shares.
+    pub virtiofsd_path: PathBuf,
     /// uids of jailed VMs.
     pub jail_uids: Arc<JailUids>,
     /// The node's network for sessions (`network` in the configuration).
@@ -298,6 +317,15 @@ impl Manager {
             "allowed-repository-root",
             &cfg.repository_roots(),
         )?;
+        let share_roots = match cfg.allowed_share_roots.as_slice() {
+            [] => None,
+            roots => Some(PathRoots::new(
+                crate::shares::ROOTS_SETTING,
+                crate::shares::ROOTS_FLAG,
+                roots,
+            )?),
+        };
+        let virtiofsd_path = cfg.virtiofsd();
         let store = Arc::new(Store::open(&cfg.state_dir.join("host-agent.db"))?);
         let fingerprint_key = crate::session_env::fingerprint::Key::load_or_create(&cfg.state_dir)?;
         let layers = Arc::new(crate::layers::Layers::open(&cfg.state_dir, store.clone())?);
@@ -323,6 +351,8 @@ impl Manager {
             golden_lock: tokio::sync::Mutex::new(()),
             image_roots,
             repository_roots,
+            share_roots,
+            virtiofsd_path,
             fingerprint_key,
             layers,
             fleet: std::sync::OnceLock::new(),
@@ -496,6 +526,7 @@ impl Manager {
                 restore_from: None,
                 fork_of: None,
                 full_layer_next: false,
+                boot: false,
             }),
             state,
         });

@@ -236,6 +236,7 @@ impl Manager {
         // The same network and CPU cap: the namespace outlives the old vmm.
         let vmm = self
             .spawn_from_chain(&sess, &image, &chain, old.jail_uid)
+            .await
             .map_err(fail)?;
         // Its memory descends from the snapshot from here on.
         let holder = crate::layers::session_holder(id);
@@ -246,6 +247,7 @@ impl Manager {
             i.vmm = Some(vmm.clone());
             i.row.vmm_pid = vmm.pid;
             i.row.vmm_start_ticks = vmm.start_ticks;
+            i.row.fs_daemons = vmm.fs.encode();
             i.row.base_layer = layer.id.clone();
             self.store.put_session(&i.row)
         };

@@ -111,9 +111,9 @@ impl Manager {
 
     /// A new vmm restoring `chain` for session `sess` (in its directory, as
     /// its jail `uid`, in its network namespace, under its CPU cap): the
-    /// replacement of its vmm on a rollback or a resume from disk. Not
-    /// adopted yet.
-    pub(super) fn spawn_from_chain(
+    /// replacement of its vmm on a rollback or a resume from disk, with
+    /// fresh virtiofsd processes for its shares. Not adopted yet.
+    pub(super) async fn spawn_from_chain(
         &self,
         sess: &Session,
         image: &ImageRow,
@@ -137,12 +137,17 @@ impl Manager {
         {
             jail.cpu_max = size.cpu_max();
         }
+        let mut command = args.into();
+        let fs = self
+            .launch_shares(&dir, uid, &self.shares_of(sess), &mut command)
+            .await?;
         supervisor::spawn(
             &self.vmm_path,
             &dir,
-            args.into(),
+            command,
             jail.as_ref(),
             netns.as_deref(),
+            fs,
         )
         .map(Arc::new)
     }
@@ -234,6 +239,7 @@ impl Manager {
             let kept = (i.vmm.take(), i.guest.take(), i.row.clone());
             i.row.vmm_pid = 0;
             i.row.vmm_start_ticks = 0;
+            i.row.fs_daemons.clear();
             i.row.persisted = true;
             if let (Some(m), Some(s)) = (i.meter.as_mut(), vmm.sample_pid().and_then(read_sample)) {
                 m.observe(s);
@@ -328,12 +334,14 @@ impl Manager {
         let uid = jailed.then_some(row.jail_uid);
         let vmm = self
             .spawn_from_chain(sess, &image, &chain, uid)
+            .await
             .map_err(fail)?;
         let recorded = {
             let mut i = sess.lock();
             i.vmm = Some(vmm.clone());
             i.row.vmm_pid = vmm.pid;
             i.row.vmm_start_ticks = vmm.start_ticks;
+            i.row.fs_daemons = vmm.fs.encode();
             i.row.persisted = false;
             self.store.put_session(&i.row)
         };
@@ -449,4 +457,5 @@ fn drop_vmm(sess: &Session, vmm: &VmmProcess) {
     i.guest = None;
     i.row.vmm_pid = 0;
     i.row.vmm_start_ticks = 0;
+    i.row.fs_daemons.clear();
 }

@@ -72,6 +72,19 @@ impl Manager {
             .map(|r| r.vmm_pid)
             .collect();
         supervisor::kill_orphans(&self.cfg.state_dir.join("sessions"), &live);
+        // virtiofsd processes whose VM is gone (its vmm's exit ends them,
+        // but one whose vmm never connected waits forever), or that a crash
+        // left unrecorded (warm VMs' among them).
+        let serving: std::collections::HashSet<u32> = self
+            .all()
+            .iter()
+            .filter_map(|s| s.vmm())
+            .flat_map(|v| v.fs.pids())
+            .collect();
+        let killed = crate::shares::virtiofsd::kill_orphans(&self.cfg.state_dir, &serving);
+        if killed > 0 {
+            tracing::info!(killed, "killed virtiofsd processes no VM uses");
+        }
         if let Some(node) = &self.network {
             // Networks of VMs that are gone, or that a crash left unrecorded,
             // and those of warm VMs (not kept across a restart: killed above
@@ -131,7 +144,12 @@ impl Manager {
             }
             return Ok(());
         }
-        let vmm = supervisor::attach(row.vmm_pid, row.vmm_start_ticks, &PathBuf::from(&row.dir));
+        let vmm = supervisor::attach(
+            row.vmm_pid,
+            row.vmm_start_ticks,
+            &PathBuf::from(&row.dir),
+            &row.fs_daemons,
+        );
         let Some(vmm) = vmm else {
             let detail = "vmm process gone while host-agent was not running";
             if state == S::Stopping as i32 {

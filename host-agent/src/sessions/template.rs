@@ -70,6 +70,8 @@ impl Manager {
                 .clone()
                 .unwrap_or_else(|| source_image.io_limits.clone()),
             source_session: row.id.clone(),
+            // Its snapshot has the session's virtio-fs devices.
+            shares: row.shares.clone(),
         };
         self.layers.hold(&layer.id, &image_holder(&image.id))?;
         if let Err(e) = self.store.insert_image(&image) {

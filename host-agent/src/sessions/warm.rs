@@ -30,12 +30,19 @@ impl Manager {
                 uid,
                 netns.as_deref(),
             );
+            // The image's shares: a session takes a warm VM only when its
+            // shares are exactly these.
+            let mut command = args.into();
+            let fs = self
+                .launch_shares(&dir, uid, &self.image_shares(image), &mut command)
+                .await?;
             supervisor::spawn(
                 &self.vmm_path,
                 &dir,
-                args.into(),
+                command,
                 jail.as_ref(),
                 netns.as_deref(),
+                fs,
             )
         }
         .await;

@@ -68,16 +68,18 @@ fn image_from_row(r: &Row<'_>) -> rusqlite::Result<ImageRow> {
         initrd: r.get(10)?,
         io_limits: r.get(11)?,
         source_session: r.get(12)?,
+        shares: r.get(13)?,
     })
 }
 
 const IMAGE_COLS: &str = "id, kernel, rootfs, cmdline, mem_mib, vcpus, guest_init, golden_dir, \
-    created_at, golden_built_at, initrd, io_limits, source_session";
+    created_at, golden_built_at, initrd, io_limits, source_session, shares";
 
 const SESSION_COLS: &str = "id, image_id, state, execution_id, reason, detail, created_at, \
     ready_at, ended_at, vmm_pid, vmm_start_ticks, dir, ttl_s, idle_s, labels, branch, \
     head_commit, last_activity, repository, agent, base_ref, owner, jail_uid, io_limits, \
-    vm_addresses, resources, base_layer, persisted, auto_resume, parent_session";
+    vm_addresses, resources, base_layer, persisted, auto_resume, parent_session, shares, \
+    fs_daemons";
 
 fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
     let labels: String = r.get(14)?;
@@ -113,6 +115,8 @@ fn session_from_row(r: &Row<'_>) -> rusqlite::Result<SessionRow> {
         persisted: r.get(27)?,
         auto_resume: r.get(28)?,
         parent_session: r.get(29)?,
+        shares: r.get(30)?,
+        fs_daemons: r.get(31)?,
     })
 }
 
@@ -253,7 +257,7 @@ impl Store {
             c.execute(
                 "INSERT OR IGNORE INTO images(id, kernel, rootfs, cmdline, mem_mib, vcpus, \
                  guest_init, golden_dir, created_at, golden_built_at, initrd, io_limits, \
-                 source_session) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13)",
+                 source_session, shares) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14)",
                 params![
                     img.id,
                     img.kernel,
@@ -267,7 +271,8 @@ impl Store {
                     img.golden_built_at,
                     img.initrd,
                     img.io_limits,
-                    img.source_session
+                    img.source_session,
+                    img.shares
                 ],
             )
         })?;
@@ -611,7 +616,7 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
         &format!(
             "INSERT OR REPLACE INTO sessions({SESSION_COLS}) VALUES \
              (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21,?22,?23,?24,?25,?26,\
-             ?27,?28,?29,?30)"
+             ?27,?28,?29,?30,?31,?32)"
         ),
         params![
             s.id,
@@ -643,7 +648,9 @@ fn put_session(c: &Connection, s: &SessionRow) -> rusqlite::Result<()> {
             s.base_layer,
             s.persisted,
             s.auto_resume,
-            s.parent_session
+            s.parent_session,
+            s.shares,
+            s.fs_daemons
         ],
     )?;
     Ok(())

@@ -33,6 +33,10 @@ pub struct ImageRow {
     /// For an image made from a session's snapshot: that session (its
     /// golden snapshot is a layer of that session's chain).
     pub source_session: String,
+    /// Host directories shared into its VMs, encoded by
+    /// [`crate::shares::encode`] (empty: none); its golden snapshot has a
+    /// virtio-fs device per share, in this order.
+    pub shares: String,
 }
 
 /// A session as persisted.
@@ -107,6 +111,12 @@ pub struct SessionRow {
     pub auto_resume: bool,
     /// The session it was forked from (or whose snapshot its image is).
     pub parent_session: String,
+    /// Its shares in force (the image's with its own), encoded by
+    /// [`crate::shares::encode`]; every VM of the session gets them.
+    pub shares: String,
+    /// The virtiofsd processes serving its vmm (`pid:start_ticks`, see
+    /// [`crate::shares::Daemons::encode`]), for a restarted host-agent.
+    pub fs_daemons: String,
 }
 
 /// One event: a session's lifecycle step, or a schedule's fire or run.

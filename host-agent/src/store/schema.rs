@@ -11,7 +11,7 @@ CREATE TABLE IF NOT EXISTS images(
   mem_mib INTEGER NOT NULL, vcpus INTEGER NOT NULL, guest_init INTEGER NOT NULL,
   golden_dir TEXT NOT NULL, created_at INTEGER NOT NULL, golden_built_at INTEGER NOT NULL,
   initrd TEXT NOT NULL DEFAULT '', io_limits TEXT NOT NULL DEFAULT '',
-  source_session TEXT NOT NULL DEFAULT '');
+  source_session TEXT NOT NULL DEFAULT '', shares TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS sessions(
   id TEXT PRIMARY KEY, image_id TEXT NOT NULL, state INTEGER NOT NULL, execution_id TEXT NOT NULL,
   reason TEXT NOT NULL, detail TEXT NOT NULL, created_at INTEGER NOT NULL, ready_at INTEGER NOT NULL,
@@ -23,7 +23,8 @@ CREATE TABLE IF NOT EXISTS sessions(
   io_limits TEXT NOT NULL DEFAULT '', vm_addresses TEXT NOT NULL DEFAULT '',
   resources TEXT NOT NULL DEFAULT '', base_layer TEXT NOT NULL DEFAULT '',
   persisted INTEGER NOT NULL DEFAULT 0, auto_resume INTEGER NOT NULL DEFAULT 0,
-  parent_session TEXT NOT NULL DEFAULT '');
+  parent_session TEXT NOT NULL DEFAULT '', shares TEXT NOT NULL DEFAULT '',
+  fs_daemons TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS events(
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, execution_id TEXT NOT NULL,
   at INTEGER NOT NULL, from_state INTEGER NOT NULL, to_state INTEGER NOT NULL,
@@ -195,6 +196,11 @@ pub(super) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
         ("events", "schedule_id", "TEXT NOT NULL DEFAULT ''"),
         ("events", "run_id", "INTEGER NOT NULL DEFAULT 0"),
         ("events", "trigger_id", "TEXT NOT NULL DEFAULT ''"),
+        // virtio-fs shares of images and sessions, and the daemons serving
+        // a session's VM.
+        ("images", "shares", "TEXT NOT NULL DEFAULT ''"),
+        ("sessions", "shares", "TEXT NOT NULL DEFAULT ''"),
+        ("sessions", "fs_daemons", "TEXT NOT NULL DEFAULT ''"),
     ] {
         if !has_column(conn, table, column)? {
             // Names and types are the constants just above.

@@ -190,6 +190,61 @@ fn a_sessions_jail_uid_is_kept_and_old_databases_gain_the_column() {
 }
 
 #[test]
+fn shares_are_kept_and_old_databases_gain_their_columns() {
+    let t = tempfile::tempdir().unwrap();
+    let path = t.path().join("db");
+    {
+        // The images and sessions tables as host-agent wrote them just
+        // before shares.
+        let c = Connection::open(&path).unwrap();
+        let before = SCHEMA
+            .replace(
+                ", shares TEXT NOT NULL DEFAULT '',\n  fs_daemons TEXT NOT NULL DEFAULT ''",
+                "",
+            )
+            .replace(", shares TEXT NOT NULL DEFAULT ''", "");
+        c.execute_batch(&before).unwrap();
+        assert!(!has_column_for_test(&c, "sessions", "fs_daemons"));
+        c.execute_batch(
+            "INSERT INTO images(id, kernel, rootfs, cmdline, mem_mib, vcpus, guest_init, \
+             golden_dir, created_at, golden_built_at) VALUES ('old','/k','','',64,1,1,'',1,0);",
+        )
+        .unwrap();
+    }
+    let store = Store::open(&path).unwrap();
+    assert_eq!(store.image("old").unwrap().unwrap().shares, "");
+    let shares =
+        r#"[{"tag":"cargo","host_path":"/srv/cargo","read_only":true,"mount_path":"/mnt/cargo"}]"#;
+    let img = ImageRow {
+        id: "new".into(),
+        kernel: "/k".into(),
+        shares: shares.into(),
+        ..Default::default()
+    };
+    store.insert_image(&img).unwrap();
+    let row = SessionRow {
+        id: "s".into(),
+        shares: shares.into(),
+        fs_daemons: "42:1000".into(),
+        ..Default::default()
+    };
+    store.put_session(&row).unwrap();
+    drop(store);
+    let store = Store::open(&path).unwrap();
+    assert_eq!(store.image("new").unwrap().unwrap(), img);
+    let back = store.session("s").unwrap().unwrap();
+    assert_eq!(
+        (back.shares.as_str(), back.fs_daemons.as_str()),
+        (shares, "42:1000")
+    );
+}
+
+/// Whether `table` has `column` (the migration's own check, for the test).
+fn has_column_for_test(c: &Connection, table: &str, column: &str) -> bool {
+    c.prepare(&format!("SELECT {column} FROM {table}")).is_ok()
+}
+
+#[test]
 fn the_last_audit_record_is_the_highest_seq_of_its_session() {
     let t = tempfile::tempdir().unwrap();
     let store = Store::open(&t.path().join("db")).unwrap();

@@ -34,18 +34,29 @@ pub struct Agent {
     pub addr: String,
     child: Option<Child>,
     extra: Vec<String>,
+    envs: Vec<(String, String)>,
     spawns: u32,
 }
 
 impl Agent {
     /// Starts host-agent on a fresh state directory with `extra` flags.
     pub fn start(extra: &[&str]) -> Agent {
+        Agent::start_with_env(extra, &[])
+    }
+
+    /// [`Agent::start`] with `envs` set in host-agent's environment (as
+    /// `AGENTVM_VIRTIOFSD`, say), on every start.
+    pub fn start_with_env(extra: &[&str], envs: &[(&str, &str)]) -> Agent {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut a = Agent {
             dir,
             addr: String::new(),
             child: None,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            envs: envs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             spawns: 0,
         };
         a.spawn();
@@ -86,6 +97,7 @@ impl Agent {
         let mut child = cmd
             .args(self.extra.iter().filter(|a| *a != "--no-test-defaults"))
             .env("RUST_LOG", "host_agent=debug,info")
+            .envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(Stdio::piped())
             .stderr(log)
             .spawn()

@@ -36,6 +36,11 @@ pub enum ImagesCmd {
         /// `net_tx_bandwidth=10M`, `disk_iops=500`.
         #[arg(long = "io-limit")]
         io_limit: Vec<String>,
+        /// A host directory shared into its VMs,
+        /// `TAG=HOST_PATH[,ro][,mount=GUEST_PATH]` (repeatable; the
+        /// directory must lie under the node's allowed_share_roots).
+        #[arg(long = "share")]
+        share: Vec<String>,
     },
     /// Build an image's golden snapshot.
     Build { id: String },
@@ -101,6 +106,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: ImagesCmd) -> Resu
             vcpus,
             guest_init,
             io_limit,
+            share,
         } => {
             let i = cl
                 .register_image(pb::RegisterImageRequest {
@@ -113,6 +119,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: ImagesCmd) -> Resu
                     vcpus,
                     guest_init,
                     io_limits: super::io_limits::parse(&io_limit)?,
+                    shares: super::shares::parse(&share)?,
                     ..Default::default()
                 })
                 .await

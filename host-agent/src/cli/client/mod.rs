@@ -21,6 +21,7 @@ mod node;
 mod schedules;
 mod session_env;
 mod sessions;
+mod shares;
 mod snapshots;
 mod triggers;
 mod turns;

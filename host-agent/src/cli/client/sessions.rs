@@ -36,6 +36,11 @@ pub enum SessionsCmd {
         /// (repeatable; tighter only, unless the client is an admin).
         #[arg(long = "io-limit")]
         io_limit: Vec<String>,
+        /// A host directory shared into the VM on top of the image's,
+        /// `TAG=HOST_PATH[,ro][,mount=GUEST_PATH]` (repeatable; an image
+        /// share's tag replaces that share).
+        #[arg(long = "share")]
+        share: Vec<String>,
         #[command(flatten)]
         size: SizeArgs,
         #[command(flatten)]
@@ -152,6 +157,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
             ttl,
             idle_timeout,
             io_limit,
+            share,
             size,
             labels,
             session_env,
@@ -175,6 +181,7 @@ pub async fn run(ch: Channel, bearer: Bearer, out: Output, c: SessionsCmd) -> Re
                 secret_refs,
                 resources: size.resources(),
                 auto_resume,
+                shares: super::shares::parse(&share)?,
             })
             .await
             .map_err(st)?

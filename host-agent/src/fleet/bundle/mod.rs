@@ -144,6 +144,11 @@ pub struct BundleSession {
     pub created_at: i64,
     /// First READY (Unix ms).
     pub ready_at: i64,
+    /// Its shares, encoded as recorded (its snapshot has their devices; the
+    /// directories are checked against the taking node's roots at resume).
+    /// Empty in a bundle from before shares.
+    #[serde(default)]
+    pub shares: String,
 }
 
 impl BundleSession {
@@ -168,6 +173,7 @@ impl BundleSession {
             parent_session: row.parent_session.clone(),
             created_at: row.created_at,
             ready_at: row.ready_at,
+            shares: row.shares.clone(),
         }
     }
 
@@ -208,6 +214,8 @@ impl BundleSession {
             persisted: true,
             auto_resume: self.auto_resume,
             parent_session: self.parent_session.clone(),
+            shares: self.shares.clone(),
+            fs_daemons: String::new(),
         }
     }
 }
