@@ -196,21 +196,45 @@ pub fn create_shared(
         })?,
     );
     let map_err = |reason: String| MemoryError::MapShared { mib, reason };
+    // Huge pages are reserved when mapped, so a host without enough of them
+    // fails here, with a message, rather than with SIGBUS on first touch.
+    let flags = if hugepages {
+        libc::MAP_SHARED
+    } else {
+        libc::MAP_SHARED | libc::MAP_NORESERVE
+    };
     let mut regions = Vec::with_capacity(ranges.len());
     let mut offset = 0u64;
     for &(gpa, len) in ranges {
         let mapping = MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::with_len(len))
             .with_file_offset(FileOffset::from_arc(file.clone(), offset))
             .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-            .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+            .with_mmap_flags(flags)
             .build()
-            .map_err(|e| map_err(e.to_string()))?;
+            .map_err(|e| {
+                map_err(if hugepages {
+                    format!(
+                        "{e} (not enough free 2 MiB huge pages: the host has {} free; raise \
+                         vm.nr_hugepages)",
+                        free_huge_pages().map_or("an unknown number".into(), |n| n.to_string())
+                    )
+                } else {
+                    e.to_string()
+                })
+            })?;
         let region = GuestRegionMmap::new(mapping, gpa)
             .ok_or_else(|| map_err(format!("region at {:#x} wraps", gpa.0)))?;
         regions.push(region);
         offset += len as u64;
     }
     GuestMemoryMmap::from_regions(regions).map_err(|e| map_err(e.to_string()))
+}
+
+/// The host's free huge pages (`HugePages_Free` in /proc/meminfo).
+fn free_huge_pages() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("HugePages_Free:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// A new memfd of `len` bytes (sparse until touched).
@@ -377,6 +401,18 @@ mod tests {
             create_shared(&odd, MemoryMode::SharedHugepages),
             Err(MemoryError::NotHugePageAligned(3))
         ));
+        // A host with too few huge pages refuses the mapping, saying so
+        // (rather than SIGBUS when the guest first touches its memory).
+        let want = 64u64;
+        if free_huge_pages().is_some_and(|free| free < want / 2) {
+            let ranges = [(GuestAddress(0), (want as usize) << 20)];
+            let Err(err) = create_shared(&ranges, MemoryMode::SharedHugepages) else {
+                panic!("64 MiB of huge pages mapped on a host without them");
+            };
+            assert!(err.to_string().contains("vm.nr_hugepages"), "{err}");
+        } else {
+            println!("skipped the no-huge-pages case: this host has free huge pages");
+        }
     }
 
     #[test]
