@@ -93,6 +93,9 @@ pub struct Fs {
     watching_kicks: bool,
     /// Guest memory completeness, for a restored device.
     memory_ready: MemoryReady,
+    /// This device's own descriptor of the memory-ready eventfd, which every
+    /// fs device of the VM watches (one epoll takes a descriptor only once).
+    memory_ready_watch: Option<EventFd>,
     /// The backend's state to load before its vrings start (a restore).
     state_to_load: Option<Vec<u8>>,
     /// The backend's state saved by the last `stop_for_snapshot`.
@@ -131,6 +134,7 @@ impl Fs {
             failed_evt: EventFd::new(libc::EFD_NONBLOCK).map_err(eventfd_err)?,
             watching_kicks: false,
             memory_ready: MemoryReady::now(),
+            memory_ready_watch: None,
             state_to_load: None,
             saved_state: None,
         })
@@ -374,6 +378,7 @@ impl MutEventSubscriber for Fs {
             }
             MEMORY_READY if self.memory_ready.is_ready() => {
                 let _ = ops.remove(events);
+                self.memory_ready_watch = None;
                 if self.rings == Rings::WaitingForMemory {
                     if let Err(e) = self.start_backend() {
                         self.fail(&e.to_string());
@@ -415,7 +420,13 @@ impl MutEventSubscriber for Fs {
         }
         add(Events::with_data(&self.failed_evt, FAILED, EventSet::IN));
         if let Some(evt) = self.memory_ready.eventfd() {
-            add(Events::with_data(evt, MEMORY_READY, EventSet::IN));
+            match evt.try_clone() {
+                Ok(own) => {
+                    add(Events::with_data(&own, MEMORY_READY, EventSet::IN));
+                    self.memory_ready_watch = Some(own);
+                }
+                Err(e) => self.fail(&format!("cannot watch guest memory readiness: {e}")),
+            }
         }
         for (i, call) in self.calls.iter().enumerate() {
             add(Events::with_data(call, CALL_BASE + i as u32, EventSet::IN));

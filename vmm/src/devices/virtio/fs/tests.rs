@@ -394,3 +394,43 @@ fn a_restored_device_waiting_for_memory_saves_the_state_it_was_given() {
     assert_eq!(state.backend_state, Some(vec![1, 2, 3]));
     assert!(state.common.activated);
 }
+
+/// Found by a real guest restored with `--memory-backend uffd` and two
+/// shares: both devices watched the one memory-ready eventfd in the one
+/// event loop, the second registration failed, and that share never started.
+#[test]
+fn every_share_of_a_lazily_restored_vm_starts_once_memory_is_complete() {
+    use event_manager::{EventManager, SubscriberOps};
+    let dir = tempfile::tempdir().unwrap();
+    let (ready, signal) = MemoryReady::pending().unwrap();
+    let mem = shared_memory();
+    let mut manager: EventManager<Arc<std::sync::Mutex<Fs>>> = EventManager::new().unwrap();
+    let mut devices = Vec::new();
+    for name in ["a", "b"] {
+        let sub = dir.path().join(name);
+        std::fs::create_dir(&sub).unwrap();
+        let (path, _rx) = fake_backend(&sub);
+        let mut fs = Fs::new(name, &path, 1).unwrap();
+        fs.memory_ready = ready.clone();
+        // Both devices' queues sit in the same pages: the fake only records.
+        let _mocks = activate_fs(&mut fs, &mem);
+        assert_eq!(fs.rings, Rings::WaitingForMemory);
+        let fs = Arc::new(std::sync::Mutex::new(fs));
+        manager.add_subscriber(fs.clone());
+        devices.push(fs);
+    }
+    signal.done();
+    for _ in 0..10 {
+        manager.run_with_timeout(100).unwrap();
+        if devices
+            .iter()
+            .all(|d| d.lock().unwrap().rings == Rings::Running)
+        {
+            break;
+        }
+    }
+    for d in &devices {
+        let d = d.lock().unwrap();
+        assert_eq!(d.rings, Rings::Running, "share {:?} never started", d.tag());
+    }
+}

@@ -50,7 +50,16 @@ const QUEUE_DRIVER_LOW: u64 = 0x90;
 const QUEUE_DRIVER_HIGH: u64 = 0x94;
 const QUEUE_DEVICE_LOW: u64 = 0xa0;
 const QUEUE_DEVICE_HIGH: u64 = 0xa4;
+const SHM_LEN_LOW: u64 = 0xb0;
+const SHM_LEN_HIGH: u64 = 0xb4;
+const SHM_BASE_LOW: u64 = 0xb8;
+const SHM_BASE_HIGH: u64 = 0xbc;
 const CONFIG_GENERATION: u64 = 0xfc;
+/// What SHMLen and SHMBase read as for a region that does not exist (every
+/// region: no device here has shared memory). Not 0: Linux's virtio-fs
+/// driver, built with DAX, takes a zero length at address 0 for a region,
+/// fails to reserve it and gives up on the device.
+pub const SHM_ABSENT: u32 = 0xffff_ffff;
 
 const S_ACK: u32 = VIRTIO_CONFIG_S_ACKNOWLEDGE;
 const S_DRIVER: u32 = VIRTIO_CONFIG_S_DRIVER;
@@ -216,6 +225,7 @@ impl MmioTransport {
             INTERRUPT_STATUS => self.interrupt.status(),
             STATUS => self.device_status,
             CONFIG_GENERATION => self.config_generation,
+            SHM_LEN_LOW | SHM_LEN_HIGH | SHM_BASE_LOW | SHM_BASE_HIGH => SHM_ABSENT,
             _ => {
                 tracing::debug!(offset, "read of unknown or write-only virtio-mmio register");
                 0

@@ -208,6 +208,20 @@ fn queue_notify_without_an_ioeventfd_signals_the_queue_event() {
     w(&mut t, QUEUE_NOTIFY_OFFSET, 9);
 }
 
+/// Found by a real Linux guest: its virtio-fs driver (with FUSE_DAX) read
+/// SHMLen 0 as a region of length 0 at 0, failed to reserve it and refused
+/// the device; an absent region reads as all ones (virtio 1.2, 4.2.2).
+#[test]
+fn shared_memory_regions_read_as_absent() {
+    let (mut t, _) = transport();
+    for sel in [0, 1, 7] {
+        w(&mut t, 0xac, sel);
+        for off in [SHM_LEN_LOW, SHM_LEN_HIGH, SHM_BASE_LOW, SHM_BASE_HIGH] {
+            assert_eq!(r(&mut t, off), SHM_ABSENT, "region {sel} offset {off:#x}");
+        }
+    }
+}
+
 #[test]
 fn config_space_reads_go_to_the_device() {
     let (mut t, _) = transport();
