@@ -177,6 +177,8 @@ mod tests {
             "CONFIG_VIRTIO_VSOCKETS",
             "CONFIG_HW_RANDOM_VIRTIO",
             "CONFIG_EXT4_FS",
+            "CONFIG_FUSE_FS",
+            "CONFIG_VIRTIO_FS",
             "CONFIG_SERIAL_8250_CONSOLE",
             "CONFIG_SERIO_I8042",
             "CONFIG_CGROUPS",

@@ -4,9 +4,10 @@
 # `RG-...` lines on the console; the scenario runner in L1 reads them.
 #
 # Kernel command line:
-#   rg.mode=boot|serial|virtio|tick|urandom   what to do (below)
+#   rg.mode=boot|serial|virtio|tick|urandom|share|fsperf|idle   what to do (below)
 #   rg.end=reboot|poweroff|none               how to end (default reboot)
 #   rg.ip=ADDR/PREFIX rg.peer=ADDR            virtio-net address and the L1 peer
+#   rg.files=N rg.rounds=N                    fsperf: files per metadata round, reads of each
 export PATH=/bin
 mount -t proc proc /proc
 mount -t sysfs sys /sys
@@ -18,6 +19,8 @@ mode=$(arg rg.mode)
 end=$(arg rg.end)
 ip4=$(arg rg.ip)
 peer=$(arg rg.peer)
+files=$(arg rg.files)
+rounds=$(arg rg.rounds)
 say() { echo "$*"; }
 hex() { od -An -tx1 | tr -d ' \n'; }
 
@@ -57,6 +60,60 @@ facts() {
 dmesg_all() {
 	dmesg -r | grep '^<[0-4]>' | sed 's/^/RG-DMESG: /'
 	dmesg | grep -E 'ACPI: |smpboot|x86/PAT|i8042|clocksource|vmgenid|virtio|MTRR|APIC' | sed 's/^/RG-KLOG: /'
+}
+
+# Kernel messages at warning level or worse since the last call (and clears them).
+new_warnings() {
+	dmesg -r -c | grep '^<[0-4]>' | sed 's/^/RG-DMESG: /'
+}
+
+# A write the read-only share must refuse:
+# "RG-FSRO <mount> <op> refused: <error>" or "RG-FSRO <mount> <op> succeeded".
+ro_try() {
+	where=$1 op=$2
+	shift 2
+	if out=$("$@" </dev/null 2>&1); then
+		say "RG-FSRO $where $op succeeded"
+	else
+		say "RG-FSRO $where $op refused: $(echo "$out" | tail -n 1)"
+	fi
+}
+ro_tries() {
+	ro_try "$2" create sh -c "echo new >$1/new.txt"
+	ro_try "$2" append sh -c "echo more >>$1/ro.txt"
+	ro_try "$2" mkdir mkdir "$1/newdir"
+	ro_try "$2" remove rm -f "$1/ro.txt"
+}
+
+# Answers lines from the console until "end": "ping" with RG-PONG (and the
+# share's small.txt when there is a share), "after TOKEN" with the checks
+# of a restored share guest (share mode).
+serve_console() {
+	while read -r cmd token; do
+		case "$cmd" in
+		ping)
+			if [ -d /mnt/rgshare ]; then
+				say "RG-PONG $(cat /mnt/rgshare/small.txt 2>&1)"
+			else
+				say "RG-PONG idle"
+			fi
+			;;
+		after)
+			say "RG-FS-AFTER-BIG $(sha256sum /mnt/rgshare/big.bin 2>&1 | cut -d' ' -f1)"
+			say "RG-FS-AFTER-HELD $(sha256sum <&3 2>&1 | cut -d' ' -f1)"
+			say "RG-FS-AFTER-NEW $(cat /mnt/rgshare/after.txt 2>&1)"
+			say "RG-FS-AFTER-RO $(cat /mnt/rgro/ro.txt 2>&1)"
+			if echo "$token" >/mnt/rgshare/after-guest.txt 2>/tmp/err; then
+				say "RG-FS-AFTER-WROTE ok"
+			else
+				say "RG-FS-AFTER-WROTE failed: $(cat /tmp/err)"
+			fi
+			new_warnings
+			say "RG-FS-AFTER-DONE"
+			;;
+		end) break ;;
+		esac
+	done
 }
 
 net_up() {
@@ -155,6 +212,79 @@ urandom)
 		i=$((i + 1))
 		sleep 1
 	done
+	;;
+share)
+	# Two virtio-fs shares: rgshare (read-write, holding big.bin, 100 MiB of
+	# the host's random bytes, and small.txt) and rgro (virtiofsd --readonly,
+	# holding ro.txt). Then, with big.bin held open on fd 3 and 1 MiB read
+	# from it, the runner snapshots the guest and restores it onto fresh
+	# virtiofsd processes, and sends "after TOKEN".
+	load_modules 2
+	mkdir -p /mnt/rgshare /mnt/rgro
+	if mount -t virtiofs rgshare /mnt/rgshare 2>/tmp/err; then
+		say "RG-FS-MOUNT ok $(grep ' /mnt/rgshare ' /proc/mounts)"
+	else
+		say "RG-FS-MOUNT failed: $(cat /tmp/err)"
+	fi
+	say "RG-FS-BIG $(sha256sum /mnt/rgshare/big.bin 2>&1 | cut -d' ' -f1)"
+	if echo "written by the guest" >/mnt/rgshare/from-guest.txt 2>/tmp/err; then
+		say "RG-FS-WROTE ok"
+	else
+		say "RG-FS-WROTE failed: $(cat /tmp/err)"
+	fi
+	if mount -t virtiofs -o ro rgro /mnt/rgro 2>/tmp/err; then
+		say "RG-FSRO-MOUNT ro ok $(grep ' /mnt/rgro ' /proc/mounts)"
+		say "RG-FSRO-READ ro $(cat /mnt/rgro/ro.txt 2>&1)"
+		ro_tries /mnt/rgro ro
+		umount /mnt/rgro
+	else
+		say "RG-FSRO-MOUNT ro failed: $(cat /tmp/err)"
+	fi
+	# Mounted read-write, the share is still read-only: virtiofsd refuses.
+	if mount -t virtiofs rgro /mnt/rgro 2>/tmp/err; then
+		say "RG-FSRO-MOUNT rw ok $(grep ' /mnt/rgro ' /proc/mounts)"
+		say "RG-FSRO-READ rw $(cat /mnt/rgro/ro.txt 2>&1)"
+		ro_tries /mnt/rgro rw
+	else
+		say "RG-FSRO-MOUNT rw failed: $(cat /tmp/err)"
+	fi
+	# (A failed redirection of exec would end this shell, PID 1.)
+	if [ -r /mnt/rgshare/big.bin ]; then
+		exec 3</mnt/rgshare/big.bin
+		dd bs=1M count=1 <&3 >/dev/null 2>&1
+	fi
+	new_warnings
+	say "RG-FS-SNAPSHOT-READY"
+	serve_console
+	;;
+fsperf)
+	# Sequential reads of the same 100 MiB file through virtio-fs (rgshare)
+	# and from an ext4 virtio-blk disk (/dev/vda), caches dropped before
+	# each, rg.rounds rounds alternating; then rg.files files created,
+	# stat'ed and unlinked on each.
+	load_modules 2
+	mkdir -p /mnt/rgshare /mnt/blk
+	mount -t virtiofs rgshare /mnt/rgshare 2>&1 | sed 's/^/RG-PERF-MOUNT rgshare: /'
+	mount -t ext4 /dev/vda /mnt/blk 2>&1 | sed 's/^/RG-PERF-MOUNT blk: /'
+	round=1
+	while [ "$round" -le "${rounds:-3}" ]; do
+		for where in rgshare blk; do
+			sync
+			echo 3 >/proc/sys/vm/drop_caches
+			say "RG-PERF read $where $round $(/mods/fsbench read /mnt/$where/big.bin 2>&1)"
+		done
+		round=$((round + 1))
+	done
+	for where in rgshare blk; do
+		mkdir -p /mnt/$where/meta
+		say "RG-PERF meta $where $(/mods/fsbench meta /mnt/$where/meta "${files:-500}" 2>&1)"
+	done
+	new_warnings
+	;;
+idle)
+	# A guest without shares for restore timings: answers pings.
+	say "RG-IDLE-READY"
+	serve_console
 	;;
 *)
 	say "RG-ERROR unknown rg.mode '$mode'"

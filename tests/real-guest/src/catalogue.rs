@@ -15,6 +15,10 @@ pub struct Group {
     pub scenarios: &'static [&'static str],
     /// Longest the whole group may take in one outer VM (boot included).
     pub limit: Duration,
+    /// Whether its scenarios serve the project's image (its root
+    /// filesystem, built with debootstrap on first use): prepared only for
+    /// a run that has such a group.
+    pub node_image: bool,
 }
 
 /// Every group, in the order `run` takes them.
@@ -31,6 +35,7 @@ pub const GROUPS: &[Group] = &[
             "serial-input",
         ],
         limit: Duration::from_secs(25 * 60),
+        node_image: false,
     },
     Group {
         name: "virtio",
@@ -43,6 +48,7 @@ pub const GROUPS: &[Group] = &[
             "virtio-vsock",
         ],
         limit: Duration::from_secs(20 * 60),
+        node_image: false,
     },
     Group {
         name: "snapshot",
@@ -55,6 +61,7 @@ pub const GROUPS: &[Group] = &[
             "clones-randomness",
         ],
         limit: Duration::from_secs(35 * 60),
+        node_image: false,
     },
     Group {
         name: "node",
@@ -72,6 +79,7 @@ pub const GROUPS: &[Group] = &[
             "pool-timing",
         ],
         limit: Duration::from_secs(40 * 60),
+        node_image: true,
     },
     Group {
         name: "network",
@@ -86,6 +94,20 @@ pub const GROUPS: &[Group] = &[
             "net-throughput",
         ],
         limit: Duration::from_secs(40 * 60),
+        node_image: true,
+    },
+    Group {
+        name: "share",
+        about: "virtio-fs shares served by virtiofsd: read, read-only, across a snapshot; fs/blk ratios",
+        scenarios: &[
+            "share-read",
+            "share-read-only",
+            "share-restore-file",
+            "share-restore-uffd",
+            "share-perf",
+        ],
+        limit: Duration::from_secs(40 * 60),
+        node_image: false,
     },
 ];
 

@@ -30,8 +30,12 @@ pub struct InnerEnv {
     pub cloud: GuestKernel,
     /// Debian's generic kernel (the outer VM's own; has the VMGENID driver).
     pub generic: GuestKernel,
-    /// The image the node scenarios serve.
-    pub node_image: NodeImage,
+    /// The image the node scenarios serve (prepared only for a run with a
+    /// group that needs it: see [`InnerEnv::node_image`]).
+    pub node_image: Option<NodeImage>,
+    /// The virtiofsd the share scenarios run (the host's, installed by
+    /// `prepare` if missing).
+    pub virtiofsd: PathBuf,
     /// A small ext4 image holding `hello.txt`, copied for each VM that writes it.
     pub test_disk: PathBuf,
     /// Read-write scratch directory shared with the host (results, logs).
@@ -57,6 +61,14 @@ impl InnerEnv {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         serde_json::from_str(&text).map_err(|e| format!("{} is not valid: {e}", path.display()))
+    }
+
+    /// The node image, or why there is none.
+    pub fn node_image(&self) -> Result<&NodeImage, String> {
+        self.node_image.as_ref().ok_or_else(|| {
+            "the node image was not prepared: its group is missing `node_image: true` in the catalogue"
+                .to_string()
+        })
     }
 
     /// Writes the environment file.

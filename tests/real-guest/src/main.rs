@@ -15,7 +15,7 @@ mod outer;
 mod prepare;
 mod report;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -136,17 +136,22 @@ fn run(args: RunArgs) -> Result<i32, String> {
         .to_path_buf();
     let cache = args.cache.unwrap_or_else(default_cache);
     std::fs::create_dir_all(&cache).map_err(|e| format!("{}: {e}", cache.display()))?;
-    let keep = [root.clone(), bin_dir.clone(), cache.clone()]
-        .into_iter()
-        .map(|p| std::fs::canonicalize(&p).map_err(|e| format!("{}: {e}", p.display())))
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut keep = vec![root.clone(), bin_dir.clone(), cache.clone()];
     let prepared = prepare::prepare(&prepare::PrepareOptions {
         cache,
         bin_dir,
         work: work.clone(),
+        node_image: groups.iter().any(|g| g.node_image),
         node_kernel: args.node_kernel,
     })
     .map_err(|e| format!("preparing the outer VM failed: {e}"))?;
+    // virtiofsd's directory (its install may lie under a /tmp the outer VM
+    // replaces).
+    keep.extend(prepared.env.virtiofsd.parent().map(Path::to_path_buf));
+    let keep = keep
+        .into_iter()
+        .map(|p| std::fs::canonicalize(&p).map_err(|e| format!("{}: {e}", p.display())))
+        .collect::<Result<Vec<_>, _>>()?;
     prepared.env.save(&work.join("env.json"))?;
     let qemu = which("qemu-system-x86_64")
         .ok_or("qemu-system-x86_64 is missing: apt-get install qemu-system-x86")?;

@@ -5,6 +5,7 @@
 mod groups;
 pub mod hang;
 pub mod net;
+pub mod virtiofsd;
 pub mod vm;
 pub mod vsock;
 

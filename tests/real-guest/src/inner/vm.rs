@@ -281,6 +281,12 @@ impl Guest {
         request(&mut self.control()?).map_err(|e| e.to_string())
     }
 
+    /// The VM's state. An answer means the vmm is serving its VM (for a
+    /// restore: the snapshot is loaded and the devices are set up).
+    pub fn status(&self) -> Result<StatusReply, String> {
+        self.with_control(Client::status)
+    }
+
     /// Parks every vCPU.
     pub fn pause(&self) -> Result<StatusReply, String> {
         self.with_control(Client::pause)

@@ -1,11 +1,14 @@
 //! Everything the outer VM needs, built on the host and cached outside the
 //! repository (default `~/.cache/agentvm/real-guest`), keyed by the inputs'
 //! versions and hashes, so a second run starts in seconds: Debian's kernels
-//! with their modules, the initramfs images, the test disk, the vsock tool,
-//! and the project's root filesystem (through the `images` recipe).
+//! with their modules, the initramfs images, the test disk, the guests'
+//! tools (vsock, file-system measurements), virtiofsd, and the project's
+//! root filesystem (through the `images` recipe, only for the groups that
+//! serve it).
 
 pub mod initramfs;
 pub mod kernels;
+pub mod virtiofsd;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -31,13 +34,15 @@ pub enum PrepareError {
 /// Result of a preparation step.
 pub type Result<T> = std::result::Result<T, PrepareError>;
 
-/// Modules the probe initramfs loads: the virtio transport and devices.
+/// Modules the probe initramfs loads: the virtio transport and devices
+/// (virtio-fs with FUSE under it: Debian builds both as modules).
 const PROBE_MODULES: &[&str] = &[
     "virtio_mmio",
     "virtio_blk",
     "virtio_net",
     "virtio-rng",
     "vmw_vsock_virtio_transport",
+    "virtiofs",
 ];
 /// Modules the boot initramfs loads before guest-init takes over: the
 /// probe's, plus what guest-init's nftables egress rules use.
@@ -47,6 +52,7 @@ const ROOTFS_MODULES: &[&str] = &[
     "virtio_net",
     "virtio-rng",
     "vmw_vsock_virtio_transport",
+    "virtiofs",
     "nf_tables",
     // `counter name X` (guest-init's denied counter); built into nf_tables
     // since Linux 6.2, a module of its own in Debian's 6.1.
@@ -103,6 +109,10 @@ pub struct PrepareOptions {
     /// `images kernel` output); `None` uses Debian's cloud kernel with the
     /// boot initramfs.
     pub node_kernel: Option<PathBuf>,
+    /// Whether to prepare the node image (its root filesystem is built
+    /// with debootstrap the first time): only the groups that serve it
+    /// need it.
+    pub node_image: bool,
 }
 
 /// The workspace root (this crate lives in `tests/real-guest`).
@@ -131,7 +141,17 @@ pub fn prepare(opts: &PrepareOptions) -> Result<Prepared> {
     let cloud = kernels::fetch(&opts.cache, &cloud_pkg)?;
     let generic = kernels::fetch(&opts.cache, &generic_pkg)?;
     let cloud_vmlinux = kernels::cloud_vmlinux(&opts.cache, &cloud)?;
-    let vsockcat = build_vsockcat(&opts.cache)?;
+    let vsockcat = build_static_tool(
+        &opts.cache,
+        "vsockcat",
+        include_bytes!("../../guest/vsockcat.c"),
+    )?;
+    let fsbench = build_static_tool(
+        &opts.cache,
+        "fsbench",
+        include_bytes!("../../guest/fsbench.c"),
+    )?;
+    let virtiofsd = virtiofsd::ensure()?;
 
     let probe = |k: &KernelPackage| {
         initramfs::build(
@@ -141,7 +161,10 @@ pub fn prepare(opts: &PrepareOptions) -> Result<Prepared> {
                 init: include_bytes!("../../guest/probe-init.sh"),
                 kernel: Some(k),
                 modules: PROBE_MODULES,
-                files: vec![(vsockcat.clone(), "mods/vsockcat".into())],
+                files: vec![
+                    (vsockcat.clone(), "mods/vsockcat".into()),
+                    (fsbench.clone(), "mods/fsbench".into()),
+                ],
             },
         )
     };
@@ -157,29 +180,10 @@ pub fn prepare(opts: &PrepareOptions) -> Result<Prepared> {
             files: Vec::new(),
         },
     )?;
-    let rootfs = build_rootfs()?;
-    let node_image = match &opts.node_kernel {
-        Some(k) => NodeImage {
-            kernel: k.clone(),
-            initrd: None,
-            rootfs,
-            kernel_origin: format!("{} (drivers built in)", k.display()),
-        },
-        None => NodeImage {
-            kernel: cloud_vmlinux.clone(),
-            initrd: Some(initramfs::build(
-                &opts.cache,
-                &initramfs::Spec {
-                    name: "boot-rootfs",
-                    init: include_bytes!("../../guest/rootfs-init.sh"),
-                    kernel: Some(&cloud),
-                    modules: ROOTFS_MODULES,
-                    files: Vec::new(),
-                },
-            )?),
-            rootfs,
-            kernel_origin: format!("{} with a module-loading initramfs", cloud.package),
-        },
+    let node_image = if opts.node_image {
+        Some(node_image(opts, &cloud, &cloud_vmlinux)?)
+    } else {
+        None
     };
     let test_disk = build_test_disk(&opts.cache)?;
     note(&format!("ready in {:.1} s", t0.elapsed().as_secs_f64()));
@@ -202,8 +206,42 @@ pub fn prepare(opts: &PrepareOptions) -> Result<Prepared> {
                 probe_initrd: generic_probe,
             },
             node_image,
+            virtiofsd,
             test_disk,
             work: opts.work.clone(),
+        },
+    })
+}
+
+/// The node image: the project's root filesystem, booted by the given
+/// kernel or by the cloud kernel through the module-loading initramfs.
+fn node_image(
+    opts: &PrepareOptions,
+    cloud: &KernelPackage,
+    cloud_vmlinux: &Path,
+) -> Result<NodeImage> {
+    let rootfs = build_rootfs()?;
+    Ok(match &opts.node_kernel {
+        Some(k) => NodeImage {
+            kernel: k.clone(),
+            initrd: None,
+            rootfs,
+            kernel_origin: format!("{} (drivers built in)", k.display()),
+        },
+        None => NodeImage {
+            kernel: cloud_vmlinux.to_path_buf(),
+            initrd: Some(initramfs::build(
+                &opts.cache,
+                &initramfs::Spec {
+                    name: "boot-rootfs",
+                    init: include_bytes!("../../guest/rootfs-init.sh"),
+                    kernel: Some(cloud),
+                    modules: ROOTFS_MODULES,
+                    files: Vec::new(),
+                },
+            )?),
+            rootfs,
+            kernel_origin: format!("{} with a module-loading initramfs", cloud.package),
         },
     })
 }
@@ -214,33 +252,32 @@ pub fn run(step: &str, cmd: &mut Command, dir: &Path) -> images::Result<String> 
     images::progress::run(step, cmd, images::progress::Echo::Quiet, dir)
 }
 
-/// The static AF_VSOCK tool the guests use.
-fn build_vsockcat(cache: &Path) -> Result<PathBuf> {
-    let source = include_bytes!("../../guest/vsockcat.c");
+/// A static tool the probe guests run (`guest/<name>.c`), built with gcc.
+fn build_static_tool(cache: &Path, name: &str, source: &[u8]) -> Result<PathBuf> {
     let mut inputs = Inputs::default();
     inputs
         .set("source", images::hash::bytes_sha256(source))
         .set(
             "gcc",
-            run("vsockcat", Command::new("gcc").arg("--version"), cache)?,
+            run(name, Command::new("gcc").arg("--version"), cache)?,
         );
-    let out = Entry::in_cache(cache, "vsockcat", inputs).get_or_build("vsockcat", |dir| {
-        let src = dir.join("vsockcat.c");
-        std::fs::write(&src, source).at(&src, "write vsockcat.c")?;
+    let out = Entry::in_cache(cache, name, inputs).get_or_build(name, |dir| {
+        let src = dir.join(format!("{name}.c"));
+        std::fs::write(&src, source).at(&src, "write the tool's source")?;
         run(
-            "vsockcat",
+            name,
             Command::new("gcc")
                 .args(["-static", "-O2", "-Wall", "-o"])
-                .arg(dir.join("vsockcat"))
+                .arg(dir.join(name))
                 .arg(&src),
             dir,
         )?;
         Ok(Built {
-            outputs: vec!["vsockcat".into()],
+            outputs: vec![name.into()],
             ..Default::default()
         })
     })?;
-    Ok(out.path("vsockcat"))
+    Ok(out.path(name))
 }
 
 /// A 64 MiB ext4 image holding `hello.txt`.

@@ -5,6 +5,7 @@ mod checks;
 mod network;
 mod node;
 mod pause_io;
+mod share;
 mod snapshot;
 mod virtio;
 
@@ -33,6 +34,8 @@ pub struct Fixtures {
     /// (after `agent`, so host-agent stops its sessions before the
     /// internet goes).
     net: Option<network::Net>,
+    /// The `share` group's directories and its snapshotted guest.
+    share: share::Fixtures,
 }
 
 /// `vmm run` of a probe guest (devices may be added).
@@ -84,6 +87,11 @@ pub fn run(ctx: &mut Ctx, name: &str) -> Check {
         "net-clones" => network::clones(ctx, name),
         "net-throughput" => network::throughput(ctx, name),
         "net-ipv6" => network::ipv6(ctx, name),
+        "share-read" => share::read(ctx, name),
+        "share-read-only" => share::read_only(ctx, name),
+        "share-restore-file" => share::restore(ctx, name, "file"),
+        "share-restore-uffd" => share::restore(ctx, name, "uffd"),
+        "share-perf" => share::perf(ctx, name),
         other => Err(format!("the runner has no scenario {other}")),
     }
 }

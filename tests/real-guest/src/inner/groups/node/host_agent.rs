@@ -75,7 +75,7 @@ impl HostAgent {
         // the node image's files and the scratch repository as the only
         // host paths requests may name.
         // A file's directory, and its target's where it is a link.
-        let img = &ctx.env.node_image;
+        let img = ctx.env.node_image()?;
         let image_roots: Vec<std::path::PathBuf> =
             [Some(&img.kernel), img.initrd.as_ref(), Some(&img.rootfs)]
                 .into_iter()

@@ -142,7 +142,7 @@ fn agent(ctx: &mut Ctx) -> Result<&HostAgent, String> {
 pub(super) fn register_and_build(ctx: &mut Ctx) -> Result<(), String> {
     let a = ctx.fixtures.agent.as_ref().ok_or("no host-agent")?;
     let ch = a.channel()?;
-    let request = image_request(ctx, IMAGE, 1);
+    let request = image_request(ctx, IMAGE, 1)?;
     let t0 = Instant::now();
     let built = a.block_on(async {
         let mut im = pb::images_client::ImagesClient::new(ch);
@@ -174,7 +174,9 @@ pub(super) fn register_and_build(ctx: &mut Ctx) -> Result<(), String> {
         "node-golden",
         &format!(
             "golden snapshot {} in {:.0} s ({})",
-            built.golden_snapshot_dir, ctx.fixtures.golden_secs, ctx.env.node_image.kernel_origin
+            built.golden_snapshot_dir,
+            ctx.fixtures.golden_secs,
+            ctx.env.node_image()?.kernel_origin
         ),
     );
     Ok(())
@@ -182,8 +184,12 @@ pub(super) fn register_and_build(ctx: &mut Ctx) -> Result<(), String> {
 
 /// RegisterImage of the node image (its kernel, initrd and root disk, 512
 /// MiB, guest-init) as `id` with `vcpus`.
-pub(super) fn image_request(ctx: &Ctx, id: &str, vcpus: u32) -> pb::RegisterImageRequest {
-    let img = &ctx.env.node_image;
+pub(super) fn image_request(
+    ctx: &Ctx,
+    id: &str,
+    vcpus: u32,
+) -> Result<pb::RegisterImageRequest, String> {
+    let img = ctx.env.node_image()?;
     let mut cmdline =
         "console=ttyS0 reboot=k panic=1 pci=off i8042.noaux i8042.nomux i8042.dumbkbd quiet \
          root=/dev/vda rw init=/sbin/init"
@@ -191,7 +197,7 @@ pub(super) fn image_request(ctx: &Ctx, id: &str, vcpus: u32) -> pb::RegisterImag
     if img.initrd.is_some() {
         cmdline.push_str(" rdinit=/init");
     }
-    pb::RegisterImageRequest {
+    Ok(pb::RegisterImageRequest {
         image_id: id.into(),
         kernel_path: img.kernel.display().to_string(),
         initrd_path: img
@@ -205,7 +211,7 @@ pub(super) fn image_request(ctx: &Ctx, id: &str, vcpus: u32) -> pb::RegisterImag
         vcpus,
         guest_init: true,
         ..Default::default()
-    }
+    })
 }
 
 /// Copies what host-agent and its VMs logged (its own log, the golden

@@ -98,8 +98,8 @@ fn number(s: &str) -> Option<u64> {
 
 fn sizing_flow(ctx: &mut Ctx, name: &str) -> Check {
     let repo = open_repository(ctx)?;
-    let request = image_request(ctx, SIZED_IMAGE, 2);
-    let disk_mib = std::fs::metadata(&ctx.env.node_image.rootfs)
+    let request = image_request(ctx, SIZED_IMAGE, 2)?;
+    let disk_mib = std::fs::metadata(&ctx.env.node_image()?.rootfs)
         .map_err(|e| format!("the node image's root disk: {e}"))?
         .len()
         .div_ceil(1 << 20)
