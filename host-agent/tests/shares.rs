@@ -578,7 +578,17 @@ async fn a_sessions_virtiofsd_outlives_a_killed_host_agent_and_orphans_are_kille
 
     // Restarted: the session's daemon is taken back, the stray one killed.
     agent.spawn();
-    let _ = stray.wait();
+    // Polled, not waited on: the fake guest answers the restarted
+    // host-agent from this test's (single-threaded) runtime, and a blocking
+    // wait would starve it while host-agent re-attaches the session.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while stray.try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted host-agent did not kill the stray virtiofsd"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(f.daemons(), serving, "only the session's daemon is left");
     let back = agent.get(&s.session_id).await;
     assert_eq!(back.state, S::Running as i32, "{back:?}");
