@@ -7,6 +7,10 @@
 //! take its state), a backend that dies under a running guest (between
 //! requests and with one pending), and fake backends (written here) that
 //! misbehave while the vmm sets them up.
+//!
+//! One file on purpose: every test here shares the virtiofsd launcher, the
+//! guest runner and the round parser, and splitting the hostile-backend
+//! tests out would move those helpers into a module for one other file.
 
 mod common;
 

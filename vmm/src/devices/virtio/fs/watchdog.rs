@@ -96,12 +96,11 @@ fn watch(shared: &Shared, fd: RawFd) {
                 if now >= deadline {
                     state.fired = true;
                     state.deadline = None;
-                    // SAFETY: shutdown(2) only changes the state of the socket;
-                    // the descriptor belongs to the backend connection, which
-                    // outlives this thread's use of it (the thread stops with
-                    // the Watchdog, dropped with the connection; a stale
-                    // descriptor number only makes shutdown fail with EBADF
-                    // or ENOTSOCK, and only a request's deadline triggers it).
+                    // The descriptor is the backend connection's, which outlives
+                    // this thread's use of it: the thread stops with the Watchdog,
+                    // dropped with the connection, and only a pending request's
+                    // deadline gets here (a stale number would only fail, EBADF).
+                    // SAFETY: shutdown(2) only changes the state of a socket.
                     unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
                     state
                 } else {
