@@ -240,7 +240,7 @@ pub async fn serve(
         }));
     let result = match listener {
         Listener::Tcp(l) => {
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+            let incoming = nodelay_incoming(l);
             router
                 .serve_with_incoming_shutdown(incoming, shutdown)
                 .await
@@ -310,4 +310,38 @@ pub async fn connect(
     ep.connect()
         .await
         .map_err(|e| format!("cannot connect to {addr}: {e}"))
+}
+
+/// The connections `listener` accepts, with TCP_NODELAY set: gRPC answers
+/// are small writes, and without it a burst of calls on one HTTP/2
+/// connection (a control plane creating 4 sessions at once) had every answer
+/// but the first wait about 40 ms for the client's delayed ACK (Nagle's
+/// algorithm), measured with `perf session-create`.
+fn nodelay_incoming(
+    listener: TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|conn| {
+        conn.inspect(|stream| {
+            if let Err(e) = stream.set_nodelay(true) {
+                tracing::debug!(error = %e, "cannot set TCP_NODELAY on a gRPC connection");
+            }
+        })
+    })
+}
+
+#[cfg(test)]
+mod nodelay_tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn grpc_connections_are_accepted_with_nodelay() {
+        use tokio_stream::StreamExt;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut incoming = Box::pin(nodelay_incoming(listener));
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let accepted = incoming.next().await.unwrap().unwrap();
+        assert!(accepted.nodelay().unwrap());
+    }
 }

@@ -24,7 +24,8 @@ pub struct Cli {
     /// cold-boot 20, restore 30, creation-rate 5 rounds, memory-overhead 5,
     /// snapshot-write 10, net-throughput 10, net-latency 10 rounds,
     /// network-setup 20, files-throughput 3, session-persist 5,
-    /// session-fork 5, fleet 10].
+    /// session-fork 5, session-create 200 per path, density 3 rounds per
+    /// count, fleet 10].
     #[arg(long, value_name = "N")]
     pub runs: Option<u32>,
     /// Warm-up runs discarded before measuring [default: 2, 1 with --quick].
@@ -75,6 +76,10 @@ pub struct Cli {
     /// pages [default: 5,25,100, i.e. 0.5 %, 2.5 %, 10 %].
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub dirty_permille: Option<Vec<u64>>,
+    /// How many idle sessions density restores at once from one snapshot,
+    /// a round per count [default: 10,50,100; 10 with --quick].
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub density_counts: Option<Vec<u64>>,
     /// Scratch folder for sockets and snapshots [default: a new folder in
     /// $TMPDIR]; removed at the end. Put it on the disk you want snapshots
     /// written to.
@@ -96,6 +101,9 @@ pub enum ScenarioArg {
     CreationRate,
     /// VMM resident memory minus guest memory touched.
     MemoryOverhead,
+    /// Rss and Pss of N idle VMs restored at once from one 512 MiB
+    /// snapshot, and how many fit in this host's memory.
+    Density,
     /// Full and diff (1 %, 10 % dirty) snapshot write time.
     SnapshotWrite,
     /// Frames/s and MiB/s through virtio-net, each way, 1514- and 64-byte frames.
@@ -110,6 +118,9 @@ pub enum ScenarioArg {
     SessionPersist,
     /// ForkSession of 1 and of 10 sessions until all are RUNNING (host-agent).
     SessionFork,
+    /// CreateSession until READY, 4 in flight, from the warm pool and from
+    /// the golden snapshot (host-agent).
+    SessionCreate,
     /// Two nodes over NATS JetStream: event export latency, image pull
     /// throughput, time to a first session on a node without the image (host-agent).
     Fleet,
@@ -126,6 +137,7 @@ impl ScenarioArg {
             ScenarioArg::RestoreMemory => "restore-memory",
             ScenarioArg::CreationRate => "creation-rate",
             ScenarioArg::MemoryOverhead => "memory-overhead",
+            ScenarioArg::Density => "density",
             ScenarioArg::SnapshotWrite => "snapshot-write",
             ScenarioArg::NetThroughput => "net-throughput",
             ScenarioArg::NetLatency => "net-latency",
@@ -133,6 +145,7 @@ impl ScenarioArg {
             ScenarioArg::FilesThroughput => "files-throughput",
             ScenarioArg::SessionPersist => "session-persist",
             ScenarioArg::SessionFork => "session-fork",
+            ScenarioArg::SessionCreate => "session-create",
             ScenarioArg::Fleet => "fleet",
             ScenarioArg::All => "all",
         }

@@ -12,6 +12,7 @@ pub mod error;
 pub mod guests;
 pub mod machine;
 pub mod netns;
+pub mod phases;
 pub mod process;
 pub mod report;
 pub mod results;
@@ -39,6 +40,10 @@ pub const DEFAULT_MEM_SIZES: &[u64] = &[128, 1024, 4096];
 /// Default dirty fractions of session-persist, thousandths of the guest's
 /// pages: 0.5 %, 2.5 %, 10 %.
 pub const DEFAULT_DIRTY_PERMILLE: &[u64] = &[5, 25, 100];
+/// Default numbers of idle sessions density restores at once.
+pub const DEFAULT_DENSITY_COUNTS: &[u64] = &[10, 50, 100];
+/// Most sessions density restores at once.
+pub const MAX_DENSITY_COUNT: u64 = 10_000;
 
 /// What a run produced.
 pub struct Outcome {
@@ -123,6 +128,23 @@ pub fn run(cli: Cli) -> Result<Outcome> {
                 .into(),
         ));
     }
+    let density_counts = cli.density_counts.clone().unwrap_or_else(|| {
+        if cli.quick {
+            vec![DEFAULT_DENSITY_COUNTS[0]]
+        } else {
+            DEFAULT_DENSITY_COUNTS.to_vec()
+        }
+    });
+    if density_counts.is_empty()
+        || density_counts
+            .iter()
+            .any(|&n| n == 0 || n > MAX_DENSITY_COUNT)
+    {
+        return Err(PerfError::Usage(format!(
+            "--density-counts needs a comma-separated list of counts from 1 to \
+             {MAX_DENSITY_COUNT}, e.g. 10,50,100"
+        )));
+    }
     if cli.timeout_secs == 0 {
         return Err(PerfError::Usage("--timeout-secs must be at least 1".into()));
     }
@@ -142,6 +164,7 @@ pub fn run(cli: Cli) -> Result<Outcome> {
         net_pings: cli.net_pings,
         session_mem_mib,
         dirty_permille,
+        density_counts,
     };
     let mut backends: Vec<Box<dyn Backend>> = vec![Box::new(VmmBackend::with_memory(
         vmm.clone(),

@@ -78,6 +78,8 @@ pub struct VmProcess {
     what: String,
     pid: libc::pid_t,
     started: Instant,
+    /// `started` as CLOCK_MONOTONIC ns, for the vmm's own phase marks.
+    started_ns: u64,
     shared: Arc<Shared>,
     exit: Option<Exit>,
 }
@@ -96,6 +98,7 @@ impl VmProcess {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         let started = Instant::now();
+        let started_ns = crate::phases::now_ns();
         let mut child = cmd.spawn().map_err(|source| PerfError::Spawn {
             path: program.to_path_buf(),
             source,
@@ -110,6 +113,7 @@ impl VmProcess {
             what: what.into(),
             pid,
             started,
+            started_ns,
             shared: Arc::new(Shared::default()),
             exit: None,
         };
@@ -140,7 +144,17 @@ impl VmProcess {
         self.pid as u32
     }
 
-    /// When the process was spawned (taken just before `fork`).
+    /// CLOCK_MONOTONIC ns read just before `fork`.
+    pub fn started_ns(&self) -> u64 {
+        self.started_ns
+    }
+
+    /// `at` (an instant after the spawn) as CLOCK_MONOTONIC ns.
+    pub fn monotonic_ns(&self, at: Instant) -> u64 {
+        crate::phases::instant_ns(self.started, self.started_ns, at)
+    }
+
+    /// The instant immediately before the spawn.
     pub fn started(&self) -> Instant {
         self.started
     }

@@ -67,6 +67,9 @@ pub struct Settings {
     /// Dirty fractions of session-persist, thousandths of the guest's pages.
     #[serde(default)]
     pub dirty_permille: Vec<u64>,
+    /// How many sessions density restores at once, one round per count.
+    #[serde(default)]
+    pub density_counts: Vec<u64>,
 }
 
 /// How a scenario ended.

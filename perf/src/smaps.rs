@@ -80,9 +80,64 @@ pub fn parse(text: &str, snapshot: Option<&Path>) -> Residency {
     r
 }
 
+/// Resident memory of one process from /proc/PID/smaps_rollup, in KiB.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Rollup {
+    /// Resident set: every page the process maps that is in memory, shared
+    /// ones counted in full.
+    pub rss_kib: u64,
+    /// Proportional set: each page divided by the number of processes
+    /// mapping it, so pages shared by N processes count 1/N in each.
+    pub pss_kib: u64,
+}
+
+/// Reads /proc/`pid`/smaps_rollup.
+pub fn rollup(pid: u32) -> Result<Rollup> {
+    let path = format!("/proc/{pid}/smaps_rollup");
+    let text = std::fs::read_to_string(&path).map_err(PerfError::io("cannot read", &path))?;
+    parse_rollup(&text)
+        .ok_or_else(|| PerfError::Guest(format!("{path} has no Rss: and Pss: lines: {text:?}")))
+}
+
+/// Parses the text of an smaps_rollup file; `None` without both lines.
+pub fn parse_rollup(text: &str) -> Option<Rollup> {
+    let field = |name: &str| {
+        text.lines().find_map(|l| {
+            let mut words = l.split_whitespace();
+            (words.next() == Some(name))
+                .then(|| words.next()?.parse::<u64>().ok())
+                .flatten()
+        })
+    };
+    Some(Rollup {
+        rss_kib: field("Rss:")?,
+        pss_kib: field("Pss:")?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rollup_gives_rss_and_pss() {
+        let text = "\
+55d0c0000000-7ffd5a5fe000 ---p 00000000 00:00 0                          [rollup]
+Rss:                5120 kB
+Pss:                2048 kB
+Pss_Dirty:          1024 kB
+Pss_Anon:           1000 kB
+Shared_Clean:       3072 kB
+";
+        assert_eq!(
+            parse_rollup(text),
+            Some(Rollup {
+                rss_kib: 5120,
+                pss_kib: 2048
+            })
+        );
+        assert_eq!(parse_rollup("Rss: 1 kB\n"), None);
+    }
 
     const SAMPLE: &str = "\
 55d0c0000000-55d0c0100000 r-xp 00000000 fd:01 123 /usr/bin/vmm

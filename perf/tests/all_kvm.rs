@@ -31,17 +31,14 @@ fn every_scenario_runs_once_with_the_real_vmm() {
             "64",
             "--dirty-permille",
             "10",
+            "--density-counts",
+            "2",
             "--out",
         ])
         .arg(&out)
         .output()
         .expect("run perf");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "stdout:\n{stdout}\nstderr:\n{stderr}"
-    );
+    common::assert_success(&output);
     let json = common::check_reports(&out);
     let scenarios = json["scenarios"].as_array().unwrap();
     let names: Vec<&str> = scenarios
@@ -56,6 +53,7 @@ fn every_scenario_runs_once_with_the_real_vmm() {
             "restore-memory",
             "creation-rate",
             "memory-overhead",
+            "density",
             "snapshot-write",
             "net-throughput",
             "net-latency",
@@ -63,6 +61,7 @@ fn every_scenario_runs_once_with_the_real_vmm() {
             "files-throughput",
             "session-persist",
             "session-fork",
+            "session-create",
             "fleet"
         ]
     );
@@ -118,6 +117,9 @@ fn every_scenario_runs_once_with_the_real_vmm() {
         }
         for (scenario, id) in [
             ("restore", "restore.latency.mem64"),
+            ("restore", "restore.phase.snapshot-read.mem64"),
+            ("restore", "restore.phase.first-run.mem64"),
+            ("restore", "restore.phase.first-output.mem64"),
             ("memory-overhead", "memory-overhead.restored.mem64"),
             ("snapshot-write", "snapshot-write.full.mem64"),
             ("snapshot-write", "snapshot-write.diff-10permille.mem64"),
@@ -127,6 +129,10 @@ fn every_scenario_runs_once_with_the_real_vmm() {
                 "session-persist.persist.10permille.mem64",
             ),
             ("session-fork", "session-fork.fork10.mem256"),
+            ("session-create", "session-create.warm-pool.latency"),
+            ("session-create", "session-create.golden.latency"),
+            ("density", "density.pss-sum.n2"),
+            ("density", "density.rss-sum.n2"),
         ] {
             let m = common::metric(&json, scenario, id);
             assert_eq!(m["samples"].as_array().unwrap().len(), 1, "{m:#}");

@@ -5,6 +5,16 @@ mod common;
 
 use std::process::Command;
 
+/// The measured samples of metric `m`.
+fn samples(m: &serde_json::Value) -> Vec<f64> {
+    m["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_f64().unwrap())
+        .collect()
+}
+
 #[test]
 fn cold_boot_runs_end_to_end_and_writes_valid_reports() {
     common::build_vmm();
@@ -14,12 +24,7 @@ fn cold_boot_runs_end_to_end_and_writes_valid_reports() {
         .arg(&out)
         .output()
         .expect("run perf");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "perf failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
-    );
+    let stdout = common::assert_success(&output);
 
     let json = common::check_reports(&out);
     assert_eq!(json["settings"]["scenario"], "cold-boot");
@@ -36,22 +41,48 @@ fn cold_boot_runs_end_to_end_and_writes_valid_reports() {
         for field in ["n", "min", "max", "mean", "median", "p90", "p99"] {
             assert!(summary[field].is_number(), "summary lacks {field}: {m:#}");
         }
-        assert!(m["samples"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|s| s.as_f64().unwrap() >= 0.0));
+        assert!(samples(m).iter().all(|s| *s >= 0.0), "{m:#}");
     }
     // The vmm's own breakdown: ACPI and MP table construction, in µs.
     for id in ["cold-boot.acpi-tables", "cold-boot.mp-table"] {
         let m = common::metric(&json, "cold-boot", id);
         assert_eq!(m["unit"], "us");
         assert_eq!(m["samples"].as_array().unwrap().len(), 2, "{m:#}");
-        assert!(m["samples"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|s| s.as_f64().unwrap() > 0.0));
+        assert!(samples(m).iter().all(|s| *s > 0.0), "{m:#}");
+    }
+    // The start-up phases the vmm marks, in the order they happen, then
+    // perf's own events (first output, reaped), each run once per sample.
+    let steps = [
+        "main",
+        "seccomp-compiled",
+        "memory-mapped",
+        "kernel-loaded",
+        "vm-created",
+        "devices-created",
+        "vcpus-created",
+        "first-run",
+        "first-output",
+        "vm-ended",
+        "reaped",
+    ];
+    let ids: Vec<String> = json["scenarios"][0]["metrics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .filter(|id| id.starts_with("cold-boot.phase."))
+        .map(String::from)
+        .collect();
+    let want: Vec<String> = steps
+        .iter()
+        .map(|s| format!("cold-boot.phase.{s}"))
+        .collect();
+    assert_eq!(ids, want, "phase metrics, in start-up order");
+    for id in &want {
+        let m = common::metric(&json, "cold-boot", id);
+        assert_eq!(m["unit"], "us");
+        assert_eq!(m["samples"].as_array().unwrap().len(), 2, "{m:#}");
+        assert!(samples(m).iter().all(|s| *s >= 0.0), "{m:#}");
     }
     // First output comes before the exit in every run.
     let wall = common::metric(&json, "cold-boot", "cold-boot.wall")["samples"].clone();
@@ -78,7 +109,11 @@ fn cold_boot_runs_end_to_end_and_writes_valid_reports() {
         .descendants()
         .filter(|n| n.has_tag_name("circle"))
         .count();
-    assert_eq!(dots, 10, "one dot per measured sample of the five metrics");
+    assert_eq!(
+        dots,
+        2 * (5 + want.len()),
+        "one dot per measured sample of the five metrics and the phases"
+    );
     assert!(stdout.contains("wrote"), "{stdout}");
     let _ = std::fs::remove_dir_all(&out);
 }

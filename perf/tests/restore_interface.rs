@@ -1,4 +1,4 @@
-//! The restore, creation-rate, memory-overhead and snapshot-write scenarios
+//! The restore, creation-rate, memory-overhead, density and snapshot-write scenarios
 //! driven end to end through the snapshot/restore interface of issue 3
 //! (`vmm restore --snapshot DIR`, control op `snapshot`) and through
 //! Firecracker's API, against tests/support/fake_vmm.py: a stand-in that
@@ -70,6 +70,8 @@ fn restore_scenarios_run_against_the_snapshot_interface_and_compare() {
             "64",
             "--net-pings",
             "2",
+            "--density-counts",
+            "2",
             "--vmm",
             vmm.to_str().unwrap(),
             "--vs-firecracker",
@@ -90,6 +92,7 @@ fn restore_scenarios_run_against_the_snapshot_interface_and_compare() {
         "restore",
         "creation-rate",
         "memory-overhead",
+        "density",
         "snapshot-write",
     ] {
         assert_eq!(
@@ -100,7 +103,7 @@ fn restore_scenarios_run_against_the_snapshot_interface_and_compare() {
         );
     }
     // host-agent drives only the vmm of its own release, never the fake.
-    for name in ["session-persist", "session-fork"] {
+    for name in ["session-persist", "session-fork", "session-create"] {
         let s = scenario(&json, name);
         assert_eq!(s["status"], "skipped", "{s:#}");
         assert!(
@@ -144,6 +147,8 @@ fn restore_scenarios_run_against_the_snapshot_interface_and_compare() {
         "snapshot-write.full.mem64",
         "snapshot-write.diff-10permille.mem64",
         "snapshot-write.diff-100permille.mem64",
+        "density.pss-sum.n2",
+        "density.fit-in-host.n2",
     ] {
         let scenario_name = id.split('.').next().unwrap();
         let m = common::metric(&json, scenario_name, id);
@@ -159,9 +164,12 @@ fn restore_scenarios_run_against_the_snapshot_interface_and_compare() {
     );
     // Every metric was measured on both, so every one has a ratio.
     let comparisons = json["comparisons"].as_array().unwrap();
-    assert!(comparisons
-        .iter()
-        .any(|c| c["id"] == "restore.latency.mem64"));
+    for id in ["restore.latency.mem64", "density.pss-sum.n2"] {
+        assert!(
+            comparisons.iter().any(|c| c["id"] == id),
+            "no vmm/Firecracker ratio for {id}"
+        );
+    }
     assert!(comparisons
         .iter()
         .all(|c| c["ratio"].is_number() || c["ratio"].is_null()));
@@ -195,6 +203,8 @@ fn without_restore_the_restore_scenarios_are_skipped_not_failed() {
             "64",
             "--net-pings",
             "2",
+            "--density-counts",
+            "2",
             "--vmm",
             vmm.to_str().unwrap(),
         ],
@@ -204,7 +214,7 @@ fn without_restore_the_restore_scenarios_are_skipped_not_failed() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "stderr:\n{stderr}");
     let json = common::check_reports(&out);
-    for name in ["restore", "creation-rate", "snapshot-write"] {
+    for name in ["restore", "creation-rate", "snapshot-write", "density"] {
         let s = scenario(&json, name);
         assert_eq!(s["status"], "skipped", "{s:#}");
         assert_eq!(s["reason"], "skipped: vmm has no restore");

@@ -1,4 +1,5 @@
-//! session-persist and session-fork once each, tiny, through a real
+//! session-persist, session-fork and session-create once each, tiny,
+//! through a real
 //! host-agent (the workspace's, built next to perf) with the workspace's
 //! vmm under real KVM: their metrics in results.json, and that a session
 //! paused to disk writes the pages its guest dirtied, not its memory.
@@ -17,13 +18,21 @@ fn have_kvm() -> bool {
     ok
 }
 
-/// Runs perf with `args` into `out` and returns results.json's scenario.
+/// Runs perf with `args` (and one run, no warm-up) into `out` and returns
+/// results.json's scenario.
 fn run(args: &[&str], out: &Path) -> serde_json::Value {
+    let mut all = args.to_vec();
+    all.extend(["--runs", "1", "--warmup", "0"]);
+    run_exactly(&all, out)
+}
+
+/// Runs perf with `args` into `out` and returns results.json's scenario.
+fn run_exactly(args: &[&str], out: &Path) -> serde_json::Value {
     common::build_vmm();
     common::build_host_agent();
     let output = Command::new(common::perf_bin())
         .args(args)
-        .args(["--runs", "1", "--warmup", "0", "--out"])
+        .arg("--out")
         .arg(out)
         .output()
         .expect("run perf");
@@ -136,6 +145,33 @@ fn session_fork_times_forks_of_1_and_10_or_says_why_not() {
         assert_eq!(m["params"]["count"], count, "{m:#}");
         let got = samples(&json, "session-fork", &id);
         assert!(got.len() == 1 && got[0] > 0.0, "{m:#}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn session_create_times_warm_pool_and_golden_creates() {
+    if !have_kvm() {
+        return;
+    }
+    let out = common::out_dir("session-create");
+    // Two creates in flight per path, after one warm-up round of four.
+    let s = run_exactly(&["session-create", "--runs", "2", "--warmup", "1"], &out);
+    assert_eq!(s["status"], "ok", "{s:#}");
+    let json = common::check_reports(&out);
+    for path in ["warm-pool", "golden"] {
+        let id = format!("session-create.{path}.latency");
+        let m = common::metric(&json, "session-create", &id);
+        assert_eq!(m["unit"], "ms", "{m:#}");
+        assert_eq!(m["params"]["path"], path, "{m:#}");
+        assert_eq!(m["params"]["in_flight"], 4, "{m:#}");
+        assert_eq!(m["params"]["mem_mib"], 256, "{m:#}");
+        assert_eq!(m["warmup"].as_array().unwrap().len(), 4, "{m:#}");
+        let got = samples(&json, "session-create", &id);
+        assert!(got.len() == 2 && got.iter().all(|&t| t > 0.0), "{m:#}");
+        let summary = &m["summary"];
+        assert_eq!(summary["n"], 2, "{m:#}");
+        assert!(summary["p99"].as_f64().unwrap() >= summary["median"].as_f64().unwrap());
     }
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -19,6 +19,7 @@ pub mod peer;
 pub mod process;
 pub mod protocol;
 pub mod rate_limit;
+pub mod timing;
 pub mod vsock;
 
 pub use client::Client;

@@ -18,5 +18,6 @@ pub mod persist;
 pub mod seccomp;
 pub mod signals;
 pub mod snapshot;
+pub mod timing;
 pub mod vcpu;
 pub mod vm;

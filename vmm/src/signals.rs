@@ -2,15 +2,19 @@
 //! requested stop) instead of killing the process mid-write.
 //!
 //! The signals are blocked in the main thread before any other thread starts,
-//! so every thread inherits the mask, and one watcher thread takes them with
-//! `sigwait`. That avoids doing work inside a signal handler.
-
-use std::sync::Arc;
+//! so every thread inherits the mask, and the main thread takes them with
+//! `sigwait` while it waits for the VM to end (the coordinator wakes it with
+//! [`EXIT_WAKE`]). That avoids doing work inside a signal handler, and a
+//! thread of its own.
 
 use crate::exit::ExitReason;
 use crate::vcpu::coordinator::Coordinator;
 
 const TERMINATION_SIGNALS: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
+
+/// The signal the coordinator sends the main thread when the VM's end comes
+/// nearer; blocked with the termination signals and taken by the same `sigwait`.
+pub const EXIT_WAKE: libc::c_int = libc::SIGUSR2;
 
 /// A set of blocked termination signals, to be handed to the watcher.
 pub struct BlockedSignals {
@@ -23,7 +27,7 @@ pub fn block_termination_signals() -> std::io::Result<BlockedSignals> {
     let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
     // SAFETY: `set` is a valid, exclusively borrowed sigset_t.
     unsafe { libc::sigemptyset(&mut set) };
-    for sig in TERMINATION_SIGNALS {
+    for sig in TERMINATION_SIGNALS.into_iter().chain([EXIT_WAKE]) {
         // SAFETY: `set` is initialised and `sig` is a valid signal number.
         unsafe { libc::sigaddset(&mut set, sig) };
     }
@@ -35,23 +39,28 @@ pub fn block_termination_signals() -> std::io::Result<BlockedSignals> {
     Ok(BlockedSignals { set })
 }
 
-/// Starts the thread that turns a termination signal into a requested stop.
-pub fn spawn_termination_watcher(
-    blocked: BlockedSignals,
-    coordinator: Arc<Coordinator>,
-) -> std::io::Result<()> {
-    std::thread::Builder::new()
-        .name("signals".into())
-        .spawn(move || loop {
-            crate::seccomp::apply_or_die(crate::seccomp::ThreadKind::Device);
-            let mut sig: libc::c_int = 0;
-            // SAFETY: `blocked.set` is an initialised sigset of signals blocked in this thread.
-            let rc = unsafe { libc::sigwait(&blocked.set, &mut sig) };
-            if rc == 0 {
-                tracing::info!(signal = sig, "termination signal: stopping the VM");
-                coordinator.request_exit(ExitReason::StopRequested);
-                return;
-            }
-        })
-        .map(|_| ())
+/// Waits in the calling (main) thread until the VM has ended, turning a
+/// termination signal into a requested stop on the way: the coordinator wakes
+/// it with [`EXIT_WAKE`] whenever the end comes nearer, so no thread of its
+/// own is needed (each thread costs its creation and a seccomp filter install).
+pub fn watch_until_ended(blocked: &BlockedSignals, coordinator: &Coordinator) {
+    coordinator.wake_on_exit(EXIT_WAKE);
+    while !coordinator.has_ended() {
+        let mut sig: libc::c_int = 0;
+        // SAFETY: `blocked.set` is an initialised sigset of signals blocked in this thread.
+        let rc = unsafe { libc::sigwait(&blocked.set, &mut sig) };
+        if rc != 0 {
+            // Only an invalid set fails; wait without signals rather than spin.
+            tracing::warn!(
+                error = %std::io::Error::from_raw_os_error(rc),
+                "cannot wait for termination signals"
+            );
+            coordinator.wait_for_exit();
+            return;
+        }
+        if TERMINATION_SIGNALS.contains(&sig) {
+            tracing::info!(signal = sig, "termination signal: stopping the VM");
+            coordinator.request_exit(ExitReason::StopRequested);
+        }
+    }
 }

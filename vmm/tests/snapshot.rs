@@ -123,6 +123,55 @@ fn full_plus_three_diffs_restore_to_identical_memory_on_both_backends() {
     stop(vm.ctl, vm.child);
 }
 
+/// A full snapshot reads only the pages that may be non-zero (written since
+/// boot, or held by the restored chain): a full snapshot of a VM restored from
+/// a full + diff chain, taken after it ran on, must still hold every page.
+#[test]
+fn a_full_snapshot_of_a_restored_vm_holds_every_page_of_its_chain() {
+    let t = tempfile::tempdir().unwrap();
+    let mut vm = boot_counter(t.path(), "origin");
+    wait_for_counts(&vm.log, 1);
+    assert_eq!(vm.ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);
+    snapshot(&mut vm.ctl, &t.path().join("base"), "full");
+    assert_eq!(vm.ctl.send_raw(r#"{"op":"resume"}"#)["ok"], true);
+    let seen = counts(&vm.log).len();
+    wait_for_counts(&vm.log, seen + 1);
+    assert_eq!(vm.ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);
+    let diff = t.path().join("diff");
+    snapshot(&mut vm.ctl, &diff, "diff");
+    stop(vm.ctl, vm.child);
+
+    for backend in ["file", "uffd"] {
+        let mut r = restore(t.path(), &format!("{backend}-run"), &diff, backend, false);
+        wait_for_counts(&r.log, 1);
+        assert_eq!(r.ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);
+        let expected = checksum(&mut r.ctl);
+        let again = t.path().join(format!("{backend}-full"));
+        snapshot(&mut r.ctl, &again, "full");
+        // A second full after more running: the first one's zero pages that the
+        // guest wrote since must be in it too.
+        assert_eq!(r.ctl.send_raw(r#"{"op":"resume"}"#)["ok"], true);
+        let seen = counts(&r.log).len();
+        wait_for_counts(&r.log, seen + 1);
+        assert_eq!(r.ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);
+        let expected_second = checksum(&mut r.ctl);
+        let second = t.path().join(format!("{backend}-full2"));
+        snapshot(&mut r.ctl, &second, "full");
+        stop(r.ctl, r.child);
+
+        for (dir, want) in [(&again, &expected), (&second, &expected_second)] {
+            let mut back = restore(t.path(), &format!("{backend}-check"), dir, "file", true);
+            assert_eq!(
+                &checksum(&mut back.ctl),
+                want,
+                "full snapshot {} of a {backend}-restored VM lost pages",
+                dir.display()
+            );
+            stop(back.ctl, back.child);
+        }
+    }
+}
+
 #[test]
 fn snapshot_requests_that_cannot_succeed_are_refused() {
     let t = tempfile::tempdir().unwrap();

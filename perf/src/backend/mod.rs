@@ -117,6 +117,28 @@ pub trait Backend: Sync {
     /// Resumes a paused VM.
     fn resume(&self, vm: &mut Vm) -> Result<()>;
 
+    /// As [`Backend::boot`], with the VMM logging its start-up phase marks
+    /// (see [`crate::phases`]); `None` when this VMM has none (Firecracker).
+    fn boot_with_phases(
+        &self,
+        _spec: &BootSpec,
+        _dir: &Path,
+        _timeout: Duration,
+    ) -> Result<Option<Vm>> {
+        Ok(None)
+    }
+
+    /// As [`Backend::restore`] (no control socket), with the VMM logging its
+    /// start-up phase marks; `None` when this VMM has none (Firecracker).
+    fn restore_with_phases(
+        &self,
+        _snapshot: &Path,
+        _dir: &Path,
+        _timeout: Duration,
+    ) -> Result<Option<Vm>> {
+        Ok(None)
+    }
+
     /// Writes a snapshot of the paused `vm` into the new folder `dir` and
     /// returns the time from sending the request to receiving the answer.
     fn snapshot(&self, vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<Duration>;

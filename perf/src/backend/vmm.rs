@@ -74,6 +74,44 @@ impl VmmBackend {
         }
     }
 
+    fn spawn_boot(
+        &self,
+        spec: &BootSpec,
+        dir: &Path,
+        timeout: Duration,
+        phases: bool,
+    ) -> Result<Vm> {
+        let socket = spec.control.then(|| dir.join("control.sock"));
+        let mut args = run_args(spec, socket.clone(), phases);
+        if let Some(m) = &self.memory {
+            args.extend(["--memory".into(), m.clone()]);
+        }
+        let process = VmProcess::spawn("vmm run", &self.binary, args)?;
+        Self::connect(process, socket, timeout)
+    }
+
+    fn spawn_restore(
+        &self,
+        snapshot: &Path,
+        dir: &Path,
+        control: bool,
+        timeout: Duration,
+        phases: bool,
+    ) -> Result<Vm> {
+        let socket = control.then(|| dir.join("control.sock"));
+        let mut args = restore_args(
+            snapshot,
+            self.memory_backend.clone(),
+            socket.clone(),
+            phases,
+        );
+        if let Some(m) = &self.memory {
+            args.extend(["--memory".into(), m.clone()]);
+        }
+        let process = VmProcess::spawn("vmm restore", &self.binary, args)?;
+        Self::connect(process, socket, timeout)
+    }
+
     fn client(vm: &mut Vm) -> Result<&mut Client> {
         match &mut vm.handle {
             Handle::Vmm(Some(client)) => Ok(client),
@@ -115,23 +153,30 @@ impl Backend for VmmBackend {
     }
 
     fn boot(&self, spec: &BootSpec, dir: &Path, timeout: Duration) -> Result<Vm> {
-        let socket = spec.control.then(|| dir.join("control.sock"));
-        let mut args = run_args(spec, socket.clone());
-        if let Some(m) = &self.memory {
-            args.extend(["--memory".into(), m.clone()]);
-        }
-        let process = VmProcess::spawn("vmm run", &self.binary, args)?;
-        Self::connect(process, socket, timeout)
+        self.spawn_boot(spec, dir, timeout, false)
     }
 
     fn restore(&self, snapshot: &Path, dir: &Path, control: bool, timeout: Duration) -> Result<Vm> {
-        let socket = control.then(|| dir.join("control.sock"));
-        let mut args = restore_args(snapshot, self.memory_backend.clone(), socket.clone());
-        if let Some(m) = &self.memory {
-            args.extend(["--memory".into(), m.clone()]);
-        }
-        let process = VmProcess::spawn("vmm restore", &self.binary, args)?;
-        Self::connect(process, socket, timeout)
+        self.spawn_restore(snapshot, dir, control, timeout, false)
+    }
+
+    fn boot_with_phases(
+        &self,
+        spec: &BootSpec,
+        dir: &Path,
+        timeout: Duration,
+    ) -> Result<Option<Vm>> {
+        self.spawn_boot(spec, dir, timeout, true).map(Some)
+    }
+
+    fn restore_with_phases(
+        &self,
+        snapshot: &Path,
+        dir: &Path,
+        timeout: Duration,
+    ) -> Result<Option<Vm>> {
+        self.spawn_restore(snapshot, dir, false, timeout, true)
+            .map(Some)
     }
 
     fn pause(&self, vm: &mut Vm) -> Result<()> {
@@ -152,9 +197,19 @@ impl Backend for VmmBackend {
     }
 }
 
+/// The JSON log settings that log only the start-up phase marks.
+fn phase_logging() -> Globals {
+    Globals {
+        log_json: true,
+        log_level: Some(crate::phases::LOG_LEVEL.into()),
+        ..Globals::default()
+    }
+}
+
 /// `vmm run` for `spec`: one vCPU, the console on stdout, the control socket
-/// when given, and JSON logs of the timed setup steps when asked for.
-fn run_args(spec: &BootSpec, control_socket: Option<PathBuf>) -> Vec<String> {
+/// when given, and JSON logs of the timed setup steps (or, with `phases`,
+/// of the start-up phase marks) when asked for.
+fn run_args(spec: &BootSpec, control_socket: Option<PathBuf>, phases: bool) -> Vec<String> {
     let mut run = RunSpec::new(&spec.kernel);
     run.cmdline = Some(spec.cmdline.clone());
     run.mem_mib = spec.mem_mib;
@@ -166,7 +221,9 @@ fn run_args(spec: &BootSpec, control_socket: Option<PathBuf>) -> Vec<String> {
         device.mac = Some(net.mac);
         device
     });
-    if spec.setup_timings {
+    if phases {
+        run.globals = phase_logging();
+    } else if spec.setup_timings {
         // Only the timing events are logged at info: two short JSON lines.
         run.globals = Globals {
             log_json: true,
@@ -184,8 +241,12 @@ fn restore_args(
     snapshot: &Path,
     memory_backend: Option<String>,
     control_socket: Option<PathBuf>,
+    phases: bool,
 ) -> Vec<String> {
     let mut restore = RestoreSpec::new(snapshot);
+    if phases {
+        restore.globals = phase_logging();
+    }
     restore.memory_backend = memory_backend;
     restore.devices.serial = Serial::Stdout;
     restore.devices.control_socket = control_socket;
@@ -222,13 +283,13 @@ mod tests {
             net: None,
         };
         assert_eq!(
-            run_args(&spec, Some("/w/control.sock".into())).join(" "),
+            run_args(&spec, Some("/w/control.sock".into()), false).join(" "),
             "run --kernel /g/hello --cmdline console=ttyS0 --mem-mib 64 --vcpus 1 \
              --serial stdout --control-socket /w/control.sock"
         );
         spec.setup_timings = true;
         assert_eq!(
-            run_args(&spec, None).join(" "),
+            run_args(&spec, None, false).join(" "),
             "--log-format json --log-level warn,vmm::acpi=info,vmm::mptable=info \
              run --kernel /g/hello --cmdline console=ttyS0 --mem-mib 64 --vcpus 1 --serial stdout"
         );
@@ -238,7 +299,7 @@ mod tests {
             mac: [2, 0, 0, 0, 0, 7],
         });
         assert_eq!(
-            run_args(&spec, None).join(" "),
+            run_args(&spec, None, false).join(" "),
             "run --kernel /g/hello --cmdline console=ttyS0 --mem-mib 64 --vcpus 1 \
              --serial stdout --net perf0,mac=02:00:00:00:00:07"
         );
@@ -246,15 +307,29 @@ mod tests {
             restore_args(
                 Path::new("/s/1"),
                 Some("uffd".into()),
-                Some("/w/c.sock".into())
+                Some("/w/c.sock".into()),
+                false
             )
             .join(" "),
             "restore --snapshot /s/1 --memory-backend uffd --serial stdout \
              --control-socket /w/c.sock"
         );
         assert_eq!(
-            restore_args(Path::new("/s/1"), None, None).join(" "),
+            restore_args(Path::new("/s/1"), None, None, false).join(" "),
             "restore --snapshot /s/1 --serial stdout"
+        );
+        assert_eq!(
+            restore_args(Path::new("/s/1"), None, None, true).join(" "),
+            "--log-format json --log-level warn,vmm::timing=info \
+             restore --snapshot /s/1 --serial stdout"
+        );
+        spec.net = None;
+        spec.setup_timings = true;
+        assert_eq!(
+            run_args(&spec, None, true).join(" "),
+            "--log-format json --log-level warn,vmm::timing=info \
+             run --kernel /g/hello --cmdline console=ttyS0 --mem-mib 64 --vcpus 1 --serial stdout",
+            "the phase marks replace the setup timings"
         );
     }
 }

@@ -11,12 +11,17 @@
 //! them (JSON on stderr, only these two events at info): building and
 //! writing the ACPI tables (`cold-boot.acpi-tables`) and the MP table
 //! (`cold-boot.mp-table`), in microseconds, from `Instant` before the first
-//! table is built to after the last byte is in guest memory.
+//! table is built to after the last byte is in guest memory. After the timed
+//! runs, separate boots with the vmm's start-up phase marks logged give
+//! `cold-boot.phase.STEP`: µs from one mark to the next, through the guest's
+//! first output, the vmm's `vm-ended` mark (vCPU threads joined) and
+//! `reaped` (wait4 returned: the process's exit and the kernel's teardown).
 
 use crate::backend::vmm::{logged_build_us, ACPI_TIMING_TARGET, MPTABLE_TIMING_TARGET};
 use crate::backend::{BootSpec, Subject};
 use crate::error::Result;
 use crate::guests;
+use crate::phases::{FIRST_OUTPUT, REAPED};
 use crate::results::{Metric, ScenarioResult};
 use crate::runner::{ms, Context};
 
@@ -33,7 +38,7 @@ fn runs(ctx: &Context) -> u32 {
 
 /// Progress steps: one per run of every VMM.
 pub fn plan(ctx: &Context) -> u64 {
-    u64::from(ctx.warmup() + runs(ctx))
+    u64::from(2 * ctx.warmup() + runs(ctx) + super::breakdown::runs(ctx))
 }
 
 /// Runs the scenario.
@@ -157,6 +162,11 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
     for set in sets {
         result.metrics.extend(set.into_iter().map(Metric::finish));
     }
+    for backend in &ctx.backends {
+        result
+            .metrics
+            .extend(phases(ctx, backend.as_ref(), &spec, marker, guest)?);
+    }
     // A vmm that does not log a step (an older one, or ACPI off) has no
     // sample for it, and the metric is left out.
     result.metrics.extend(
@@ -166,4 +176,51 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
             .map(|(_, m)| m.finish()),
     );
     Ok(())
+}
+
+/// The breakdown runs of `backend` (none for a VMM without phase marks).
+fn phases(
+    ctx: &Context,
+    backend: &dyn crate::backend::Backend,
+    spec: &BootSpec,
+    marker: &str,
+    guest: &str,
+) -> Result<Vec<Metric>> {
+    let mut steps = super::breakdown::Breakdown::new(
+        "cold-boot.phase",
+        "",
+        "cold boot breakdown, µs to the end of",
+    )
+    .param("guest", guest)
+    .param("mem_mib", spec.mem_mib);
+    let mut supported = true;
+    ctx.status(format!("{NAME}: breakdown runs"));
+    ctx.repeat(super::breakdown::runs(ctx), |warmup| {
+        if !supported {
+            return Ok(());
+        }
+        let dir = ctx.scratch()?;
+        let Some(mut vm) = backend.boot_with_phases(spec, dir.path(), ctx.timeout())? else {
+            supported = false;
+            return Ok(());
+        };
+        let (seen, _) = vm.process.wait_for(marker, 0, ctx.timeout())?;
+        let exit = vm.process.wait_exit(ctx.timeout())?;
+        vm.process.check_success(&exit)?;
+        let stderr = super::breakdown::stderr_with_mark(
+            &vm.process,
+            "vm-ended",
+            std::time::Duration::from_secs(1),
+        );
+        let events = [
+            (FIRST_OUTPUT, vm.process.monotonic_ns(seen)),
+            (REAPED, vm.process.monotonic_ns(exit.at)),
+        ];
+        steps.push(
+            &crate::phases::steps(&stderr, vm.process.started_ns(), &events),
+            warmup,
+        );
+        Ok(())
+    })?;
+    Ok(steps.finish())
 }

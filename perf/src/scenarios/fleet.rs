@@ -28,9 +28,8 @@ use futures::StreamExt as _;
 use prost::Message as _;
 use proto::hostagent::{
     fleet_client::FleetClient, images_client::ImagesClient, sessions_client::SessionsClient,
-    BuildGoldenSnapshotRequest, CreateSessionRequest, DeleteImageRequest, Event,
-    MoveSessionRequest, PauseSessionRequest, PullImageRequest, PushImageRequest,
-    RegisterImageRequest, SessionCall, SessionState,
+    CreateSessionRequest, DeleteImageRequest, Event, MoveSessionRequest, PauseSessionRequest,
+    PullImageRequest, PushImageRequest, SessionCall, SessionState,
 };
 
 use super::node::{self, dispose, rpc, wait_running, Node};
@@ -241,25 +240,7 @@ fn measure(ctx: &Context, nats_bin: &PathBuf, result: &mut ScenarioResult) -> Re
         let mut images_b = ImagesClient::new(ch_b.clone());
         let mut sessions_b = SessionsClient::new(ch_b.clone());
         let mut fleet_b = FleetClient::new(ch_b);
-        rpc!(
-            "RegisterImage",
-            images_a.register_image(RegisterImageRequest {
-                image_id: "counter".into(),
-                kernel_path: kernel.display().to_string(),
-                cmdline: CMDLINE.into(),
-                mem_mib: MEM_MIB,
-                vcpus: 1,
-                ..Default::default()
-            })
-        )?;
-        rpc!(
-            "BuildGoldenSnapshot",
-            images_a.build_golden_snapshot(BuildGoldenSnapshotRequest {
-                image_id: "counter".into(),
-                settle_ms: 50,
-                ..Default::default()
-            })
-        )?;
+        node::register_with_golden(&mut images_a, "counter", &kernel, CMDLINE, MEM_MIB).await?;
         let pushed = rpc!(
             "PushImage",
             fleet_a.push_image(PushImageRequest {
@@ -267,25 +248,14 @@ fn measure(ctx: &Context, nats_bin: &PathBuf, result: &mut ScenarioResult) -> Re
             })
         )?;
         image_bytes = pushed.bytes;
-        rpc!(
-            "RegisterImage",
-            images_a.register_image(RegisterImageRequest {
-                image_id: "dirtier".into(),
-                kernel_path: dirtier.display().to_string(),
-                cmdline: format!("permille={move_permille}"),
-                mem_mib: move_mem as u32,
-                vcpus: 1,
-                ..Default::default()
-            })
-        )?;
-        rpc!(
-            "BuildGoldenSnapshot",
-            images_a.build_golden_snapshot(BuildGoldenSnapshotRequest {
-                image_id: "dirtier".into(),
-                settle_ms: 50,
-                ..Default::default()
-            })
-        )?;
+        node::register_with_golden(
+            &mut images_a,
+            "dirtier",
+            &dirtier,
+            &format!("permille={move_permille}"),
+            move_mem as u32,
+        )
+        .await?;
 
         // A consumer of A's events, from now on.
         let client = async_nats::connect(&nats.url)

@@ -2,8 +2,10 @@
 //! steps it will take) and a `run` that never fails: errors and skips are
 //! recorded in its [`ScenarioResult`].
 
+pub mod breakdown;
 pub mod cold_boot;
 pub mod creation_rate;
+pub mod density;
 pub mod files_throughput;
 pub mod fleet;
 pub mod memory_overhead;
@@ -15,6 +17,7 @@ pub mod node;
 pub mod prepare;
 pub mod restore;
 pub mod restore_memory;
+pub mod session_create;
 pub mod session_fork;
 pub mod session_persist;
 pub mod snapshot_write;
@@ -60,6 +63,11 @@ pub const ALL: &[Scenario] = &[
         run: memory_overhead::run,
     },
     Scenario {
+        name: density::NAME,
+        plan: density::plan,
+        run: density::run,
+    },
+    Scenario {
         name: snapshot_write::NAME,
         plan: snapshot_write::plan,
         run: snapshot_write::run,
@@ -93,6 +101,11 @@ pub const ALL: &[Scenario] = &[
         name: session_fork::NAME,
         plan: session_fork::plan,
         run: session_fork::run,
+    },
+    Scenario {
+        name: session_create::NAME,
+        plan: session_create::plan,
+        run: session_create::run,
     },
     Scenario {
         name: fleet::NAME,

@@ -31,6 +31,37 @@ macro_rules! rpc {
 }
 pub(crate) use rpc;
 
+/// Registers `image_id` (the test guest `kernel`, `cmdline`, `mem_mib`,
+/// 1 vCPU) and builds its golden snapshot (50 ms settle), as the session
+/// scenarios all start; returns the built image.
+pub async fn register_with_golden(
+    images: &mut proto::hostagent::images_client::ImagesClient<tonic::transport::Channel>,
+    image_id: &str,
+    kernel: &Path,
+    cmdline: &str,
+    mem_mib: u32,
+) -> Result<proto::hostagent::Image> {
+    rpc!(
+        "RegisterImage",
+        images.register_image(proto::hostagent::RegisterImageRequest {
+            image_id: image_id.into(),
+            kernel_path: kernel.display().to_string(),
+            cmdline: cmdline.into(),
+            mem_mib,
+            vcpus: 1,
+            ..Default::default()
+        })
+    )?;
+    rpc!(
+        "BuildGoldenSnapshot",
+        images.build_golden_snapshot(proto::hostagent::BuildGoldenSnapshotRequest {
+            image_id: image_id.into(),
+            settle_ms: 50,
+            ..Default::default()
+        })
+    )
+}
+
 /// Stops session `$id` and deletes it, through the Sessions client
 /// `$sessions`.
 macro_rules! dispose {

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::backend::{Backend, BootSpec, SnapshotKind};
+use crate::backend::{Backend, BootSpec, SnapshotKind, Vm};
 use crate::error::{PerfError, Result};
 use crate::guests;
 use crate::process::VmProcess;
@@ -20,17 +20,19 @@ pub struct CounterSnapshot {
     pub last_count: u64,
 }
 
-/// Boots the counter guest with `mem_mib`, waits until it counts, pauses it,
-/// writes a full snapshot and kills it.
-pub fn counter_snapshot(
+/// Boots the counter guest (`cmdline`, `mem_mib`, with its control socket)
+/// and pauses it once it has printed a complete `count=` line; returns the
+/// VM and the folder its sockets live in (keep both alive together).
+pub fn boot_counter_paused(
     ctx: &Context,
     backend: &dyn Backend,
+    cmdline: &str,
     mem_mib: u64,
-) -> Result<CounterSnapshot> {
+) -> Result<(ScratchDir, Vm)> {
     let vm_dir = ctx.scratch()?;
     let spec = BootSpec {
         kernel: guests::path(guests::COUNTER)?,
-        cmdline: guests::COUNTER_CMDLINE.into(),
+        cmdline: cmdline.into(),
         mem_mib,
         control: true,
         setup_timings: false,
@@ -40,6 +42,17 @@ pub fn counter_snapshot(
     let (_, end) = vm.process.wait_for("count=", 0, ctx.timeout())?;
     vm.process.wait_for("\n", end, ctx.timeout())?;
     backend.pause(&mut vm)?;
+    Ok((vm_dir, vm))
+}
+
+/// Boots the counter guest with `mem_mib`, waits until it counts, pauses it,
+/// writes a full snapshot and kills it.
+pub fn counter_snapshot(
+    ctx: &Context,
+    backend: &dyn Backend,
+    mem_mib: u64,
+) -> Result<CounterSnapshot> {
+    let (_vm_dir, mut vm) = boot_counter_paused(ctx, backend, guests::COUNTER_CMDLINE, mem_mib)?;
     let dir = ctx.scratch()?;
     let path = dir.path().join("snapshot");
     backend.snapshot(&mut vm, &path, SnapshotKind::Full)?;

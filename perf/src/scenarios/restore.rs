@@ -8,12 +8,19 @@
 //! comes as soon as it runs again. After the clock stops, the count printed
 //! is checked to continue from the snapshot. With several VMMs, each run
 //! restores each of them in turn.
+//!
+//! Breakdown (our vmm only): after the timed runs, separate restores with
+//! the vmm's start-up phase marks logged give `restore.phase.STEP.memN`, the
+//! µs from one mark to the next (see [`crate::phases`]).
 
+use crate::backend::Backend;
 use crate::error::Result;
+use crate::phases::FIRST_OUTPUT;
 use crate::results::{Metric, ScenarioResult};
 use crate::runner::{ms, Context};
 
-use super::prepare::{check_continues, counter_snapshot};
+use super::breakdown::{self, Breakdown};
+use super::prepare::{check_continues, counter_snapshot, CounterSnapshot};
 
 /// Scenario name.
 pub const NAME: &str = "restore";
@@ -24,7 +31,8 @@ fn runs(ctx: &Context) -> u32 {
 
 /// Progress steps: one per run of every VMM, per memory size.
 pub fn plan(ctx: &Context) -> u64 {
-    ctx.settings.mem_sizes_mib.len() as u64 * u64::from(ctx.warmup() + runs(ctx))
+    ctx.settings.mem_sizes_mib.len() as u64
+        * u64::from(2 * ctx.warmup() + runs(ctx) + breakdown::runs(ctx))
 }
 
 /// Runs the scenario.
@@ -85,9 +93,57 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
             }
             Ok(())
         })?;
+        for (backend, (snapshot, _)) in ctx.backends.iter().zip(&sets) {
+            result
+                .metrics
+                .extend(phases(ctx, backend.as_ref(), snapshot, mem_mib)?);
+        }
         for (_, latency) in sets {
             result.metrics.push(latency.finish());
         }
     }
     Ok(())
+}
+
+/// The breakdown runs of `backend` (none for a VMM without phase marks).
+fn phases(
+    ctx: &Context,
+    backend: &dyn Backend,
+    snapshot: &CounterSnapshot,
+    mem_mib: u64,
+) -> Result<Vec<Metric>> {
+    let mut steps = Breakdown::new(
+        "restore.phase",
+        &format!(".{}", super::mem_id(mem_mib)),
+        &format!("restore breakdown, {mem_mib} MiB, µs to the end of"),
+    )
+    .param("mem_mib", mem_mib);
+    let mut supported = true;
+    ctx.status(format!("{NAME} ({mem_mib} MiB): breakdown runs"));
+    ctx.repeat(breakdown::runs(ctx), |warmup| {
+        if !supported {
+            return Ok(());
+        }
+        let dir = ctx.scratch()?;
+        let Some(mut vm) =
+            backend.restore_with_phases(&snapshot.path, dir.path(), ctx.timeout())?
+        else {
+            supported = false;
+            return Ok(());
+        };
+        let (seen, _) = vm.process.wait_for("", 0, ctx.timeout())?;
+        let seen_ns = vm.process.monotonic_ns(seen);
+        let stderr = breakdown::stderr_with_mark(
+            &vm.process,
+            "first-run",
+            std::time::Duration::from_secs(1),
+        );
+        check_continues(&mut vm.process, snapshot.last_count, ctx.timeout())?;
+        vm.process.kill();
+        let run =
+            crate::phases::steps(&stderr, vm.process.started_ns(), &[(FIRST_OUTPUT, seen_ns)]);
+        steps.push(&run, warmup);
+        Ok(())
+    })?;
+    Ok(steps.finish())
 }

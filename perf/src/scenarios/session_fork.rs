@@ -7,8 +7,8 @@
 use std::time::Instant;
 
 use proto::hostagent::{
-    images_client::ImagesClient, sessions_client::SessionsClient, BuildGoldenSnapshotRequest,
-    CreateSessionRequest, ForkSessionRequest, RegisterImageRequest,
+    images_client::ImagesClient, sessions_client::SessionsClient, CreateSessionRequest,
+    ForkSessionRequest,
 };
 
 use super::node::{self, dispose, rpc, wait_running, Node, UNIMPLEMENTED};
@@ -96,25 +96,7 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<Option<String>>
             .map_err(PerfError::HostAgent)?;
         let mut images = ImagesClient::new(ch.clone());
         let mut sessions = SessionsClient::new(ch);
-        rpc!(
-            "RegisterImage",
-            images.register_image(RegisterImageRequest {
-                image_id: "counter".into(),
-                kernel_path: kernel.display().to_string(),
-                cmdline: CMDLINE.into(),
-                mem_mib: MEM_MIB,
-                vcpus: 1,
-                ..Default::default()
-            })
-        )?;
-        rpc!(
-            "BuildGoldenSnapshot",
-            images.build_golden_snapshot(BuildGoldenSnapshotRequest {
-                image_id: "counter".into(),
-                settle_ms: 50,
-                ..Default::default()
-            })
-        )?;
+        node::register_with_golden(&mut images, "counter", &kernel, CMDLINE, MEM_MIB).await?;
         for i in 0..ctx.warmup() + runs(ctx) {
             let warmup = i < ctx.warmup();
             for (metric, &count) in metrics.iter_mut().zip(COUNTS) {

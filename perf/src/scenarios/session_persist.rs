@@ -12,9 +12,8 @@
 use std::time::Instant;
 
 use proto::hostagent::{
-    images_client::ImagesClient, sessions_client::SessionsClient, BuildGoldenSnapshotRequest,
-    CreateSessionRequest, DeleteImageRequest, PauseSessionRequest, RegisterImageRequest,
-    SessionCall, SessionState,
+    images_client::ImagesClient, sessions_client::SessionsClient, CreateSessionRequest,
+    DeleteImageRequest, PauseSessionRequest, SessionCall, SessionState,
 };
 
 use super::node::{self, dispose, rpc, wait_running, Node};
@@ -149,25 +148,14 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
         for &permille in &ctx.settings.dirty_permille {
             ctx.status(format!("{NAME}: {} % dirty", permille as f64 / 10.0));
             let image_id = format!("dirtier-{permille}");
-            rpc!(
-                "RegisterImage",
-                images.register_image(RegisterImageRequest {
-                    image_id: image_id.clone(),
-                    kernel_path: kernel.display().to_string(),
-                    cmdline: format!("permille={permille}"),
-                    mem_mib: mem_mib as u32,
-                    vcpus: 1,
-                    ..Default::default()
-                })
-            )?;
-            let image = rpc!(
-                "BuildGoldenSnapshot",
-                images.build_golden_snapshot(BuildGoldenSnapshotRequest {
-                    image_id: image_id.clone(),
-                    settle_ms: 50,
-                    ..Default::default()
-                })
-            )?;
+            let image = node::register_with_golden(
+                &mut images,
+                &image_id,
+                &kernel,
+                &format!("permille={permille}"),
+                mem_mib as u32,
+            )
+            .await?;
             let console_path = std::path::Path::new(&image.golden_snapshot_dir).join("console.log");
             let console = std::fs::read_to_string(&console_path)
                 .map_err(PerfError::io("cannot read", &console_path))?;

@@ -100,3 +100,15 @@ pub fn metric<'a>(json: &'a serde_json::Value, scenario: &str, id: &str) -> &'a 
         .find(|m| m["id"] == id && m["subject"] == "vmm")
         .unwrap_or_else(|| panic!("no metric {id} in {s:#}"))
 }
+
+/// Asserts that perf exited 0, showing its stdout and stderr otherwise;
+/// returns its stdout.
+pub fn assert_success(output: &std::process::Output) -> String {
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "perf failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    stdout
+}

@@ -3,7 +3,8 @@
 snapshot-capable vmm: it speaks the vmm's interface (issue 3: `run`,
 `restore --snapshot`, control-socket `pause`/`resume`/`snapshot`/`stop`) or,
 when given --api-sock, Firecracker's HTTP API. It runs no guest: it prints
-what the test guests print (hello line, count=N, pass=K) and keeps an
+what the test guests print (hello line, count=N, pass=K; the counter's
+`counter: idle` after its `halt_after=K`-th count) and keeps an
 anonymous mapping of the guest's memory size. Timings mean nothing.
 
 With a tap (`--net TAP,...`, or Firecracker's `PUT /network-interfaces/eth0`)
@@ -109,6 +110,10 @@ class Guest:
             self.out("dirtier: start pages=1\n")
         if self.kind == "counter" and self.count == 0:
             self.out("counter: start\n")
+        # The counter's `interval=N` (a line per N, paced as a guest doing
+        # an increment a microsecond) and `halt_after=K` (idle after count K).
+        interval = int(cmdline_value(self.cmdline, "interval", "1") or "1")
+        halt_after = int(cmdline_value(self.cmdline, "halt_after", "0") or "0")
         while True:
             if self.paused.is_set():
                 time.sleep(0.0005)
@@ -118,9 +123,13 @@ class Guest:
                 self.out(f"pass={self.passes}\n")
                 time.sleep(0.005)
             else:
-                self.count += 1
+                self.count += interval
                 self.out(f"count={self.count}\n")
-                time.sleep(0.001)
+                if self.kind == "counter" and halt_after and self.count >= halt_after * interval:
+                    self.out("counter: idle\n")
+                    while True:
+                        time.sleep(3600)
+                time.sleep(max(0.001, interval * 1e-6))
 
     def snapshot(self, directory, kind):
         os.makedirs(directory)

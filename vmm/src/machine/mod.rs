@@ -36,6 +36,8 @@ use crate::devices::virtio::setup::{
 use crate::exit::{ExitReason, EXIT_BAD_INPUT, EXIT_VM_FAILURE};
 use crate::kvm::{KvmError, KvmHandle};
 use crate::memory::{create_guest_memory, MemoryError};
+use crate::snapshot::memory_file;
+use crate::timing;
 use crate::vcpu::coordinator::Coordinator;
 use crate::vcpu::{kick, Buses, SharedVcpuFd, Vcpu, VcpuError};
 use crate::vm::{Vm, VmError};
@@ -186,6 +188,10 @@ pub struct MachineShared {
     last_snapshot: Mutex<Option<PathBuf>>,
     /// Dirty pages taken from KVM but not yet written to a snapshot (kept if a write fails).
     pending_dirty: Mutex<Vec<Vec<u64>>>,
+    /// Per region, the pages that may hold non-zero bytes: every other page is
+    /// known to be zero, so a full snapshot reads only these. Grows with every
+    /// dirty log taken; shrinks to what a full snapshot found non-zero.
+    maybe_nonzero: Mutex<Vec<Vec<u64>>>,
     /// The virtio devices and their event thread.
     virtio: VirtioRuntime,
     /// The ACPI devices, when the VM has ACPI tables.
@@ -295,6 +301,7 @@ impl Machine {
             });
         }
         let memory = create_guest_memory(config.mem_mib, config.memory)?;
+        timing::mark("memory-mapped");
 
         let kernel = loader::load_kernel(&memory, &config.kernel)?;
         let virtio_devices = virtio_setup::create_devices(&config.devices)?;
@@ -337,7 +344,9 @@ impl Machine {
             "kernel loaded"
         );
 
+        timing::mark("kernel-loaded");
         let vm = Vm::new(&kvm, memory)?;
+        timing::mark("vm-created");
         let coordinator = Arc::new(Coordinator::new(usize::from(config.vcpus)));
         let serial = SerialDevice::new(serial_irq()?, serial_output(&config.serial)?);
         let i8042 =
@@ -357,6 +366,7 @@ impl Machine {
             None
         };
         let devices = build_devices(&vm, serial, i8042, virtio_devices, acpi)?;
+        timing::mark("devices-created");
 
         let supported = kvm
             .kvm()
@@ -368,6 +378,10 @@ impl Machine {
             vcpu.configure(vm.memory(), &supported, config.vcpus, kernel.entry)?;
             vcpus.push(vcpu);
         }
+        timing::mark("vcpus-created");
+        // Fresh memory is all zeros; what the vmm writes while loading the
+        // kernel is in its own dirty bitmap and joins at the first snapshot.
+        let maybe_nonzero = memory_file::bitmaps_of(&memory_file::layout(vm.memory()), &[]);
         let shared = MachineShared {
             kvm,
             vm,
@@ -378,6 +392,7 @@ impl Machine {
             mem_mib: config.mem_mib,
             last_snapshot: Mutex::new(None),
             pending_dirty: Mutex::new(Vec::new()),
+            maybe_nonzero: Mutex::new(maybe_nonzero),
             virtio: devices.virtio,
             acpi: devices.acpi,
         };

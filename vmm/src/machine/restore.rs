@@ -18,8 +18,10 @@ use crate::devices::virtio::setup as virtio_setup;
 use crate::kvm::KvmHandle;
 use crate::persist::Persist;
 use crate::snapshot::manifest::resolve_chain;
+use crate::snapshot::memory_file;
 use crate::snapshot::restore_memory::{self, MemoryBackend};
 use crate::snapshot::state::MachineState;
+use crate::timing;
 use crate::vcpu::coordinator::Coordinator;
 use crate::vcpu::{lock_fd, persist as vcpu_persist, Vcpu};
 use crate::vm::{persist as vm_persist, Vm};
@@ -52,6 +54,7 @@ impl Machine {
             .map(|l| l.dir.clone())
             .unwrap_or_else(|| config.snapshot.clone());
         let state = MachineState::load(&top)?;
+        timing::mark("snapshot-read");
         let kvm = KvmHandle::open()?;
         let count = state.vcpus.len();
         if count > kvm.max_vcpus() {
@@ -64,8 +67,10 @@ impl Machine {
             mem: memory,
             ready: memory_ready,
         } = restore_memory::build(&layers, config.backend, config.memory)?;
+        timing::mark("memory-mapped");
         let vm = Vm::new(&kvm, memory)?;
         vm_persist::restore(vm.fd(), &state.vm)?;
+        timing::mark("vm-created");
 
         let coordinator = Arc::new(if config.paused {
             Coordinator::new_paused(count)
@@ -107,12 +112,14 @@ impl Machine {
             None => None,
         };
         let devices = build_devices(&vm, serial, i8042, virtio_devices, acpi)?;
+        timing::mark("devices-restored");
         let mut vcpus = Vec::with_capacity(count);
         for vstate in &state.vcpus {
             let vcpu = Vcpu::new(vm.fd(), vstate.index, devices.buses.clone())?;
             vcpu_persist::restore(&lock_fd(&vcpu.fd()), vstate)?;
             vcpus.push(vcpu);
         }
+        timing::mark("vcpus-restored");
         // This VM is a new instance of the snapshotted one: a fresh generation
         // ID, announced when it first runs (now, or at the first resume of a
         // paused restore; until then its memory is the snapshot's), after the
@@ -142,6 +149,11 @@ impl Machine {
             vcpus = count,
             "snapshot restored"
         );
+        // Holes in every layer read as zero; only the layers' pages may not.
+        let maybe_nonzero = memory_file::bitmaps_of(
+            &memory_file::layout(vm.memory()),
+            layers.iter().flat_map(|l| &l.manifest.extents),
+        );
         let shared = MachineShared {
             kvm,
             vm,
@@ -152,6 +164,7 @@ impl Machine {
             mem_mib: state.mem_mib,
             last_snapshot: Mutex::new(Some(top)),
             pending_dirty: Mutex::new(Vec::new()),
+            maybe_nonzero: Mutex::new(maybe_nonzero),
             virtio: devices.virtio,
             acpi: devices.acpi,
         };

@@ -39,9 +39,9 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn or_into(acc: &mut Vec<Vec<u64>>, new: Vec<Vec<u64>>) {
+fn or_into(acc: &mut Vec<Vec<u64>>, new: &[Vec<u64>]) {
     if acc.is_empty() {
-        *acc = new;
+        *acc = new.to_vec();
         return;
     }
     for (a, n) in acc.iter_mut().zip(new) {
@@ -99,7 +99,9 @@ impl MachineShared {
             .take_dirty_pages()
             .map_err(|e| SnapshotRequestError::State(e.to_string()))?;
         let mut pending = lock(&self.pending_dirty);
-        or_into(&mut pending, newly_dirty);
+        or_into(&mut pending, &newly_dirty);
+        let mut maybe_nonzero = lock(&self.maybe_nonzero);
+        or_into(&mut maybe_nonzero, &newly_dirty);
 
         let virtio = devices
             .save()
@@ -109,7 +111,9 @@ impl MachineShared {
             .encode()
             .map_err(|e| SnapshotRequestError::State(e.to_string()))?;
         let content = match (kind, parent) {
-            (SnapshotKind::Full, _) => MemoryContent::Full,
+            (SnapshotKind::Full, _) => MemoryContent::Full {
+                candidates: Some(&maybe_nonzero),
+            },
             (SnapshotKind::Diff, Some(parent)) => MemoryContent::Diff {
                 dirty: &pending,
                 parent,
@@ -119,6 +123,10 @@ impl MachineShared {
         let manifest = write_snapshot(dir, &state_bytes, self.vm.memory(), content)?;
         drop(devices);
         pending.clear();
+        if kind == SnapshotKind::Full {
+            // What this snapshot found zero is zero until written again.
+            *maybe_nonzero = memory_file::bitmaps_of(&manifest.regions, &manifest.extents);
+        }
         let canonical = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
         *lock(&self.last_snapshot) = Some(canonical.clone());
 

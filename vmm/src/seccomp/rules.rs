@@ -246,6 +246,8 @@ const FILES: &[i64] = &[
     libc::SYS_fallocate,
     libc::SYS_fsync,
     libc::SYS_fdatasync,
+    // Starting write-back of a snapshot's memory file while it is written.
+    libc::SYS_sync_file_range,
     libc::SYS_mkdir,
     libc::SYS_mkdirat,
     libc::SYS_rename,

@@ -42,7 +42,11 @@ pub enum WriteError {
 /// What goes into the memory file.
 pub enum MemoryContent<'a> {
     /// Every non-zero page.
-    Full,
+    Full {
+        /// Per region, the pages that may be non-zero (all others are known
+        /// to be zero and are not read); `None` reads every page.
+        candidates: Option<&'a [Vec<u64>]>,
+    },
     /// The pages set in these per-region bitmaps, relative to `parent`.
     Diff {
         /// Dirty pages per region.
@@ -68,6 +72,13 @@ impl Drop for TempDir {
 
 fn sync_dir(path: &Path) -> std::io::Result<()> {
     File::open(path)?.sync_all()
+}
+
+/// The result of a sync run on a scoped thread; a thread that panicked is an I/O error.
+fn joined(handle: std::thread::ScopedJoinHandle<'_, std::io::Result<()>>) -> std::io::Result<()> {
+    handle
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("the sync thread panicked")))
 }
 
 fn create_file(path: &Path) -> std::io::Result<File> {
@@ -120,10 +131,11 @@ pub fn write_snapshot(
     let memory =
         create_file(&tmp_path.join(MEMORY_FILE)).map_err(io("creating the memory file"))?;
     let (kind, parent, extents) = match content {
-        MemoryContent::Full => (
+        MemoryContent::Full { candidates } => (
             SnapshotKind::Full,
             None,
-            memory_file::write_full(mem, &memory).map_err(io("writing guest memory"))?,
+            memory_file::write_full(mem, &memory, candidates)
+                .map_err(io("writing guest memory"))?,
         ),
         MemoryContent::Diff { dirty, parent } => (
             SnapshotKind::Diff,
@@ -131,42 +143,49 @@ pub fn write_snapshot(
             memory_file::write_diff(mem, &memory, dirty).map_err(io("writing dirty pages"))?,
         ),
     };
-    memory.sync_all().map_err(io("syncing the memory file"))?;
+    // The memory file's fsync (the device write of every page) runs while the
+    // small files are written; then the small files and the directory are
+    // synced at once, so the filesystem can commit them together instead of
+    // one journal commit after another.
+    let manifest = std::thread::scope(|scope| -> Result<Manifest, WriteError> {
+        let memory_synced = scope.spawn(|| memory.sync_all());
 
-    let mut state_file =
-        create_file(&tmp_path.join(STATE_FILE)).map_err(io("creating the state file"))?;
-    state_file
-        .write_all(state)
-        .map_err(io("writing the state file"))?;
-    state_file
-        .sync_all()
-        .map_err(io("syncing the state file"))?;
+        let mut state_file =
+            create_file(&tmp_path.join(STATE_FILE)).map_err(io("creating the state file"))?;
+        state_file
+            .write_all(state)
+            .map_err(io("writing the state file"))?;
+        let state_synced = scope.spawn(move || state_file.sync_all());
 
-    let manifest = Manifest {
-        format_version: [FORMAT_MAJOR, FORMAT_MINOR],
-        kind,
-        created_unix_ms: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0),
-        regions: memory_file::layout(mem),
-        parent,
-        extents,
-    };
-    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| WriteError::Io {
-        path: target.into(),
-        step: "encoding the manifest",
-        source: std::io::Error::other(e),
+        let manifest = Manifest {
+            format_version: [FORMAT_MAJOR, FORMAT_MINOR],
+            kind,
+            created_unix_ms: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0),
+            regions: memory_file::layout(mem),
+            parent,
+            extents,
+        };
+        let json = serde_json::to_vec_pretty(&manifest).map_err(|e| WriteError::Io {
+            path: target.into(),
+            step: "encoding the manifest",
+            source: std::io::Error::other(e),
+        })?;
+        let mut manifest_file =
+            create_file(&tmp_path.join(MANIFEST_FILE)).map_err(io("creating the manifest"))?;
+        manifest_file
+            .write_all(&json)
+            .map_err(io("writing the manifest"))?;
+        let manifest_synced = scope.spawn(move || manifest_file.sync_all());
+        sync_dir(&tmp_path).map_err(io("syncing the snapshot directory"))?;
+
+        joined(memory_synced).map_err(io("syncing the memory file"))?;
+        joined(state_synced).map_err(io("syncing the state file"))?;
+        joined(manifest_synced).map_err(io("syncing the manifest"))?;
+        Ok(manifest)
     })?;
-    let mut manifest_file =
-        create_file(&tmp_path.join(MANIFEST_FILE)).map_err(io("creating the manifest"))?;
-    manifest_file
-        .write_all(&json)
-        .map_err(io("writing the manifest"))?;
-    manifest_file
-        .sync_all()
-        .map_err(io("syncing the manifest"))?;
-    sync_dir(&tmp_path).map_err(io("syncing the snapshot directory"))?;
 
     std::fs::rename(&tmp_path, target).map_err(io("renaming the snapshot into place"))?;
     tmp.keep = true;
@@ -185,14 +204,25 @@ mod tests {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         mem.write_obj(7u64, GuestAddress(0x3000)).unwrap();
         let target = t.path().join("snap");
-        let m = write_snapshot(&target, b"state", &mem, MemoryContent::Full).unwrap();
+        let m = write_snapshot(
+            &target,
+            b"state",
+            &mem,
+            MemoryContent::Full { candidates: None },
+        )
+        .unwrap();
         assert_eq!(m.kind, SnapshotKind::Full);
         for f in [MEMORY_FILE, STATE_FILE, MANIFEST_FILE] {
             assert!(target.join(f).is_file(), "{f}");
         }
         assert_eq!(Manifest::load(&target).unwrap(), m);
         assert!(matches!(
-            write_snapshot(&target, b"state", &mem, MemoryContent::Full),
+            write_snapshot(
+                &target,
+                b"state",
+                &mem,
+                MemoryContent::Full { candidates: None }
+            ),
             Err(WriteError::Exists(_))
         ));
         let leftovers: Vec<_> = std::fs::read_dir(t.path()).unwrap().collect();
@@ -206,7 +236,7 @@ mod tests {
             Path::new("/nonexistent/x/snap"),
             b"s",
             &mem,
-            MemoryContent::Full,
+            MemoryContent::Full { candidates: None },
         )
         .unwrap_err();
         assert!(matches!(err, WriteError::NoParentDir { .. }));

@@ -65,6 +65,9 @@ struct Inner {
     threads: Vec<libc::pthread_t>,
     /// Work to do right before the vCPUs first run, in the order added.
     first_run: Vec<FirstRunHook>,
+    /// The thread waiting for the VM's end, and the signal that wakes it
+    /// (see [`Coordinator::wake_on_exit`]).
+    exit_waker: Option<(libc::pthread_t, libc::c_int)>,
 }
 
 /// Shared by the vCPU threads, the control socket and the main thread.
@@ -86,6 +89,7 @@ impl Coordinator {
                 exit: None,
                 threads: Vec::with_capacity(vcpus),
                 first_run: Vec::new(),
+                exit_waker: None,
             }),
             changed: Condvar::new(),
         }
@@ -97,6 +101,36 @@ impl Coordinator {
 
     fn wait<'a>(&self, guard: MutexGuard<'a, Inner>) -> MutexGuard<'a, Inner> {
         self.changed.wait(guard).unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes the condition's waiters, and once the VM is ending the thread
+    /// registered with [`Coordinator::wake_on_exit`].
+    fn notify(&self, inner: &Inner) {
+        self.changed.notify_all();
+        if inner.exit.is_some() {
+            if let Some((thread, signal)) = inner.exit_waker {
+                // SAFETY: the registered thread is the main thread, which
+                // lives until the process ends; pthread_kill only queues the
+                // signal, which that thread keeps blocked and takes with sigwait.
+                unsafe { libc::pthread_kill(thread, signal) };
+            }
+        }
+    }
+
+    /// Registers the calling thread to get `signal` (blocked in it, taken
+    /// with `sigwait`) whenever the VM's end comes nearer: its exit reason is
+    /// set, or one more vCPU has left its loop. Lets the main thread wait for
+    /// the end and for termination signals at once, without a thread of its own.
+    pub fn wake_on_exit(&self, signal: libc::c_int) {
+        // SAFETY: pthread_self has no preconditions and always succeeds.
+        let me = unsafe { libc::pthread_self() };
+        self.lock().exit_waker = Some((me, signal));
+    }
+
+    /// Whether the VM has ended: an exit reason is set and every vCPU has left its loop.
+    pub fn has_ended(&self) -> bool {
+        let inner = self.lock();
+        inner.exit.is_some() && inner.exited >= self.vcpus
     }
 
     fn kick_all(&self, inner: &Inner) {
@@ -145,7 +179,7 @@ impl Coordinator {
                 Request::Pause if io_pending => return Next::CompleteIo,
                 Request::Pause => {
                     inner.parked += 1;
-                    self.changed.notify_all();
+                    self.notify(&inner);
                     while inner.request == Request::Pause {
                         inner = self.wait(inner);
                     }
@@ -166,7 +200,7 @@ impl Coordinator {
             .threads
             .retain(|t| unsafe { libc::pthread_equal(*t, me) } == 0);
         inner.exited += 1;
-        self.changed.notify_all();
+        self.notify(&inner);
     }
 
     /// Records why the VM ends (the first reason wins) and stops every vCPU.
@@ -177,7 +211,7 @@ impl Coordinator {
         }
         inner.request = Request::Stop;
         self.kick_all(&inner);
-        self.changed.notify_all();
+        self.notify(&inner);
     }
 
     /// Parks every vCPU outside KVM_RUN and returns once all are parked.
@@ -232,7 +266,7 @@ impl Coordinator {
                 }
                 inner.request = Request::Stop;
                 self.kick_all(inner);
-                self.changed.notify_all();
+                self.notify(inner);
                 CoordinatorError::FirstRun(message)
             })?;
         }
@@ -258,7 +292,7 @@ impl Coordinator {
             Request::Pause => {
                 self.first_run(&mut inner)?;
                 inner.request = Request::Run;
-                self.changed.notify_all();
+                self.notify(&inner);
                 Ok(())
             }
         }

@@ -185,10 +185,14 @@ impl Vcpu {
         coordinator.register_current_thread();
         crate::seccomp::apply_or_die(crate::seccomp::ThreadKind::Vcpu);
         let mut io_pending = false;
+        let mut first_run = self.index == 0;
         loop {
             let ran = match coordinator.next_after(io_pending) {
                 Next::Exit => break,
                 Next::Run => {
+                    if std::mem::take(&mut first_run) {
+                        crate::timing::mark("first-run");
+                    }
                     let mut fd = lock_fd(&self.fd);
                     run_once(&mut fd, self.index, &self.buses)
                 }

@@ -3,7 +3,8 @@
 //!
 //! * `hello`: prints one line and resets through the i8042.
 //! * `counter`: counts in memory forever, printing `count=N` every
-//!   `interval=N` increments (command line).
+//!   `interval=N` increments (command line); with `halt_after=K` it prints
+//!   `counter: idle` after its K-th count and stops in a HLT loop instead.
 //! * `report`: prints the zero page, command line, e820 map, CPUID identity
 //!   and MP table it was given, then resets.
 //! * `triplefault`: loads an empty IDT and faults.

@@ -180,6 +180,13 @@ pub fn deliver(serial: &Mutex<SerialDevice>, bytes: &[u8], retry: Duration) -> D
     Delivery::Delivered
 }
 
+/// Whether `file` is /dev/null (character device 1:3), whose reads end at once.
+fn is_dev_null(file: &File) -> bool {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    file.metadata()
+        .is_ok_and(|m| m.file_type().is_char_device() && m.rdev() == libc::makedev(1, 3))
+}
+
 /// Forwards host stdin to the guest's serial input until stdin closes.
 ///
 /// Input is held back, not dropped, while the guest's 64-byte FIFO is full,
@@ -196,6 +203,11 @@ pub fn spawn_stdin_forwarder(serial: Arc<Mutex<SerialDevice>>) -> std::io::Resul
             return Ok(());
         }
     };
+    if is_dev_null(&stdin) {
+        // Reading it ends at once: no thread (and no seccomp filter) for that.
+        tracing::debug!("stdin is /dev/null: no serial input");
+        return Ok(());
+    }
     std::thread::Builder::new()
         .name("serial-stdin".into())
         .spawn(move || {
@@ -215,6 +227,13 @@ pub fn spawn_stdin_forwarder(serial: Arc<Mutex<SerialDevice>>) -> std::io::Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_dev_null_counts_as_dev_null() {
+        assert!(is_dev_null(&File::open("/dev/null").unwrap()));
+        assert!(!is_dev_null(&File::open("/dev/zero").unwrap()));
+        assert!(!is_dev_null(&tempfile::tempfile().unwrap()));
+    }
 
     #[derive(Clone, Default)]
     struct SharedBuf(Arc<Mutex<Vec<u8>>>);
