@@ -117,6 +117,7 @@ fn every_scenario_runs_once_with_the_real_vmm() {
         }
         for (scenario, id) in [
             ("restore", "restore.latency.mem64"),
+            ("restore", "restore.prestarted.mem64"),
             ("restore", "restore.phase.snapshot-read.mem64"),
             ("restore", "restore.phase.first-run.mem64"),
             ("restore", "restore.phase.first-output.mem64"),

@@ -140,6 +140,7 @@ fn restore_scenarios_run_against_the_snapshot_interface_and_compare() {
     }
     for id in [
         "restore.latency.mem64",
+        "restore.prestarted.mem64",
         "creation-rate.rate",
         "creation-rate.latency",
         "memory-overhead.idle.mem64",
@@ -164,7 +165,11 @@ fn restore_scenarios_run_against_the_snapshot_interface_and_compare() {
     );
     // Every metric was measured on both, so every one has a ratio.
     let comparisons = json["comparisons"].as_array().unwrap();
-    for id in ["restore.latency.mem64", "density.pss-sum.n2"] {
+    for id in [
+        "restore.latency.mem64",
+        "restore.prestarted.mem64",
+        "density.pss-sum.n2",
+    ] {
         assert!(
             comparisons.iter().any(|c| c["id"] == id),
             "no vmm/Firecracker ratio for {id}"
@@ -229,6 +234,56 @@ fn without_restore_the_restore_scenarios_are_skipped_not_failed() {
     assert!(
         md.contains("* **restore**: skipped: vmm has no restore"),
         "{md}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn a_vmm_that_cannot_start_ahead_has_no_prestarted_metric_on_either_side() {
+    if !have_python() {
+        return;
+    }
+    let out = common::out_dir("fake-no-standby");
+    let output = perf(
+        &[
+            "restore",
+            "--runs",
+            "1",
+            "--warmup",
+            "0",
+            "--mem-sizes",
+            "64",
+            "--vmm",
+            support("fake_vmm.py").to_str().unwrap(),
+            "--vs-firecracker",
+            support("fake_firecracker.py").to_str().unwrap(),
+        ],
+        &out,
+        &[("FAKE_NO_STANDBY", "1")],
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "stderr:\n{stderr}");
+    let json = common::check_reports(&out);
+    let restore = scenario(&json, "restore");
+    assert_eq!(restore["status"], "ok", "{restore:#}");
+    let ids: Vec<&str> = restore["metrics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert!(ids.contains(&"restore.latency.mem64"), "{ids:?}");
+    assert!(
+        !ids.iter().any(|id| id.starts_with("restore.prestarted")),
+        "{ids:?}"
+    );
+    assert!(
+        restore["notes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n.as_str().unwrap().contains("restore.prestarted: skipped")),
+        "{restore:#}"
     );
     let _ = std::fs::remove_dir_all(&out);
 }

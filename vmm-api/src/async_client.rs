@@ -114,6 +114,20 @@ impl AsyncClient {
     pub async fn memory_checksum(&self) -> Result<ChecksumReply, ControlError> {
         self.call(&Request::MemoryChecksum).await
     }
+
+    /// Loads `snapshot` into a vmm on standby (`vmm restore --standby`) and
+    /// runs it, or leaves it paused; answers once the VM is restored.
+    pub async fn restore(
+        &self,
+        snapshot: &std::path::Path,
+        paused: bool,
+    ) -> Result<StatusReply, ControlError> {
+        self.call(&Request::Restore {
+            snapshot: snapshot.to_path_buf(),
+            paused,
+        })
+        .await
+    }
 }
 
 #[cfg(test)]

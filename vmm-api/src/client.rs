@@ -141,6 +141,15 @@ impl Client {
     pub fn memory_checksum(&mut self) -> Result<ChecksumReply, ControlError> {
         self.call(&Request::MemoryChecksum)
     }
+
+    /// Loads `snapshot` into a vmm on standby (`vmm restore --standby`) and
+    /// runs it, or leaves it paused; answers once the VM is restored.
+    pub fn restore(&mut self, snapshot: &Path, paused: bool) -> Result<StatusReply, ControlError> {
+        self.call(&Request::Restore {
+            snapshot: snapshot.to_path_buf(),
+            paused,
+        })
+    }
 }
 
 /// Decodes the answer line of `n` bytes read (at most

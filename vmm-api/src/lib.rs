@@ -24,7 +24,8 @@ pub mod vsock;
 
 pub use client::Client;
 pub use command::{
-    DiskSpec, FsSpec, JailSpec, NetSpec, RestoreSpec, RunSpec, Serial, VmmCommand, VsockSpec,
+    DiskSpec, FsSpec, JailSpec, NetSpec, RestoreSpec, RunSpec, Serial, StandbySpec, VmmCommand,
+    VsockSpec,
 };
 pub use error::ControlError;
 pub use protocol::{

@@ -2,7 +2,9 @@
 //!
 //! Requests: `{"op":"status"}`, `{"op":"pause"}`, `{"op":"resume"}`,
 //! `{"op":"stop"}`, `{"op":"snapshot","dir":PATH,"kind":"full"|"diff"}`,
-//! `{"op":"memory_checksum"}`. Answers: `{"ok":true,...reply fields}` or
+//! `{"op":"memory_checksum"}`, and for a vmm started on standby
+//! (`vmm restore --standby`) `{"op":"restore","snapshot":PATH,"paused":BOOL}`.
+//! Answers: `{"ok":true,...reply fields}` or
 //! `{"ok":false,"error":"..."}`. The vmm's server parses requests with
 //! [`Request::parse`] and writes replies with [`ok_line`] / [`error_line`];
 //! clients write [`Request::to_line`] and read answers with [`decode_answer`].
@@ -27,6 +29,7 @@ pub const OPS: &[&str] = &[
     "stop",
     "snapshot",
     "memory_checksum",
+    "restore",
 ];
 
 /// Full or diff snapshot (also the `kind` of a snapshot's manifest).
@@ -59,6 +62,9 @@ pub enum VmState {
     Paused,
     /// The VM is ending or has ended.
     Stopping,
+    /// A vmm started with `--standby`: its KVM VM and vCPUs exist, and it
+    /// waits for a `restore` request naming the snapshot to load.
+    Standby,
 }
 
 impl VmState {
@@ -68,6 +74,7 @@ impl VmState {
             VmState::Running => "running",
             VmState::Paused => "paused",
             VmState::Stopping => "stopping",
+            VmState::Standby => "standby",
         }
     }
 }
@@ -93,6 +100,15 @@ pub enum Request {
     },
     /// A CRC-64 of guest memory, paused VM only ([`ChecksumReply`]).
     MemoryChecksum,
+    /// Load a snapshot into a vmm on standby and run it (or leave it paused)
+    /// ([`StatusReply`], sent once the VM is restored). A vmm that already
+    /// holds a VM refuses it.
+    Restore {
+        /// The snapshot directory (the top of its chain), as the vmm sees it.
+        snapshot: PathBuf,
+        /// Leave the vCPUs paused after the restore.
+        paused: bool,
+    },
 }
 
 /// The answer to status, pause, resume and stop.
@@ -182,6 +198,7 @@ impl Request {
             Request::Stop => "stop",
             Request::Snapshot { .. } => "snapshot",
             Request::MemoryChecksum => "memory_checksum",
+            Request::Restore { .. } => "restore",
         }
     }
 
@@ -195,6 +212,12 @@ impl Request {
                 "op": "snapshot",
                 "dir": dir.to_string_lossy(),
                 "kind": kind.as_str(),
+            })
+            .to_string(),
+            Request::Restore { snapshot, paused } => serde_json::json!({
+                "op": "restore",
+                "snapshot": snapshot.to_string_lossy(),
+                "paused": paused,
             })
             .to_string(),
             other => serde_json::json!({ "op": other.op() }).to_string(),
@@ -220,6 +243,7 @@ impl Request {
             "stop" => (Request::Stop, &[]),
             "memory_checksum" => (Request::MemoryChecksum, &[]),
             "snapshot" => (parse_snapshot(obj)?, &["dir", "kind"]),
+            "restore" => (parse_restore(obj)?, &["snapshot", "paused"]),
             other => {
                 return Err(format!(
                     "unknown op {other:?}; known ops: {}",
@@ -254,6 +278,20 @@ fn parse_snapshot(obj: &Map<String, Value>) -> Result<Request, String> {
         }
     };
     Ok(Request::Snapshot { dir, kind })
+}
+
+fn parse_restore(obj: &Map<String, Value>) -> Result<Request, String> {
+    let snapshot = match obj.get("snapshot") {
+        Some(Value::String(d)) if !d.is_empty() => PathBuf::from(d),
+        Some(_) => return Err("\"snapshot\" must be a non-empty string".into()),
+        None => return Err("op \"restore\" needs a \"snapshot\" field".into()),
+    };
+    let paused = match obj.get("paused") {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => return Err(format!("\"paused\" must be true or false, not {other}")),
+    };
+    Ok(Request::Restore { snapshot, paused })
 }
 
 /// A successful answer carrying `reply`'s fields, as a JSON value.
@@ -333,6 +371,10 @@ mod tests {
                 dir: "/s/2".into(),
                 kind: SnapshotKind::Full,
             },
+            Request::Restore {
+                snapshot: "/s/golden".into(),
+                paused: true,
+            },
         ];
         for r in all {
             assert_eq!(Request::parse(&r.to_line()), Ok(r.clone()), "{r:?}");
@@ -357,7 +399,7 @@ mod tests {
         );
         assert_eq!(
             Request::parse(r#"{"op":"reboot"}"#).unwrap_err(),
-            "unknown op \"reboot\"; known ops: status, pause, resume, stop, snapshot, memory_checksum"
+            "unknown op \"reboot\"; known ops: status, pause, resume, stop, snapshot, memory_checksum, restore"
         );
         assert!(Request::parse(r#"{"op":"stop","now":true}"#)
             .unwrap_err()
@@ -384,6 +426,38 @@ mod tests {
         );
         assert!(Request::parse(r#"{"op":"snapshot","dir":7}"#).is_err());
         assert!(Request::parse(r#"{"op":"status","dir":"/s"}"#).is_err());
+    }
+
+    #[test]
+    fn restore_requests_parse_with_their_fields() {
+        assert_eq!(
+            Request::parse(r#"{"op":"restore","snapshot":"/s/g"}"#),
+            Ok(Request::Restore {
+                snapshot: "/s/g".into(),
+                paused: false
+            })
+        );
+        assert_eq!(
+            Request::parse(r#"{"op":"restore","snapshot":"/s/g","paused":true}"#),
+            Ok(Request::Restore {
+                snapshot: "/s/g".into(),
+                paused: true
+            })
+        );
+        assert_eq!(
+            Request::parse(r#"{"op":"restore"}"#).unwrap_err(),
+            "op \"restore\" needs a \"snapshot\" field"
+        );
+        assert!(Request::parse(r#"{"op":"restore","snapshot":""}"#).is_err());
+        assert!(
+            Request::parse(r#"{"op":"restore","snapshot":"/s","paused":"yes"}"#)
+                .unwrap_err()
+                .contains("true or false")
+        );
+        assert!(Request::parse(r#"{"op":"restore","snapshot":"/s","kind":"full"}"#).is_err());
+        let standby: StatusReply =
+            decode_answer(r#"{"ok":true,"state":"standby","vcpus":2}"#).unwrap();
+        assert_eq!(standby.state, VmState::Standby);
     }
 
     #[test]

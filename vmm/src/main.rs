@@ -1,16 +1,17 @@
 //! The `vmm` command line. Everything but argument handling lives in the library.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
 use vmm::config::{parse_acpi, ConfigFile, DeviceConfig, MemoryMode, SerialConfig, VmConfig};
-use vmm::control::server::ControlServer;
+use vmm::control::server::{ControlError, ControlServer};
+use vmm::control::standby::{RestoreRequest, StandbyRequest, StandbyServer};
 use vmm::exit::{EXIT_BAD_INPUT, EXIT_VM_FAILURE};
 use vmm::jail::cgroup::{parse_cpu_max, parse_size, CgroupLimits};
 use vmm::jail::{BindMount, JailConfig, JailError};
-use vmm::machine::{Machine, RestoreConfig};
+use vmm::machine::{Machine, PreparedVm, RestoreConfig};
 use vmm::seccomp::{self, ThreadKind};
 use vmm::signals;
 use vmm::snapshot::restore_memory::MemoryBackend;
@@ -120,8 +121,16 @@ struct JailArgs {
 #[derive(clap::Args)]
 struct RestoreArgs {
     /// Snapshot directory (for a diff, its parents are found through the manifests).
-    #[arg(long)]
-    snapshot: PathBuf,
+    #[arg(long, required_unless_present = "standby", conflicts_with = "standby")]
+    snapshot: Option<PathBuf>,
+    /// Start ahead of the session: create the KVM VM and its vCPUs, then wait on
+    /// the control socket (required) for `{"op":"restore","snapshot":DIR,"paused":BOOL}`;
+    /// the other options (devices, serial, memory) apply to that restore.
+    #[arg(long, requires = "control_socket", conflicts_with = "paused")]
+    standby: bool,
+    /// vCPUs to create on standby: the snapshot restored must have as many [default: 1].
+    #[arg(long, requires = "standby", value_parser = clap::value_parser!(u8).range(1..))]
+    vcpus: Option<u8>,
     /// How guest memory is populated: file (MAP_PRIVATE of the memory file) or uffd
     /// (userfaultfd, pages served by the vmm on first touch).
     #[arg(long, default_value = "file")]
@@ -281,14 +290,13 @@ fn run(args: RunArgs) -> Result<i32, (i32, String)> {
             .map_err(|e| bad(&e))?,
     };
     let config = VmConfig::try_from(file.overridden_by(flags)).map_err(|e| bad(&e))?;
-    let blocked = signals::block_termination_signals().map_err(|e| {
-        (
-            EXIT_VM_FAILURE,
-            format!("cannot block termination signals: {e}"),
-        )
-    })?;
+    let blocked = block_signals()?;
     let machine = Machine::start(&config).map_err(|e| (e.exit_code(), e.to_string()))?;
-    serve(machine, blocked, config.control_socket.as_deref())
+    let control = config
+        .control_socket
+        .as_deref()
+        .map(|path| ControlServer::start(path, machine.shared()));
+    serve(machine, blocked, control)
 }
 
 fn restore(args: RestoreArgs) -> Result<i32, (i32, String)> {
@@ -309,7 +317,8 @@ fn restore(args: RestoreArgs) -> Result<i32, (i32, String)> {
         .map_err(|e| bad(&e))?;
     let config = RestoreConfig {
         memory: devices.memory_mode(requested).map_err(|e| bad(&e))?,
-        snapshot: args.snapshot,
+        // On standby the restore request names it.
+        snapshot: args.snapshot.unwrap_or_default(),
         backend: args
             .memory_backend
             .parse::<MemoryBackend>()
@@ -319,14 +328,76 @@ fn restore(args: RestoreArgs) -> Result<i32, (i32, String)> {
         paused: args.paused,
         devices,
     };
-    let blocked = signals::block_termination_signals().map_err(|e| {
+    if args.standby {
+        return standby(args.vcpus.unwrap_or(1), config);
+    }
+    let blocked = block_signals()?;
+    let machine = Machine::restore(&config).map_err(|e| (e.exit_code(), e.to_string()))?;
+    let control = config
+        .control_socket
+        .as_deref()
+        .map(|path| ControlServer::start(path, machine.shared()));
+    serve(machine, blocked, control)
+}
+
+fn block_signals() -> Result<signals::BlockedSignals, (i32, String)> {
+    signals::block_termination_signals().map_err(|e| {
         (
             EXIT_VM_FAILURE,
             format!("cannot block termination signals: {e}"),
         )
-    })?;
-    let machine = Machine::restore(&config).map_err(|e| (e.exit_code(), e.to_string()))?;
-    serve(machine, blocked, config.control_socket.as_deref())
+    })
+}
+
+/// `vmm restore --standby`: prepares the VM and its vCPUs, waits on the
+/// control socket for the snapshot to restore, then runs it as `vmm restore`
+/// would. Until the request comes, termination signals end the process at
+/// once (there is nothing to save).
+fn standby(vcpus: u8, mut config: RestoreConfig) -> Result<i32, (i32, String)> {
+    let Some(path) = config.control_socket.clone() else {
+        return Err((EXIT_BAD_INPUT, "--standby needs --control-socket".into()));
+    };
+    let prepared =
+        PreparedVm::new(usize::from(vcpus)).map_err(|e| (e.exit_code(), e.to_string()))?;
+    vmm::timing::mark("vm-prepared");
+    let mut server =
+        StandbyServer::bind(&path, prepared).map_err(|e| (EXIT_BAD_INPUT, e.to_string()))?;
+    tracing::info!(socket = %path.display(), vcpus, "on standby: waiting for a restore request");
+    let request = match server.next_request() {
+        StandbyRequest::Stop => {
+            server.remove();
+            tracing::info!("stopped on standby, without a VM");
+            return Ok(0);
+        }
+        StandbyRequest::Restore(request) => request,
+    };
+    vmm::timing::mark("restore-requested");
+    let RestoreRequest {
+        loaded,
+        snapshot,
+        paused,
+        client,
+    } = *request;
+    config.snapshot = snapshot;
+    config.paused = paused;
+    let (prepared, socket) = server.into_parts();
+    let blocked = match block_signals() {
+        Ok(blocked) => blocked,
+        Err((code, message)) => {
+            socket.refuse(client, &message);
+            return Err((code, message));
+        }
+    };
+    match Machine::restore_prepared(prepared, loaded, &config) {
+        Ok(machine) => {
+            let control = socket.serve_restored(client, machine.shared());
+            serve(machine, blocked, Some(control))
+        }
+        Err(e) => {
+            socket.refuse(client, &e.to_string());
+            Err((e.exit_code(), e.to_string()))
+        }
+    }
 }
 
 fn jail(args: JailArgs) -> Result<i32, (i32, String)> {
@@ -382,10 +453,10 @@ fn jail(args: JailArgs) -> Result<i32, (i32, String)> {
 fn serve(
     machine: Machine,
     blocked: signals::BlockedSignals,
-    control_socket: Option<&Path>,
+    control: Option<Result<ControlServer, ControlError>>,
 ) -> Result<i32, (i32, String)> {
-    let _control = match control_socket {
-        Some(path) => match ControlServer::start(path, machine.shared()) {
+    let _control = match control {
+        Some(started) => match started {
             Ok(server) => Some(server),
             Err(e) => {
                 machine
@@ -623,7 +694,11 @@ mod tests {
         let Command::Restore(r) = parse(j.vmm_args).command else {
             panic!("the jailed command is not restore")
         };
-        assert_eq!(r.snapshot, std::path::Path::new("/s/golden"));
+        assert_eq!(
+            r.snapshot.as_deref(),
+            Some(std::path::Path::new("/s/golden"))
+        );
+        assert!(!r.standby);
         assert_eq!(r.memory_backend, "uffd");
         assert!(r.paused && r.rng);
         assert_eq!(r.disk.len(), 2);
@@ -632,5 +707,20 @@ mod tests {
             Some("tap0,mac=02:00:00:00:00:01,rx_bw=1048576,tx_ops=10/10")
         );
         assert_devices_parse_as_built(&r.disk, r.net.as_deref(), &r.fs);
+
+        let mut standby = vmm_api::StandbySpec::new(2, "/run/standby.sock");
+        standby.memory_backend = Some("uffd".into());
+        standby.devices.disks = vec![DiskSpec::rw("/d/root.ext4")];
+        let Command::Restore(s) = parse(standby.args()).command else {
+            panic!("not restore")
+        };
+        assert!(s.standby && !s.paused);
+        assert_eq!((s.snapshot, s.vcpus), (None, Some(2)));
+        assert_eq!(s.memory_backend, "uffd");
+        assert_eq!(
+            s.control_socket.as_deref(),
+            Some(std::path::Path::new("/run/standby.sock"))
+        );
+        assert_eq!(s.disk, ["/d/root.ext4"]);
     }
 }

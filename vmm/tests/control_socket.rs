@@ -94,7 +94,7 @@ fn status_pause_resume_stop() {
     let unknown = ctl.send_raw(r#"{"op":"reboot"}"#);
     assert_eq!(
         unknown,
-        json!({"ok": false, "error": "unknown op \"reboot\"; known ops: status, pause, resume, stop, snapshot, memory_checksum"})
+        json!({"ok": false, "error": "unknown op \"reboot\"; known ops: status, pause, resume, stop, snapshot, memory_checksum, restore"})
     );
     let no_op = ctl.send_raw(r#"{"state":"paused"}"#);
     assert_eq!(no_op["error"], "request has no \"op\" field");

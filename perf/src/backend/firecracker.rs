@@ -126,19 +126,28 @@ impl Backend for FirecrackerBackend {
         timeout: Duration,
     ) -> Result<Vm> {
         let (process, api) = self.spawn("firecracker (restore)", dir, timeout)?;
-        let load = json!({
-            "snapshot_path": snapshot.join(STATE_FILE).display().to_string(),
-            "mem_backend": {
-                "backend_type": "File",
-                "backend_path": snapshot.join(MEMORY_FILE).display().to_string(),
-            },
-            "resume_vm": true,
-        });
-        http::request(&api, "PUT", "/snapshot/load", &load.to_string())?;
+        http::request(&api, "PUT", "/snapshot/load", &load_body(snapshot))?;
         Ok(Vm {
             process,
             handle: Handle::Firecracker(api),
         })
+    }
+
+    fn prestart(&self, dir: &Path, timeout: Duration) -> Result<Option<Vm>> {
+        let (process, api) = self.spawn("firecracker (pre-started)", dir, timeout)?;
+        Ok(Some(Vm {
+            process,
+            handle: Handle::Firecracker(api),
+        }))
+    }
+
+    fn load_prestarted(&self, vm: &mut Vm, snapshot: &Path) -> Result<()> {
+        http::request(
+            Self::api(vm)?,
+            "PUT",
+            "/snapshot/load",
+            &load_body(snapshot),
+        )
     }
 
     fn pause(&self, vm: &mut Vm) -> Result<()> {
@@ -165,4 +174,17 @@ impl Backend for FirecrackerBackend {
         http::request(api, "PUT", "/snapshot/create", &body)?;
         Ok(start.elapsed())
     }
+}
+
+/// `PUT /snapshot/load` of `snapshot` (state and memory file), resumed at once.
+fn load_body(snapshot: &Path) -> String {
+    json!({
+        "snapshot_path": snapshot.join(STATE_FILE).display().to_string(),
+        "mem_backend": {
+            "backend_type": "File",
+            "backend_path": snapshot.join(MEMORY_FILE).display().to_string(),
+        },
+        "resume_vm": true,
+    })
+    .to_string()
 }

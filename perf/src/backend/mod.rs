@@ -139,6 +139,22 @@ pub trait Backend: Sync {
         Ok(None)
     }
 
+    /// Starts the VMM ahead of its snapshot, ready to load one: our vmm
+    /// `restore --standby` (KVM VM and vCPUs created, waiting on its control
+    /// socket), Firecracker spawned and answering on its API socket. Returns
+    /// once it is ready; `None` when this VMM cannot be started ahead.
+    fn prestart(&self, _dir: &Path, _timeout: Duration) -> Result<Option<Vm>> {
+        Ok(None)
+    }
+
+    /// Has the pre-started `vm` (from [`Backend::prestart`]) load `snapshot`
+    /// and run it; returns once the VMM answered the request.
+    fn load_prestarted(&self, _vm: &mut Vm, _snapshot: &Path) -> Result<()> {
+        Err(crate::error::PerfError::Usage(
+            "internal: this VMM cannot be started ahead".into(),
+        ))
+    }
+
     /// Writes a snapshot of the paused `vm` into the new folder `dir` and
     /// returns the time from sending the request to receiving the answer.
     fn snapshot(&self, vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<Duration>;

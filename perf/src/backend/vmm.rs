@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use vmm_api::command::{Globals, NetSpec, Serial};
-use vmm_api::{Client, RestoreSpec, RunSpec};
+use vmm_api::{Client, RestoreSpec, RunSpec, StandbySpec};
 
 #[cfg(test)]
 use super::NetDevice;
@@ -41,12 +41,14 @@ pub struct VmmBackend {
     memory_backend: Option<String>,
     memory: Option<String>,
     has_restore: bool,
+    /// `vmm restore --standby` exists (a vmm started ahead of its snapshot).
+    has_standby: bool,
 }
 
 impl VmmBackend {
     /// A backend for the vmm at `binary`; `memory_backend` is passed to
     /// `vmm restore --memory-backend` when set. Probes once whether the
-    /// binary has the `restore` subcommand.
+    /// binary has the `restore` subcommand, and its `--standby` option.
     pub fn new(binary: PathBuf, memory_backend: Option<String>) -> Self {
         Self::with_memory(binary, memory_backend, None)
     }
@@ -58,19 +60,22 @@ impl VmmBackend {
         memory_backend: Option<String>,
         memory: Option<String>,
     ) -> Self {
-        let has_restore = Command::new(&binary)
+        let help = Command::new(&binary)
             .args(["restore", "--help"])
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
             .stderr(Stdio::null())
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
+            .output()
+            .ok()
+            .filter(|out| out.status.success());
+        let has_restore = help.is_some();
+        let has_standby =
+            help.is_some_and(|out| String::from_utf8_lossy(&out.stdout).contains("--standby"));
         VmmBackend {
             binary,
             memory_backend,
             memory,
             has_restore,
+            has_standby,
         }
     }
 
@@ -177,6 +182,24 @@ impl Backend for VmmBackend {
     ) -> Result<Option<Vm>> {
         self.spawn_restore(snapshot, dir, false, timeout, true)
             .map(Some)
+    }
+
+    fn prestart(&self, dir: &Path, timeout: Duration) -> Result<Option<Vm>> {
+        if !self.has_standby {
+            return Ok(None);
+        }
+        let socket = dir.join("control.sock");
+        let mut standby = StandbySpec::new(1, &socket);
+        standby.memory_backend = self.memory_backend.clone();
+        standby.devices.serial = Serial::Stdout;
+        standby.devices.memory = self.memory.clone();
+        let process = VmProcess::spawn("vmm restore --standby", &self.binary, standby.args())?;
+        Self::connect(process, Some(socket), timeout).map(Some)
+    }
+
+    fn load_prestarted(&self, vm: &mut Vm, snapshot: &Path) -> Result<()> {
+        Self::client(vm)?.restore(snapshot, false)?;
+        Ok(())
     }
 
     fn pause(&self, vm: &mut Vm) -> Result<()> {

@@ -9,9 +9,18 @@
 //! is checked to continue from the snapshot. With several VMMs, each run
 //! restores each of them in turn.
 //!
+//! Pre-started (`restore.prestarted.memN`): each run also starts every VMM
+//! ahead of its snapshot (our vmm `restore --standby`, its VM and vCPUs
+//! created; Firecracker spawned, its API socket answering) and, once it is
+//! ready, clocks from the load request (`{"op":"restore"}` / `PUT
+//! /snapshot/load`) to the guest's first output: what a session waits for
+//! when its node keeps VMM processes started ahead.
+//!
 //! Breakdown (our vmm only): after the timed runs, separate restores with
 //! the vmm's start-up phase marks logged give `restore.phase.STEP.memN`, the
 //! µs from one mark to the next (see [`crate::phases`]).
+
+use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::error::Result;
@@ -79,27 +88,75 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
                 "memory",
                 ctx.settings.memory.as_deref().unwrap_or("private"),
             );
-            sets.push((snapshot, latency));
+            let prestarted = Metric::new(
+                format!("restore.prestarted.{}", super::mem_id(mem_mib)),
+                format!("restore into a pre-started VMM: load request -> first guest output, {mem_mib} MiB"),
+                "ms",
+                subject,
+            )
+            .param("mem_mib", mem_mib)
+            .param(
+                "memory_backend",
+                ctx.settings.memory_backend.as_deref().unwrap_or("default"),
+            )
+            .param(
+                "memory",
+                ctx.settings.memory.as_deref().unwrap_or("private"),
+            );
+            sets.push((snapshot, latency, Some(prestarted)));
         }
         ctx.status(format!("{NAME} ({mem_mib} MiB)"));
         ctx.repeat(runs(ctx), |warmup| {
-            for (backend, (snapshot, latency)) in ctx.backends.iter().zip(sets.iter_mut()) {
+            for (backend, (snapshot, latency, prestarted)) in
+                ctx.backends.iter().zip(sets.iter_mut())
+            {
                 let dir = ctx.scratch()?;
                 let mut vm = backend.restore(&snapshot.path, dir.path(), false, ctx.timeout())?;
                 let (seen, _) = vm.process.wait_for("", 0, ctx.timeout())?;
                 latency.push(ms(seen - vm.process.started()), warmup);
                 check_continues(&mut vm.process, snapshot.last_count, ctx.timeout())?;
                 vm.process.kill();
+                if prestarted.is_some() {
+                    let dir = ctx.scratch()?;
+                    match backend.prestart(dir.path(), ctx.timeout())? {
+                        Some(mut vm) => {
+                            // Ready (VM prepared, socket answering): the clock
+                            // covers the load request and the restore only.
+                            let asked = Instant::now();
+                            backend.load_prestarted(&mut vm, &snapshot.path)?;
+                            let (seen, _) = vm.process.wait_for("", 0, ctx.timeout())?;
+                            if let Some(m) = prestarted.as_mut() {
+                                m.push(ms(seen.saturating_duration_since(asked)), warmup);
+                            }
+                            check_continues(&mut vm.process, snapshot.last_count, ctx.timeout())?;
+                            vm.process.kill();
+                        }
+                        None => *prestarted = None,
+                    }
+                }
             }
             Ok(())
         })?;
-        for (backend, (snapshot, _)) in ctx.backends.iter().zip(&sets) {
+        for (backend, (snapshot, _, _)) in ctx.backends.iter().zip(&sets) {
             result
                 .metrics
                 .extend(phases(ctx, backend.as_ref(), snapshot, mem_mib)?);
         }
-        for (_, latency) in sets {
+        // The pre-started metric only where every VMM could be started ahead,
+        // so each has its counterpart.
+        let all_prestarted = sets.iter().all(|(_, _, p)| p.is_some());
+        if !all_prestarted {
+            result.notes.push(
+                "restore.prestarted: skipped, a VMM under test cannot be started ahead \
+                 (vmm without restore --standby)"
+                    .into(),
+            );
+        }
+        for (_, latency, prestarted) in sets {
             result.metrics.push(latency.finish());
+            if let Some(p) = prestarted.filter(|_| all_prestarted) {
+                result.metrics.push(p.finish());
+            }
         }
     }
     Ok(())

@@ -150,18 +150,30 @@ def guest_kind(kernel):
     return os.path.basename(kernel).split(".")[0]
 
 
-def serve_control(path, guest):
+def serve_control(path, guest, on_restore=None):
+    """Serves the control socket; with `on_restore` (standby) there is no
+    guest until a restore request, which `on_restore` turns into one."""
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(4)
+    held = {"guest": guest}
 
     def client(conn):
         f = conn.makefile("rw")
         for line in f:
             req = json.loads(line)
             op = req.get("op")
+            guest = held["guest"]
             ans = {"ok": True, "state": "running", "vcpus": 1}
-            if op == "pause":
+            if guest is None:
+                if op == "restore":
+                    held["guest"] = on_restore(req)
+                    ans["state"] = "paused" if req.get("paused") else "running"
+                elif op == "status":
+                    ans["state"] = "standby"
+                else:
+                    ans = {"ok": False, "error": "on standby"}
+            elif op == "pause":
                 guest.paused.set()
                 ans["state"] = "paused"
             elif op == "resume":
@@ -188,6 +200,7 @@ def serve_control(path, guest):
             threading.Thread(target=client, args=(conn,), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
+    return held
 
 
 def arg(args, name, default=None):
@@ -211,12 +224,29 @@ def vmm_main(args):
         sys.stderr.write("error: unrecognized subcommand 'restore'\n")
         sys.exit(2)
     if "--help" in args:
-        print(f"usage: vmm {cmd}")
+        standby = cmd == "restore" and not os.environ.get("FAKE_NO_STANDBY")
+        print(f"usage: vmm {cmd}" + (" [--standby]" if standby else ""))
         return
     if cmd == "run":
         net = arg(args, "--net")
         guest = Guest(guest_kind(arg(args, "--kernel")), int(arg(args, "--mem-mib", "128")),
                       arg(args, "--cmdline", ""), tap=net.split(",")[0] if net else None)
+    elif cmd == "restore" and "--standby" in args:
+        restored = threading.Event()
+
+        def on_restore(req):
+            g = Guest.load(req["snapshot"])
+            if req.get("paused"):
+                g.paused.set()
+            restored.set()
+            return g
+
+        held = serve_control(arg(args, "--control-socket"), None, on_restore)
+        restored.wait()
+        guest = held["guest"]
+        guest.running.set()
+        guest.run()
+        return
     elif cmd == "restore":
         guest = Guest.load(arg(args, "--snapshot"))
     else:

@@ -231,6 +231,49 @@ impl RestoreSpec {
     }
 }
 
+/// `vmm restore --standby`: a vmm started ahead of its session, with its KVM
+/// VM and vCPUs created, that waits on its control socket (required in
+/// `devices`) for a `restore` request naming the snapshot
+/// ([`crate::Client::restore`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StandbySpec {
+    /// Global options.
+    pub globals: Globals,
+    /// vCPUs to create ahead: the snapshot restored must have this many.
+    pub vcpus: u8,
+    /// `file` (private mapping) or `uffd` (`None`: the vmm's default).
+    pub memory_backend: Option<String>,
+    /// Devices: the same set as the snapshots to be restored have.
+    pub devices: Devices,
+}
+
+impl StandbySpec {
+    /// A standby vmm for snapshots of `vcpus` vCPUs, answering on `control_socket`.
+    pub fn new(vcpus: u8, control_socket: impl Into<PathBuf>) -> Self {
+        Self {
+            vcpus,
+            devices: Devices {
+                control_socket: Some(control_socket.into()),
+                ..Devices::default()
+            },
+            ..Self::default()
+        }
+    }
+
+    /// The vmm's arguments (without the program).
+    pub fn args(&self) -> Vec<String> {
+        let mut a = Vec::new();
+        self.globals.push(&mut a);
+        a.push("restore".into());
+        a.extend(["--standby".into(), "--vcpus".into(), self.vcpus.to_string()]);
+        if let Some(b) = &self.memory_backend {
+            a.extend(["--memory-backend".into(), b.clone()]);
+        }
+        self.devices.push(&mut a);
+        a
+    }
+}
+
 /// A vmm to start: a boot or a restore.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VmmCommand {

@@ -76,6 +76,10 @@ pub fn handle(request: &Request, target: &dyn ControlTarget) -> Value {
             Ok(reply) => ok_value(&reply),
             Err(e) => error(format!("cannot snapshot: {e}")),
         },
+        Request::Restore { .. } => error(
+            "this vmm already holds a VM: restore is for a vmm started with \
+             `vmm restore --standby`",
+        ),
         Request::MemoryChecksum => match target.memory_checksum() {
             Ok(crc) => ok_value(&ChecksumReply {
                 crc64: format!("{crc:016x}"),

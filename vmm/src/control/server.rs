@@ -37,24 +37,46 @@ pub struct ControlServer {
 impl ControlServer {
     /// Binds `path` (replacing a stale socket nobody listens on) and serves it.
     pub fn start(path: &Path, target: Arc<dyn ControlTarget>) -> Result<Self, ControlError> {
-        if path.exists() {
-            if UnixStream::connect(path).is_ok() {
-                return Err(ControlError::InUse(path.into()));
-            }
-            let _ = std::fs::remove_file(path);
-        }
-        let bind_err = |source| ControlError::Bind {
-            path: path.into(),
-            source,
-        };
-        let listener = bind_listening(path).map_err(bind_err)?;
+        let listener = bind(path)?;
+        Self::serve_on(path, listener, target, None)
+    }
+
+    /// Serves `listener`, already bound at `path` (see [`bind`]), and the
+    /// client `first` already connected to it (a standby vmm's client that
+    /// asked for the restore: lines it sent after that request are in the
+    /// reader's buffer).
+    pub fn serve_on(
+        path: &Path,
+        listener: UnixListener,
+        target: Arc<dyn ControlTarget>,
+        first: Option<BufReader<UnixStream>>,
+    ) -> Result<Self, ControlError> {
         let clients = Arc::new(AtomicUsize::new(0));
+        let server = ControlServer { path: path.into() };
         std::thread::Builder::new()
             .name("control".into())
-            .spawn(move || accept_loop(listener, target, clients))
-            .map_err(bind_err)?;
-        Ok(ControlServer { path: path.into() })
+            .spawn(move || accept_loop(listener, target, clients, first))
+            .map_err(|source| ControlError::Bind {
+                path: path.into(),
+                source,
+            })?;
+        Ok(server)
     }
+}
+
+/// Binds a listening control socket at `path`, replacing a stale socket
+/// nobody listens on; refuses a path another process serves.
+pub fn bind(path: &Path) -> Result<UnixListener, ControlError> {
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(ControlError::InUse(path.into()));
+        }
+        let _ = std::fs::remove_file(path);
+    }
+    bind_listening(path).map_err(|source| ControlError::Bind {
+        path: path.into(),
+        source,
+    })
 }
 
 /// Binds a listening socket that appears at `path` only once it listens: it
@@ -83,31 +105,52 @@ impl Drop for ControlServer {
     }
 }
 
-fn accept_loop(listener: UnixListener, target: Arc<dyn ControlTarget>, clients: Arc<AtomicUsize>) {
+fn accept_loop(
+    listener: UnixListener,
+    target: Arc<dyn ControlTarget>,
+    clients: Arc<AtomicUsize>,
+    first: Option<BufReader<UnixStream>>,
+) {
     // Client threads inherit this filter.
     crate::seccomp::apply_or_die(crate::seccomp::ThreadKind::Control);
+    if let Some(reader) = first {
+        spawn_client(reader, &target, &clients);
+    }
     for stream in listener.incoming() {
         let Ok(mut stream) = stream else { continue };
-        if clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
-            clients.fetch_sub(1, Ordering::SeqCst);
+        if clients.load(Ordering::SeqCst) >= MAX_CLIENTS {
             let _ = write_response(&mut stream, &protocol::error("too many control clients"));
             continue;
         }
-        let target = target.clone();
-        let clients_done = clients.clone();
-        let spawned = std::thread::Builder::new()
-            .name("control-client".into())
-            .spawn(move || {
-                serve_client(stream, target.as_ref());
-                clients_done.fetch_sub(1, Ordering::SeqCst);
-            });
-        if spawned.is_err() {
-            clients.fetch_sub(1, Ordering::SeqCst);
-        }
+        spawn_client(BufReader::new(stream), &target, &clients);
     }
 }
 
-fn write_response(stream: &mut UnixStream, value: &serde_json::Value) -> std::io::Result<()> {
+/// Serves one client on a thread of its own, counted in `clients`.
+fn spawn_client(
+    reader: BufReader<UnixStream>,
+    target: &Arc<dyn ControlTarget>,
+    clients: &Arc<AtomicUsize>,
+) {
+    clients.fetch_add(1, Ordering::SeqCst);
+    let target = target.clone();
+    let clients_done = clients.clone();
+    let spawned = std::thread::Builder::new()
+        .name("control-client".into())
+        .spawn(move || {
+            serve_client(reader, target.as_ref());
+            clients_done.fetch_sub(1, Ordering::SeqCst);
+        });
+    if spawned.is_err() {
+        clients.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Writes `value` as one answer line.
+pub(super) fn write_response(
+    stream: &mut UnixStream,
+    value: &serde_json::Value,
+) -> std::io::Result<()> {
     let mut line = value.to_string();
     line.push('\n');
     stream.write_all(line.as_bytes())?;
@@ -115,7 +158,9 @@ fn write_response(stream: &mut UnixStream, value: &serde_json::Value) -> std::io
 }
 
 /// Reads one line of at most MAX_REQUEST_LEN bytes. `Ok(None)` at end of stream.
-fn read_line(reader: &mut impl BufRead) -> std::io::Result<Option<Result<String, String>>> {
+pub(super) fn read_line(
+    reader: &mut impl BufRead,
+) -> std::io::Result<Option<Result<String, String>>> {
     let mut buf = Vec::new();
     let n = reader
         .by_ref()
@@ -134,11 +179,10 @@ fn read_line(reader: &mut impl BufRead) -> std::io::Result<Option<Result<String,
     ))
 }
 
-fn serve_client(stream: UnixStream, target: &dyn ControlTarget) {
-    let Ok(mut writer) = stream.try_clone() else {
+fn serve_client(mut reader: BufReader<UnixStream>, target: &dyn ControlTarget) {
+    let Ok(mut writer) = reader.get_ref().try_clone() else {
         return;
     };
-    let mut reader = BufReader::new(stream);
     loop {
         let line = match read_line(&mut reader) {
             Ok(Some(line)) => line,

@@ -6,7 +6,7 @@ mod acpi;
 mod restore;
 mod snapshot;
 
-pub use restore::RestoreConfig;
+pub use restore::{LoadedSnapshot, PreparedVm, RestoreConfig};
 pub use snapshot::SnapshotRequestError;
 
 use std::io::LineWriter;
@@ -54,6 +54,22 @@ pub enum StartError {
     /// The kernel, initrd or command line was refused.
     #[error(transparent)]
     Loader(#[from] loader::LoaderError),
+    /// A snapshot's saved vCPUs are not in id order (a damaged or forged state file).
+    #[error("the snapshot's vCPU state {position} is for vCPU {index}: the state file is damaged")]
+    VcpuOrder {
+        /// Position in the state file.
+        position: usize,
+        /// The vCPU id saved there.
+        index: u8,
+    },
+    /// A vmm on standby was started for another vCPU count than the snapshot has.
+    #[error("this vmm was started on standby with {prepared} vCPUs but the snapshot has {snapshot}: start the standby vmm with --vcpus {snapshot}")]
+    StandbyVcpus {
+        /// vCPUs created on standby.
+        prepared: usize,
+        /// vCPUs in the snapshot.
+        snapshot: usize,
+    },
     /// More vCPUs than KVM allows.
     #[error("{requested} vCPUs requested but this host's KVM allows at most {max}")]
     TooManyVcpus {
@@ -142,6 +158,8 @@ impl StartError {
             | StartError::SerialState(_)
             | StartError::I8042State(I8042PersistError::Invalid(_))
             | StartError::TooManyVcpus { .. }
+            | StartError::VcpuOrder { .. }
+            | StartError::StandbyVcpus { .. }
             | StartError::SerialFile { .. }
             | StartError::MpTable(mptable::MpTableError::TooManyCpus(_))
             | StartError::Acpi(

@@ -1,6 +1,6 @@
 //! Restoring a VM from a snapshot chain into this fresh process.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use super::{
@@ -17,14 +17,15 @@ use crate::devices::legacy::serial::COM1_IRQ;
 use crate::devices::virtio::setup as virtio_setup;
 use crate::kvm::KvmHandle;
 use crate::persist::Persist;
-use crate::snapshot::manifest::resolve_chain;
+use crate::snapshot::manifest::{resolve_chain, Layer};
 use crate::snapshot::memory_file;
 use crate::snapshot::restore_memory::{self, MemoryBackend};
 use crate::snapshot::state::MachineState;
 use crate::timing;
 use crate::vcpu::coordinator::Coordinator;
-use crate::vcpu::{lock_fd, persist as vcpu_persist, Vcpu};
-use crate::vm::{persist as vm_persist, Vm};
+use crate::vcpu::{lock_fd, persist as vcpu_persist, Vcpu, VcpuError};
+use crate::vm::{persist as vm_persist, EmptyVm};
+use kvm_ioctls::VcpuFd;
 
 /// What `vmm restore` needs.
 #[derive(Debug, Clone)]
@@ -45,32 +46,131 @@ pub struct RestoreConfig {
     pub devices: DeviceConfig,
 }
 
-impl Machine {
-    /// Restores the VM saved in `config.snapshot` and starts it (or leaves it paused).
-    pub fn restore(config: &RestoreConfig) -> Result<Machine, StartError> {
-        let layers = resolve_chain(&config.snapshot)?;
-        let top = layers
-            .last()
-            .map(|l| l.dir.clone())
-            .unwrap_or_else(|| config.snapshot.clone());
-        let state = MachineState::load(&top)?;
-        timing::mark("snapshot-read");
+/// What a restore can do before it knows its snapshot: KVM opened, the VM
+/// created with its irqchip and PIT, and its vCPUs created. A vmm on standby
+/// (`vmm restore --standby`) holds one while it waits for a `restore`
+/// request; a plain `vmm restore` makes one once it has read the snapshot.
+pub struct PreparedVm {
+    kvm: KvmHandle,
+    vm: EmptyVm,
+    vcpus: Vec<VcpuFd>,
+}
+
+impl PreparedVm {
+    /// Opens KVM and creates the VM and `vcpus` vCPUs (ids 0..vcpus).
+    pub fn new(vcpus: usize) -> Result<Self, StartError> {
         let kvm = KvmHandle::open()?;
-        let count = state.vcpus.len();
-        if count > kvm.max_vcpus() {
+        if vcpus == 0 || vcpus > kvm.max_vcpus() {
             return Err(StartError::TooManyVcpus {
-                requested: count as u8,
+                requested: u8::try_from(vcpus).unwrap_or(u8::MAX),
                 max: kvm.max_vcpus(),
             });
         }
+        let vm = EmptyVm::create(&kvm)?;
+        let mut fds = Vec::with_capacity(vcpus);
+        for index in 0..vcpus {
+            // `vcpus` is at most max_vcpus, which is below 256 (checked above).
+            let index = index as u8;
+            let fd = vm
+                .fd()
+                .create_vcpu(u64::from(index))
+                .map_err(|source| VcpuError::Ioctl {
+                    index,
+                    what: "KVM_CREATE_VCPU",
+                    source,
+                })?;
+            fds.push(fd);
+        }
+        Ok(PreparedVm {
+            kvm,
+            vm,
+            vcpus: fds,
+        })
+    }
+
+    /// How many vCPUs were created.
+    pub fn vcpu_count(&self) -> usize {
+        self.vcpus.len()
+    }
+}
+
+/// A snapshot chain read from disk and checked, before any of it touches a VM.
+pub struct LoadedSnapshot {
+    layers: Vec<Layer>,
+    top: PathBuf,
+    state: MachineState,
+}
+
+impl LoadedSnapshot {
+    /// Resolves the chain whose top is `snapshot` and reads its state file.
+    pub fn load(snapshot: &Path) -> Result<Self, StartError> {
+        let layers = resolve_chain(snapshot)?;
+        let top = layers
+            .last()
+            .map(|l| l.dir.clone())
+            .unwrap_or_else(|| snapshot.to_path_buf());
+        let state = MachineState::load(&top)?;
+        for (i, vstate) in state.vcpus.iter().enumerate() {
+            if usize::from(vstate.index) != i {
+                return Err(StartError::VcpuOrder {
+                    position: i,
+                    index: vstate.index,
+                });
+            }
+        }
+        Ok(LoadedSnapshot { layers, top, state })
+    }
+
+    /// How many vCPUs the snapshot holds.
+    pub fn vcpu_count(&self) -> usize {
+        self.state.vcpus.len()
+    }
+
+    /// Checks that `prepared` has the vCPUs this snapshot needs.
+    pub fn fits(&self, prepared: &PreparedVm) -> Result<(), StartError> {
+        if prepared.vcpu_count() != self.vcpu_count() {
+            return Err(StartError::StandbyVcpus {
+                prepared: prepared.vcpu_count(),
+                snapshot: self.vcpu_count(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Machine {
+    /// Restores the VM saved in `config.snapshot` and starts it (or leaves it paused).
+    pub fn restore(config: &RestoreConfig) -> Result<Machine, StartError> {
+        let loaded = LoadedSnapshot::load(&config.snapshot)?;
+        timing::mark("snapshot-read");
+        let prepared = PreparedVm::new(loaded.vcpu_count())?;
+        timing::mark("vm-prepared");
+        Self::restore_prepared(prepared, loaded, config)
+    }
+
+    /// Restores `loaded` into the VM and vCPUs of `prepared` (see
+    /// [`LoadedSnapshot::fits`]) and starts it (or leaves it paused).
+    pub fn restore_prepared(
+        prepared: PreparedVm,
+        loaded: LoadedSnapshot,
+        config: &RestoreConfig,
+    ) -> Result<Machine, StartError> {
+        loaded.fits(&prepared)?;
+        let LoadedSnapshot { layers, top, state } = loaded;
+        let PreparedVm {
+            kvm,
+            vm,
+            vcpus: vcpu_fds,
+        } = prepared;
+        let count = vcpu_fds.len();
         let restore_memory::RestoredMemory {
             mem: memory,
             ready: memory_ready,
         } = restore_memory::build(&layers, config.backend, config.memory)?;
         timing::mark("memory-mapped");
-        let vm = Vm::new(&kvm, memory)?;
+        let vm = vm.with_memory(memory)?;
         vm_persist::restore(vm.fd(), &state.vm)?;
-        timing::mark("vm-created");
+        timing::mark("vm-restored");
 
         let coordinator = Arc::new(if config.paused {
             Coordinator::new_paused(count)
@@ -114,8 +214,10 @@ impl Machine {
         let devices = build_devices(&vm, serial, i8042, virtio_devices, acpi)?;
         timing::mark("devices-restored");
         let mut vcpus = Vec::with_capacity(count);
-        for vstate in &state.vcpus {
-            let vcpu = Vcpu::new(vm.fd(), vstate.index, devices.buses.clone())?;
+        // `fits` checked one fd per saved vCPU, and `load` that the saved
+        // vCPUs are in id order, so each fd is the vCPU its state belongs to.
+        for (vstate, fd) in state.vcpus.iter().zip(vcpu_fds) {
+            let vcpu = Vcpu::from_fd(fd, vstate.index, devices.buses.clone());
             vcpu_persist::restore(&lock_fd(&vcpu.fd()), vstate)?;
             vcpus.push(vcpu);
         }

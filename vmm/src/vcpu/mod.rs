@@ -105,11 +105,17 @@ impl Vcpu {
                 what: "KVM_CREATE_VCPU",
                 source,
             })?;
-        Ok(Vcpu {
+        Ok(Self::from_fd(fd, index, buses))
+    }
+
+    /// A vCPU from an fd created earlier (KVM_CREATE_VCPU with id `index`),
+    /// as a vmm on standby creates them before its devices exist.
+    pub fn from_fd(fd: VcpuFd, index: u8, buses: Buses) -> Self {
+        Vcpu {
             index,
             fd: Arc::new(Mutex::new(fd)),
             buses,
-        })
+        }
     }
 
     /// The shared fd, for saving and restoring state.

@@ -50,10 +50,40 @@ pub struct Vm {
     memory: GuestMemoryMmap,
 }
 
-impl Vm {
-    /// Creates the VM, registers `memory`, and sets up the irqchip and PIT.
-    pub fn new(kvm: &KvmHandle, memory: GuestMemoryMmap) -> Result<Self, VmError> {
+/// A KVM VM created ahead of its memory: the TSS and identity-map pages, the
+/// in-kernel irqchip and the PIT are set up, no memory slot is registered
+/// yet. A vmm on standby holds one (and its vCPUs) until it learns which
+/// snapshot to restore; [`EmptyVm::with_memory`] makes it a [`Vm`].
+pub struct EmptyVm {
+    fd: VmFd,
+}
+
+impl EmptyVm {
+    /// KVM_CREATE_VM, then the TSS and identity-map addresses (before any
+    /// vCPU exists, as KVM requires), the irqchip and the PIT.
+    pub fn create(kvm: &KvmHandle) -> Result<Self, VmError> {
         let fd = kvm.kvm().create_vm().map_err(VmError::Create)?;
+        fd.set_tss_address(KVM_TSS_ADDRESS as usize)
+            .map_err(setup("KVM_SET_TSS_ADDR"))?;
+        fd.set_identity_map_address(KVM_IDENTITY_MAP_ADDRESS)
+            .map_err(setup("KVM_SET_IDENTITY_MAP_ADDR"))?;
+        fd.create_irq_chip().map_err(setup("KVM_CREATE_IRQCHIP"))?;
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        fd.create_pit2(pit).map_err(setup("KVM_CREATE_PIT2"))?;
+        Ok(EmptyVm { fd })
+    }
+
+    /// The VM file descriptor (to create vCPUs).
+    pub fn fd(&self) -> &VmFd {
+        &self.fd
+    }
+
+    /// Registers every region of `memory` as a memory slot, with KVM's
+    /// dirty log on (diff snapshots).
+    pub fn with_memory(self, memory: GuestMemoryMmap) -> Result<Vm, VmError> {
         for (slot, region) in memory.iter().enumerate() {
             let slot = slot as u32;
             let mem_region = kvm_userspace_memory_region {
@@ -65,22 +95,22 @@ impl Vm {
                 flags: KVM_MEM_LOG_DIRTY_PAGES,
             };
             // SAFETY: the host range [as_ptr, as_ptr + len) is a live mmap owned by `memory`,
-            // which this struct keeps alive for as long as the VM fd exists, and slots do not
-            // overlap because the regions come from one validated GuestMemoryMmap.
-            unsafe { fd.set_user_memory_region(mem_region) }
+            // which the returned Vm keeps alive for as long as the VM fd exists, and slots do
+            // not overlap because the regions come from one validated GuestMemoryMmap.
+            unsafe { self.fd.set_user_memory_region(mem_region) }
                 .map_err(|source| VmError::MemorySlot { slot, source })?;
         }
-        fd.set_tss_address(KVM_TSS_ADDRESS as usize)
-            .map_err(setup("KVM_SET_TSS_ADDR"))?;
-        fd.set_identity_map_address(KVM_IDENTITY_MAP_ADDRESS)
-            .map_err(setup("KVM_SET_IDENTITY_MAP_ADDR"))?;
-        fd.create_irq_chip().map_err(setup("KVM_CREATE_IRQCHIP"))?;
-        let pit = kvm_pit_config {
-            flags: KVM_PIT_SPEAKER_DUMMY,
-            ..Default::default()
-        };
-        fd.create_pit2(pit).map_err(setup("KVM_CREATE_PIT2"))?;
-        Ok(Vm { fd, memory })
+        Ok(Vm {
+            fd: self.fd,
+            memory,
+        })
+    }
+}
+
+impl Vm {
+    /// Creates the VM, sets up the irqchip and PIT, and registers `memory`.
+    pub fn new(kvm: &KvmHandle, memory: GuestMemoryMmap) -> Result<Self, VmError> {
+        EmptyVm::create(kvm)?.with_memory(memory)
     }
 
     /// The VM file descriptor.
