@@ -131,6 +131,12 @@ struct RestoreArgs {
     /// vCPUs to create on standby: the snapshot restored must have as many [default: 1].
     #[arg(long, requires = "standby", value_parser = clap::value_parser!(u8).range(1..))]
     vcpus: Option<u8>,
+    /// Guest memory to reserve on standby, in MiB: its memory slots, the irqchip, the PIT
+    /// and the vCPUs are then set up ahead too, and the snapshot (which must have this
+    /// size) is mapped over the reservation. Only with --memory-backend file and private
+    /// memory; without it those steps wait for the restore request.
+    #[arg(long, requires = "standby", value_parser = clap::value_parser!(u64).range(1..))]
+    mem_mib: Option<u64>,
     /// How guest memory is populated: file (MAP_PRIVATE of the memory file) or uffd
     /// (userfaultfd, pages served by the vmm on first touch).
     #[arg(long, default_value = "file")]
@@ -329,7 +335,7 @@ fn restore(args: RestoreArgs) -> Result<i32, (i32, String)> {
         devices,
     };
     if args.standby {
-        return standby(args.vcpus.unwrap_or(1), config);
+        return standby(args.vcpus.unwrap_or(1), args.mem_mib, config);
     }
     let blocked = block_signals()?;
     let machine = Machine::restore(&config).map_err(|e| (e.exit_code(), e.to_string()))?;
@@ -353,12 +359,24 @@ fn block_signals() -> Result<signals::BlockedSignals, (i32, String)> {
 /// control socket for the snapshot to restore, then runs it as `vmm restore`
 /// would. Until the request comes, termination signals end the process at
 /// once (there is nothing to save).
-fn standby(vcpus: u8, mut config: RestoreConfig) -> Result<i32, (i32, String)> {
+fn standby(
+    vcpus: u8,
+    mem_mib: Option<u64>,
+    mut config: RestoreConfig,
+) -> Result<i32, (i32, String)> {
     let Some(path) = config.control_socket.clone() else {
         return Err((EXIT_BAD_INPUT, "--standby needs --control-socket".into()));
     };
+    if mem_mib.is_some() && (config.backend != MemoryBackend::File || config.memory.is_shared()) {
+        return Err((
+            EXIT_BAD_INPUT,
+            "--mem-mib on standby reserves private memory for --memory-backend file; \
+             uffd and shared memory are set up when the restore request comes: leave --mem-mib out"
+                .into(),
+        ));
+    }
     let prepared =
-        PreparedVm::new(usize::from(vcpus)).map_err(|e| (e.exit_code(), e.to_string()))?;
+        PreparedVm::new(usize::from(vcpus), mem_mib).map_err(|e| (e.exit_code(), e.to_string()))?;
     vmm::timing::mark("vm-prepared");
     let mut server =
         StandbyServer::bind(&path, prepared).map_err(|e| (EXIT_BAD_INPUT, e.to_string()))?;
@@ -710,12 +728,13 @@ mod tests {
 
         let mut standby = vmm_api::StandbySpec::new(2, "/run/standby.sock");
         standby.memory_backend = Some("uffd".into());
+        standby.mem_mib = Some(512);
         standby.devices.disks = vec![DiskSpec::rw("/d/root.ext4")];
         let Command::Restore(s) = parse(standby.args()).command else {
             panic!("not restore")
         };
         assert!(s.standby && !s.paused);
-        assert_eq!((s.snapshot, s.vcpus), (None, Some(2)));
+        assert_eq!((s.snapshot, s.vcpus, s.mem_mib), (None, Some(2), Some(512)));
         assert_eq!(s.memory_backend, "uffd");
         assert_eq!(
             s.control_socket.as_deref(),

@@ -133,7 +133,7 @@ impl Backend for FirecrackerBackend {
         })
     }
 
-    fn prestart(&self, dir: &Path, timeout: Duration) -> Result<Option<Vm>> {
+    fn prestart(&self, dir: &Path, _mem_mib: u64, timeout: Duration) -> Result<Option<Vm>> {
         let (process, api) = self.spawn("firecracker (pre-started)", dir, timeout)?;
         Ok(Some(Vm {
             process,

@@ -143,7 +143,9 @@ pub trait Backend: Sync {
     /// `restore --standby` (KVM VM and vCPUs created, waiting on its control
     /// socket), Firecracker spawned and answering on its API socket. Returns
     /// once it is ready; `None` when this VMM cannot be started ahead.
-    fn prestart(&self, _dir: &Path, _timeout: Duration) -> Result<Option<Vm>> {
+    /// `mem_mib` is the guest memory of the snapshots it will be sent (our
+    /// vmm reserves it ahead with the `file` backend).
+    fn prestart(&self, _dir: &Path, _mem_mib: u64, _timeout: Duration) -> Result<Option<Vm>> {
         Ok(None)
     }
 

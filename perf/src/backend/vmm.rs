@@ -184,7 +184,7 @@ impl Backend for VmmBackend {
             .map(Some)
     }
 
-    fn prestart(&self, dir: &Path, timeout: Duration) -> Result<Option<Vm>> {
+    fn prestart(&self, dir: &Path, mem_mib: u64, timeout: Duration) -> Result<Option<Vm>> {
         if !self.has_standby {
             return Ok(None);
         }
@@ -193,6 +193,13 @@ impl Backend for VmmBackend {
         standby.memory_backend = self.memory_backend.clone();
         standby.devices.serial = Serial::Stdout;
         standby.devices.memory = self.memory.clone();
+        // Memory slots, irqchip, PIT and vCPUs ahead: only for the file
+        // backend over private memory (the vmm refuses --mem-mib otherwise).
+        let file_backed = matches!(self.memory_backend.as_deref(), None | Some("file"));
+        let private = matches!(self.memory.as_deref(), None | Some("private"));
+        if file_backed && private {
+            standby.mem_mib = Some(mem_mib);
+        }
         let process = VmProcess::spawn("vmm restore --standby", &self.binary, standby.args())?;
         Self::connect(process, Some(socket), timeout).map(Some)
     }

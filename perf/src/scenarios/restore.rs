@@ -118,7 +118,7 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
                 vm.process.kill();
                 if prestarted.is_some() {
                     let dir = ctx.scratch()?;
-                    match backend.prestart(dir.path(), ctx.timeout())? {
+                    match backend.prestart(dir.path(), mem_mib, ctx.timeout())? {
                         Some(mut vm) => {
                             // Ready (VM prepared, socket answering): the clock
                             // covers the load request and the restore only.

@@ -241,6 +241,10 @@ pub struct StandbySpec {
     pub globals: Globals,
     /// vCPUs to create ahead: the snapshot restored must have this many.
     pub vcpus: u8,
+    /// Guest memory to reserve ahead, MiB (`--mem-mib`): memory slots,
+    /// irqchip, PIT and vCPUs are then set up ahead too; the snapshot must
+    /// have this size. Only with the `file` backend and private memory.
+    pub mem_mib: Option<u64>,
     /// `file` (private mapping) or `uffd` (`None`: the vmm's default).
     pub memory_backend: Option<String>,
     /// Devices: the same set as the snapshots to be restored have.
@@ -266,6 +270,9 @@ impl StandbySpec {
         self.globals.push(&mut a);
         a.push("restore".into());
         a.extend(["--standby".into(), "--vcpus".into(), self.vcpus.to_string()]);
+        if let Some(mib) = self.mem_mib {
+            a.extend(["--mem-mib".into(), mib.to_string()]);
+        }
         if let Some(b) = &self.memory_backend {
             a.extend(["--memory-backend".into(), b.clone()]);
         }

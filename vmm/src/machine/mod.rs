@@ -70,6 +70,14 @@ pub enum StartError {
         /// vCPUs in the snapshot.
         snapshot: usize,
     },
+    /// A vmm on standby reserved another memory size than the snapshot has.
+    #[error("this vmm was started on standby with {prepared_mib} MiB of guest memory reserved but the snapshot has {snapshot_mib} MiB: start the standby vmm with --mem-mib {snapshot_mib}")]
+    StandbyMemory {
+        /// MiB reserved on standby.
+        prepared_mib: u64,
+        /// MiB in the snapshot.
+        snapshot_mib: u64,
+    },
     /// More vCPUs than KVM allows.
     #[error("{requested} vCPUs requested but this host's KVM allows at most {max}")]
     TooManyVcpus {
@@ -160,6 +168,7 @@ impl StartError {
             | StartError::TooManyVcpus { .. }
             | StartError::VcpuOrder { .. }
             | StartError::StandbyVcpus { .. }
+            | StartError::StandbyMemory { .. }
             | StartError::SerialFile { .. }
             | StartError::MpTable(mptable::MpTableError::TooManyCpus(_))
             | StartError::Acpi(

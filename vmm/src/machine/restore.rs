@@ -16,6 +16,7 @@ use crate::devices::legacy::serial::SerialDevice;
 use crate::devices::legacy::serial::COM1_IRQ;
 use crate::devices::virtio::setup as virtio_setup;
 use crate::kvm::KvmHandle;
+use crate::memory::{create_guest_memory, MemoryReady};
 use crate::persist::Persist;
 use crate::snapshot::manifest::{resolve_chain, Layer};
 use crate::snapshot::memory_file;
@@ -25,7 +26,8 @@ use crate::timing;
 use crate::vcpu::coordinator::Coordinator;
 use crate::vcpu::{lock_fd, persist as vcpu_persist, Vcpu, VcpuError};
 use crate::vm::{persist as vm_persist, EmptyVm};
-use kvm_ioctls::VcpuFd;
+use kvm_ioctls::{VcpuFd, VmFd};
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 /// What `vmm restore` needs.
 #[derive(Debug, Clone)]
@@ -46,51 +48,76 @@ pub struct RestoreConfig {
     pub devices: DeviceConfig,
 }
 
-/// What a restore can do before it knows its snapshot: KVM opened, the VM
-/// created with its irqchip and PIT, and its vCPUs created. A vmm on standby
-/// (`vmm restore --standby`) holds one while it waits for a `restore`
-/// request; a plain `vmm restore` makes one once it has read the snapshot.
+/// What a restore can do before it knows its snapshot. Always: KVM opened
+/// and KVM_CREATE_VM. With a memory reservation (a vmm on standby given
+/// `--mem-mib`, for the `file` backend and private memory): the memory slots
+/// registered over the reservation, the irqchip, the PIT and the vCPUs too;
+/// the snapshot's memory file is then mapped over the reservation. Without
+/// one, those wait for the restored memory (slots must come before the
+/// irqchip: see [`EmptyVm`]).
 pub struct PreparedVm {
     kvm: KvmHandle,
     vm: EmptyVm,
+    vcpu_count: usize,
+    /// The vCPUs, created once the irqchip exists (with a reservation).
     vcpus: Vec<VcpuFd>,
 }
 
+/// Creates vCPUs `0..count` of `vm`.
+fn create_vcpu_fds(vm: &VmFd, count: usize) -> Result<Vec<VcpuFd>, VcpuError> {
+    (0..count)
+        .map(|index| {
+            // `count` is at most KVM's max_vcpus, checked below 256 by the caller.
+            let index = index as u8;
+            vm.create_vcpu(u64::from(index))
+                .map_err(|source| VcpuError::Ioctl {
+                    index,
+                    what: "KVM_CREATE_VCPU",
+                    source,
+                })
+        })
+        .collect()
+}
+
 impl PreparedVm {
-    /// Opens KVM and creates the VM and `vcpus` vCPUs (ids 0..vcpus).
-    pub fn new(vcpus: usize) -> Result<Self, StartError> {
+    /// Opens KVM and creates the VM for `vcpus` vCPUs; with `reserve_mib`,
+    /// also reserves that much guest memory (anonymous, not touched),
+    /// registers it, and creates the irqchip, PIT and vCPUs.
+    pub fn new(vcpus: usize, reserve_mib: Option<u64>) -> Result<Self, StartError> {
         let kvm = KvmHandle::open()?;
-        if vcpus == 0 || vcpus > kvm.max_vcpus() {
+        if vcpus == 0 || vcpus > kvm.max_vcpus().min(usize::from(u8::MAX)) {
             return Err(StartError::TooManyVcpus {
                 requested: u8::try_from(vcpus).unwrap_or(u8::MAX),
                 max: kvm.max_vcpus(),
             });
         }
-        let vm = EmptyVm::create(&kvm)?;
-        let mut fds = Vec::with_capacity(vcpus);
-        for index in 0..vcpus {
-            // `vcpus` is at most max_vcpus, which is below 256 (checked above).
-            let index = index as u8;
-            let fd = vm
-                .fd()
-                .create_vcpu(u64::from(index))
-                .map_err(|source| VcpuError::Ioctl {
-                    index,
-                    what: "KVM_CREATE_VCPU",
-                    source,
-                })?;
-            fds.push(fd);
-        }
+        let reserved = reserve_mib
+            .map(|mib| create_guest_memory(mib, MemoryMode::Private))
+            .transpose()?;
+        let vm = EmptyVm::create(&kvm, reserved)?;
+        let fds = if vm.has_irqchip() {
+            create_vcpu_fds(vm.fd(), vcpus)?
+        } else {
+            Vec::new()
+        };
         Ok(PreparedVm {
             kvm,
             vm,
+            vcpu_count: vcpus,
             vcpus: fds,
         })
     }
 
-    /// How many vCPUs were created.
+    /// How many vCPUs the VM is prepared for.
     pub fn vcpu_count(&self) -> usize {
-        self.vcpus.len()
+        self.vcpu_count
+    }
+
+    /// The guest memory reserved ahead, in MiB (`None`: none was).
+    pub fn reserved_mib(&self) -> Option<u64> {
+        self.vm
+            .reservation()
+            .map(|m| m.iter().map(|r| r.len()).sum::<u64>() >> 20)
     }
 }
 
@@ -126,13 +153,30 @@ impl LoadedSnapshot {
         self.state.vcpus.len()
     }
 
-    /// Checks that `prepared` has the vCPUs this snapshot needs.
+    /// Checks that `prepared` has the vCPUs this snapshot needs and, if it
+    /// reserved memory, the same memory layout.
     pub fn fits(&self, prepared: &PreparedVm) -> Result<(), StartError> {
         if prepared.vcpu_count() != self.vcpu_count() {
             return Err(StartError::StandbyVcpus {
                 prepared: prepared.vcpu_count(),
                 snapshot: self.vcpu_count(),
             });
+        }
+        if let Some(reserved) = prepared.vm.reservation() {
+            let regions = self.layers.first().map(|l| &l.manifest.regions[..]);
+            let same = regions.is_some_and(|regions| {
+                regions.len() == reserved.num_regions()
+                    && regions
+                        .iter()
+                        .zip(reserved.iter())
+                        .all(|(r, m)| r.gpa == m.start_addr().0 && r.size == m.len())
+            });
+            if !same {
+                return Err(StartError::StandbyMemory {
+                    prepared_mib: prepared.reserved_mib().unwrap_or(0),
+                    snapshot_mib: self.state.mem_mib,
+                });
+            }
         }
         Ok(())
     }
@@ -143,7 +187,7 @@ impl Machine {
     pub fn restore(config: &RestoreConfig) -> Result<Machine, StartError> {
         let loaded = LoadedSnapshot::load(&config.snapshot)?;
         timing::mark("snapshot-read");
-        let prepared = PreparedVm::new(loaded.vcpu_count())?;
+        let prepared = PreparedVm::new(loaded.vcpu_count(), None)?;
         timing::mark("vm-prepared");
         Self::restore_prepared(prepared, loaded, config)
     }
@@ -160,15 +204,29 @@ impl Machine {
         let PreparedVm {
             kvm,
             vm,
+            vcpu_count: count,
             vcpus: vcpu_fds,
         } = prepared;
-        let count = vcpu_fds.len();
-        let restore_memory::RestoredMemory {
-            mem: memory,
-            ready: memory_ready,
-        } = restore_memory::build(&layers, config.backend, config.memory)?;
-        timing::mark("memory-mapped");
-        let vm = vm.with_memory(memory)?;
+        let (vm, vcpu_fds, memory_ready) = match vm.reservation() {
+            Some(reserved) => {
+                let memory =
+                    restore_memory::build_over(&layers, reserved, config.backend, config.memory)?;
+                timing::mark("memory-mapped");
+                (
+                    vm.with_memory_over_reservation(memory)?,
+                    vcpu_fds,
+                    MemoryReady::now(),
+                )
+            }
+            None => {
+                let restore_memory::RestoredMemory { mem, ready } =
+                    restore_memory::build(&layers, config.backend, config.memory)?;
+                timing::mark("memory-mapped");
+                let vm = vm.with_memory(mem)?;
+                let fds = create_vcpu_fds(vm.fd(), count)?;
+                (vm, fds, ready)
+            }
+        };
         vm_persist::restore(vm.fd(), &state.vm)?;
         timing::mark("vm-restored");
 

@@ -16,6 +16,7 @@
 //! given the memory (see `MemoryReady`) once those pages are in place.
 
 use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -23,7 +24,8 @@ use std::sync::Arc;
 
 use vm_memory::mmap::{MmapRegionBuilder, NewBitmap};
 use vm_memory::{
-    bitmap::AtomicBitmap, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestRegionMmap,
+    bitmap::AtomicBitmap, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion,
+    GuestRegionMmap,
 };
 
 use super::manifest::{Layer, RegionLayout, MEMORY_FILE};
@@ -152,6 +154,99 @@ fn build_file_backed(
         apply_diff(&mem, regions, layer)?;
     }
     // The memory now equals the top snapshot: nothing is dirty relative to it.
+    for region in mem.iter() {
+        vm_memory::mmap::MmapRegion::bitmap(region).reset();
+    }
+    Ok(mem)
+}
+
+/// Guest memory for the chain `layers` mapped over `reserved`, the
+/// anonymous reservation a vmm on standby registered with KVM ahead: each
+/// region maps the base memory file MAP_PRIVATE with MAP_FIXED at the
+/// reservation's address (KVM follows the new mapping, so no memory slot
+/// changes), then the diff layers' pages are copied over, as for `file`.
+/// Only the `file` backend with private memory restores this way; the
+/// regions must match the reservation's (see `LoadedSnapshot::fits`).
+///
+/// The returned regions do not own their mappings: `reserved` does, and
+/// must outlive them (the VM keeps both).
+pub fn build_over(
+    layers: &[Layer],
+    reserved: &GuestMemoryMmap,
+    backend: MemoryBackend,
+    mode: MemoryMode,
+) -> Result<GuestMemoryMmap, RestoreMemoryError> {
+    if backend != MemoryBackend::File || mode.is_shared() {
+        return Err(RestoreMemoryError::Map(
+            "memory reserved on standby restores only with the file backend and private memory"
+                .into(),
+        ));
+    }
+    let Some(base) = layers.first() else {
+        return Err(RestoreMemoryError::Map("empty snapshot chain".into()));
+    };
+    let regions = &base.manifest.regions;
+    if regions.len() != reserved.num_regions() {
+        return Err(RestoreMemoryError::Map(
+            "the snapshot's memory regions differ from the reservation".into(),
+        ));
+    }
+    let (path, base_file) = open_memory(base)?;
+    let base_file = Arc::new(base_file);
+    let mut guest_regions = Vec::with_capacity(regions.len());
+    for (r, slot) in regions.iter().zip(reserved.iter()) {
+        let size = usize::try_from(r.size)
+            .map_err(|_| RestoreMemoryError::Map("region too large".into()))?;
+        if r.gpa != slot.start_addr().0 || r.size != slot.len() {
+            return Err(RestoreMemoryError::Map(format!(
+                "the snapshot's region at {:#x} ({} bytes) differs from the reservation's",
+                r.gpa, r.size
+            )));
+        }
+        let offset = libc::off_t::try_from(r.file_offset)
+            .map_err(|_| RestoreMemoryError::Map("file offset too large".into()))?;
+        let host = slot.as_ptr();
+        // SAFETY: [host, host + size) is exactly one region of `reserved`, a
+        // mapping this process owns and keeps while the returned memory
+        // lives; MAP_FIXED replaces that range and nothing else. The file
+        // holds the whole layout (checked when the manifest was loaded).
+        let mapped = unsafe {
+            libc::mmap(
+                host.cast(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                base_file.as_raw_fd(),
+                offset,
+            )
+        };
+        if mapped == libc::MAP_FAILED || mapped.cast::<u8>() != host {
+            return Err(RestoreMemoryError::Io {
+                path: path.clone(),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        // SAFETY: `host` and `size` are the mapping just made, which
+        // `reserved` owns and unmaps (the region built here does not).
+        let builder = unsafe {
+            MmapRegionBuilder::new_with_bitmap(size, AtomicBitmap::with_len(size))
+                .with_file_offset(FileOffset::from_arc(base_file.clone(), r.file_offset))
+                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                .with_mmap_flags(libc::MAP_NORESERVE | libc::MAP_PRIVATE)
+                .with_raw_mmap_pointer(host)
+        };
+        let mapping = builder
+            .build()
+            .map_err(|e| RestoreMemoryError::Map(e.to_string()))?;
+        let region = GuestRegionMmap::new(mapping, GuestAddress(r.gpa))
+            .ok_or_else(|| RestoreMemoryError::Map(format!("region at {:#x} wraps", r.gpa)))?;
+        guest_regions.push(region);
+    }
+    let mem = GuestMemoryMmap::from_regions(guest_regions)
+        .map_err(|e| RestoreMemoryError::Map(e.to_string()))?;
+    for layer in &layers[1..] {
+        apply_diff(&mem, regions, layer)?;
+    }
     for region in mem.iter() {
         vm_memory::mmap::MmapRegion::bitmap(region).reset();
     }
