@@ -10,7 +10,10 @@
 //! prepared vCPUs, is answered with the error and the vmm stays on standby:
 //! nothing has touched the VM yet. Clients are served one at a time, on the
 //! calling (main) thread: a standby vmm has one user, the host-agent or
-//! harness that started it.
+//! harness that started it. That thread has no seccomp filter yet (as in
+//! every restore, the main thread installs its filter once the VM runs), so
+//! this module only reads bounded lines and parses them with the same
+//! parser as the filtered control threads.
 
 use std::io::BufReader;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -81,7 +84,9 @@ impl StandbyServer {
             let stream = match self.listener.accept() {
                 Ok((stream, _)) => stream,
                 Err(e) => {
+                    // Out of fds, or memory: wait a little rather than spin.
                     tracing::warn!(error = %e, "standby: cannot accept a control client");
+                    std::thread::sleep(std::time::Duration::from_millis(10));
                     continue;
                 }
             };
