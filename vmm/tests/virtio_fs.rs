@@ -81,8 +81,8 @@ struct Virtiofsd {
 
 impl Virtiofsd {
     /// Starts `bin` on `shared` (read-only if asked) with its socket and log
-    /// at `<dir>/<name>.vfs.sock` and `<dir>/<name>.vfs.log`, and waits for
-    /// the socket.
+    /// at `<dir>/<name>.vfs.sock` and `<dir>/<name>.vfs.log`, and waits
+    /// until it listens there.
     fn start(bin: &Path, dir: &Path, name: &str, shared: &Path, readonly: bool) -> Virtiofsd {
         let socket = dir.join(format!("{name}.vfs.sock"));
         let log = dir.join(format!("{name}.vfs.log"));
@@ -103,7 +103,8 @@ impl Virtiofsd {
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
         let mut fs = Virtiofsd { child, socket, log };
         let start = Instant::now();
-        while !fs.socket.exists() {
+        // Listening, not only bound: the vmm's connect is refused in between.
+        while !test_harness::process::unix_socket_listening(&fs.socket) {
             if let Some(status) = fs.child.try_wait().unwrap() {
                 panic!("virtiofsd exited ({status}): {}", fs.output());
             }

@@ -73,36 +73,30 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
                 "{NAME} ({subject}, {mem_mib} MiB): taking the snapshot"
             ));
             let snapshot = counter_snapshot(ctx, backend.as_ref(), mem_mib)?;
-            let latency = Metric::new(
+            let with_params = |metric: Metric| {
+                metric
+                    .param("mem_mib", mem_mib)
+                    .param(
+                        "memory_backend",
+                        ctx.settings.memory_backend.as_deref().unwrap_or("default"),
+                    )
+                    .param(
+                        "memory",
+                        ctx.settings.memory.as_deref().unwrap_or("private"),
+                    )
+            };
+            let latency = with_params(Metric::new(
                 format!("restore.latency.{}", super::mem_id(mem_mib)),
                 format!("restore: spawn -> first guest output, {mem_mib} MiB"),
                 "ms",
                 subject,
-            )
-            .param("mem_mib", mem_mib)
-            .param(
-                "memory_backend",
-                ctx.settings.memory_backend.as_deref().unwrap_or("default"),
-            )
-            .param(
-                "memory",
-                ctx.settings.memory.as_deref().unwrap_or("private"),
-            );
-            let prestarted = Metric::new(
+            ));
+            let prestarted = with_params(Metric::new(
                 format!("restore.prestarted.{}", super::mem_id(mem_mib)),
                 format!("restore into a pre-started VMM: load request -> first guest output, {mem_mib} MiB"),
                 "ms",
                 subject,
-            )
-            .param("mem_mib", mem_mib)
-            .param(
-                "memory_backend",
-                ctx.settings.memory_backend.as_deref().unwrap_or("default"),
-            )
-            .param(
-                "memory",
-                ctx.settings.memory.as_deref().unwrap_or("private"),
-            );
+            ));
             sets.push((snapshot, latency, Some(prestarted)));
         }
         ctx.status(format!("{NAME} ({mem_mib} MiB)"));

@@ -58,6 +58,30 @@ pub fn wait_for_path(path: &Path, limit: Duration) {
     }
 }
 
+/// Whether a Unix socket bound at `path` is listening (in this network
+/// namespace's `/proc/net/unix`, flagged `__SO_ACCEPTCON`). A socket file
+/// appears at bind(), before listen(): a client connecting in between is
+/// refused, and probing with a connection would be taken by a server that
+/// serves only its first client (virtiofsd).
+pub fn unix_socket_listening(path: &Path) -> bool {
+    const ACCEPTING: u32 = 0x0001_0000;
+    let Some(want) = path.to_str() else {
+        return false;
+    };
+    std::fs::read_to_string("/proc/net/unix")
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .any(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let flags = fields
+                .get(3)
+                .and_then(|f| u32::from_str_radix(f, 16).ok())
+                .unwrap_or(0);
+            flags & ACCEPTING != 0 && fields.get(7) == Some(&want)
+        })
+}
+
 /// A process's stdout as text.
 pub fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
@@ -167,5 +191,21 @@ mod tests {
         let (ok, text) = sh(Command::new("sh").args(["-c", "echo a; echo b >&2; exit 3"]));
         assert!(!ok);
         assert_eq!(text, "a\nb\n");
+    }
+}
+
+#[cfg(test)]
+mod listening_tests {
+    use super::*;
+
+    #[test]
+    fn a_bound_socket_listens_only_after_listen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        assert!(!unix_socket_listening(&path));
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        assert!(unix_socket_listening(&path));
+        drop(listener);
+        assert!(!unix_socket_listening(&path));
     }
 }

@@ -134,23 +134,61 @@ fn build_file_backed(
 ) -> Result<GuestMemoryMmap, RestoreMemoryError> {
     let (_, base_file) = open_memory(&layers[0])?;
     let base_file = Arc::new(base_file);
-    let mut guest_regions = Vec::with_capacity(regions.len());
-    for r in regions {
-        let size = usize::try_from(r.size)
-            .map_err(|_| RestoreMemoryError::Map("region too large".into()))?;
-        let mapping = MmapRegionBuilder::new_with_bitmap(size, AtomicBitmap::with_len(size))
-            .with_file_offset(FileOffset::from_arc(base_file.clone(), r.file_offset))
-            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-            .with_mmap_flags(libc::MAP_NORESERVE | libc::MAP_PRIVATE)
-            .build()
-            .map_err(|e| RestoreMemoryError::Map(e.to_string()))?;
-        let region = GuestRegionMmap::new(mapping, GuestAddress(r.gpa))
-            .ok_or_else(|| RestoreMemoryError::Map(format!("region at {:#x} wraps", r.gpa)))?;
-        guest_regions.push(region);
+    let guest_regions = regions
+        .iter()
+        .map(|r| {
+            // SAFETY: no raw pointer given: the region makes its own mapping.
+            region_size(r)
+                .and_then(|size| unsafe { private_file_region(&base_file, r, size, None) })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    with_diffs(guest_regions, layers, regions)
+}
+
+fn region_size(r: &RegionLayout) -> Result<usize, RestoreMemoryError> {
+    usize::try_from(r.size).map_err(|_| RestoreMemoryError::Map("region too large".into()))
+}
+
+/// Region `r` of the base memory file `file`, mapped MAP_PRIVATE: by a new
+/// mmap, or, with `at`, the mapping the caller already made there.
+///
+/// # Safety
+///
+/// With `Some(at)`, `at` must be the start of a live mapping of `size`
+/// bytes of `file` at `r.file_offset`, owned elsewhere and kept while the
+/// region lives. `None` has no requirement.
+unsafe fn private_file_region(
+    file: &Arc<File>,
+    r: &RegionLayout,
+    size: usize,
+    at: Option<*mut u8>,
+) -> Result<GuestRegionMmap<AtomicBitmap>, RestoreMemoryError> {
+    let mut builder = MmapRegionBuilder::new_with_bitmap(size, AtomicBitmap::with_len(size))
+        .with_file_offset(FileOffset::from_arc(file.clone(), r.file_offset))
+        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+        .with_mmap_flags(libc::MAP_NORESERVE | libc::MAP_PRIVATE);
+    if let Some(host) = at {
+        // SAFETY: the caller's contract: `host` starts a live mapping of
+        // `size` bytes that outlives the region (which will not unmap it).
+        builder = unsafe { builder.with_raw_mmap_pointer(host) };
     }
+    let mapping = builder
+        .build()
+        .map_err(|e| RestoreMemoryError::Map(e.to_string()))?;
+    GuestRegionMmap::new(mapping, GuestAddress(r.gpa))
+        .ok_or_else(|| RestoreMemoryError::Map(format!("region at {:#x} wraps", r.gpa)))
+}
+
+/// The guest memory of `guest_regions` (the base layer) with the pages of
+/// the chain's other layers copied over, and nothing marked dirty.
+fn with_diffs(
+    guest_regions: Vec<GuestRegionMmap<AtomicBitmap>>,
+    layers: &[Layer],
+    regions: &[RegionLayout],
+) -> Result<GuestMemoryMmap, RestoreMemoryError> {
     let mem = GuestMemoryMmap::from_regions(guest_regions)
         .map_err(|e| RestoreMemoryError::Map(e.to_string()))?;
-    for layer in &layers[1..] {
+    for layer in layers.iter().skip(1) {
         apply_diff(&mem, regions, layer)?;
     }
     // The memory now equals the top snapshot: nothing is dirty relative to it.
@@ -195,8 +233,7 @@ pub fn build_over(
     let base_file = Arc::new(base_file);
     let mut guest_regions = Vec::with_capacity(regions.len());
     for (r, slot) in regions.iter().zip(reserved.iter()) {
-        let size = usize::try_from(r.size)
-            .map_err(|_| RestoreMemoryError::Map("region too large".into()))?;
+        let size = region_size(r)?;
         if r.gpa != slot.start_addr().0 || r.size != slot.len() {
             return Err(RestoreMemoryError::Map(format!(
                 "the snapshot's region at {:#x} ({} bytes) differs from the reservation's",
@@ -226,31 +263,12 @@ pub fn build_over(
                 source: std::io::Error::last_os_error(),
             });
         }
-        // SAFETY: `host` and `size` are the mapping just made, which
-        // `reserved` owns and unmaps (the region built here does not).
-        let builder = unsafe {
-            MmapRegionBuilder::new_with_bitmap(size, AtomicBitmap::with_len(size))
-                .with_file_offset(FileOffset::from_arc(base_file.clone(), r.file_offset))
-                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-                .with_mmap_flags(libc::MAP_NORESERVE | libc::MAP_PRIVATE)
-                .with_raw_mmap_pointer(host)
-        };
-        let mapping = builder
-            .build()
-            .map_err(|e| RestoreMemoryError::Map(e.to_string()))?;
-        let region = GuestRegionMmap::new(mapping, GuestAddress(r.gpa))
-            .ok_or_else(|| RestoreMemoryError::Map(format!("region at {:#x} wraps", r.gpa)))?;
-        guest_regions.push(region);
+        // SAFETY: `host` starts the mapping just made of `size` bytes of the
+        // file at `r.file_offset`, which `reserved` owns, keeps while the
+        // returned memory lives (the VM holds both) and unmaps.
+        guest_regions.push(unsafe { private_file_region(&base_file, r, size, Some(host))? });
     }
-    let mem = GuestMemoryMmap::from_regions(guest_regions)
-        .map_err(|e| RestoreMemoryError::Map(e.to_string()))?;
-    for layer in &layers[1..] {
-        apply_diff(&mem, regions, layer)?;
-    }
-    for region in mem.iter() {
-        vm_memory::mmap::MmapRegion::bitmap(region).reset();
-    }
-    Ok(mem)
+    with_diffs(guest_regions, layers, regions)
 }
 
 /// Copies a layer's pages (those its manifest lists) over `mem`.
