@@ -298,11 +298,7 @@ fn run(args: RunArgs) -> Result<i32, (i32, String)> {
     let config = VmConfig::try_from(file.overridden_by(flags)).map_err(|e| bad(&e))?;
     let blocked = block_signals()?;
     let machine = Machine::start(&config).map_err(|e| (e.exit_code(), e.to_string()))?;
-    let control = config
-        .control_socket
-        .as_deref()
-        .map(|path| ControlServer::start(path, machine.shared()));
-    serve(machine, blocked, control)
+    serve_on_socket(machine, blocked, config.control_socket.as_deref())
 }
 
 fn restore(args: RestoreArgs) -> Result<i32, (i32, String)> {
@@ -339,10 +335,16 @@ fn restore(args: RestoreArgs) -> Result<i32, (i32, String)> {
     }
     let blocked = block_signals()?;
     let machine = Machine::restore(&config).map_err(|e| (e.exit_code(), e.to_string()))?;
-    let control = config
-        .control_socket
-        .as_deref()
-        .map(|path| ControlServer::start(path, machine.shared()));
+    serve_on_socket(machine, blocked, config.control_socket.as_deref())
+}
+
+/// Serves `machine` as [`serve`] does, with a control socket bound at `path` if given.
+fn serve_on_socket(
+    machine: Machine,
+    blocked: signals::BlockedSignals,
+    path: Option<&std::path::Path>,
+) -> Result<i32, (i32, String)> {
+    let control = path.map(|path| ControlServer::start(path, machine.shared()));
     serve(machine, blocked, control)
 }
 
