@@ -62,8 +62,9 @@ pub enum VmState {
     Paused,
     /// The VM is ending or has ended.
     Stopping,
-    /// A vmm started with `--standby`: its KVM VM and vCPUs exist, and it
-    /// waits for a `restore` request naming the snapshot to load.
+    /// A vmm started with `--standby`: its KVM VM exists (with `--mem-mib`
+    /// also its memory slots and vCPUs), and it waits for a `restore`
+    /// request naming the snapshot to load.
     Standby,
 }
 

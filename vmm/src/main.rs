@@ -123,8 +123,8 @@ struct RestoreArgs {
     /// Snapshot directory (for a diff, its parents are found through the manifests).
     #[arg(long, required_unless_present = "standby", conflicts_with = "standby")]
     snapshot: Option<PathBuf>,
-    /// Start ahead of the session: create the KVM VM and its vCPUs, then wait on
-    /// the control socket (required) for `{"op":"restore","snapshot":DIR,"paused":BOOL}`;
+    /// Start ahead of the session: create the KVM VM (with --mem-mib also its memory
+    /// slots, irqchip, PIT and vCPUs), then wait on the control socket (required) for `{"op":"restore","snapshot":DIR,"paused":BOOL}`;
     /// the other options (devices, serial, memory) apply to that restore.
     #[arg(long, requires = "control_socket", conflicts_with = "paused")]
     standby: bool,

@@ -232,7 +232,7 @@ impl RestoreSpec {
 }
 
 /// `vmm restore --standby`: a vmm started ahead of its session, with its KVM
-/// VM and vCPUs created, that waits on its control socket (required in
+/// VM (and, with `mem_mib`, its memory slots and vCPUs) created, that waits on its control socket (required in
 /// `devices`) for a `restore` request naming the snapshot
 /// ([`crate::Client::restore`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

@@ -1,8 +1,9 @@
 //! The control socket of a vmm on standby (`vmm restore --standby`).
 //!
 //! Such a vmm has done everything a restore can do before it knows its
-//! snapshot (process start, seccomp filters compiled, KVM VM with irqchip and
-//! PIT, vCPUs created: a [`PreparedVm`]) and waits here for a request
+//! snapshot (process start, seccomp filters compiled, KVM VM; with
+//! `--mem-mib` also memory slots over a reservation, irqchip, PIT and vCPUs:
+//! a [`PreparedVm`]) and waits here for a request
 //! `{"op":"restore","snapshot":DIR,"paused":BOOL}`. Until then it answers
 //! `status` (state `standby`) and `stop`, and refuses every other op.
 //!
