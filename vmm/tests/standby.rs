@@ -26,20 +26,7 @@ struct Standby {
 }
 
 fn standby(dir: &Path, name: &str, extra: &[&str]) -> Standby {
-    let log = dir.join(format!("{name}.log"));
-    let sock = dir.join(format!("{name}.sock"));
-    let serial = format!("file:{}", log.display());
-    let mut args = vec![
-        "restore",
-        "--standby",
-        "--serial",
-        &serial,
-        "--control-socket",
-        sock.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    let child = spawn_vmm(&args);
-    let ctl = Control::connect(&sock);
+    let (child, ctl, log, sock) = spawn_logged(dir, name, &["restore", "--standby"], extra);
     Standby {
         child,
         ctl,

@@ -149,14 +149,10 @@ fn permille_of(dirty_mib: u64, mem_mib: u64) -> u64 {
 }
 
 fn measure(ctx: &Context, nats_bin: &PathBuf, result: &mut ScenarioResult) -> Result<()> {
-    let kernel = guests::path(guests::COUNTER)?;
+    let (kernel, image_root) = node::guest_and_image_root(guests::COUNTER)?;
     let dirtier = guests::path(guests::DIRTIER)?;
     let move_mem = ctx.settings.session_mem_mib;
     let move_permille = permille_of(MOVE_DIRTY_MIB, move_mem);
-    let image_root = kernel
-        .parent()
-        .ok_or_else(|| fail("the counter guest has no folder"))?
-        .to_path_buf();
     let scratch = ctx.scratch()?;
     let nats = Nats::start(nats_bin, &scratch.path().join("nats"))?;
     let flags = |name: &str| {

@@ -343,6 +343,18 @@ pub fn len(path: &Path) -> usize {
     std::fs::metadata(path).map_or(0, |m| m.len() as usize)
 }
 
+/// The test guest `name` (`guests::COUNTER`, ...) and the folder it lies
+/// in, which host-agent is given as its image root so the guest can be
+/// registered as an image.
+pub fn guest_and_image_root(name: &str) -> Result<(PathBuf, PathBuf)> {
+    let kernel = crate::guests::path(name)?;
+    let root = kernel
+        .parent()
+        .ok_or_else(|| PerfError::HostAgent(format!("the {name} guest has no folder")))?
+        .to_path_buf();
+    Ok((kernel, root))
+}
+
 /// A tokio runtime for one scenario's gRPC calls.
 pub fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()

@@ -140,11 +140,7 @@ fn fail(what: impl std::fmt::Display) -> PerfError {
 /// metric in `result`, with the samples taken before an error.
 fn measure_path(ctx: &Context, path: CreatePath, result: &mut ScenarioResult) -> Result<()> {
     ctx.status(format!("{NAME} ({})", path.id()));
-    let kernel = guests::path(guests::COUNTER)?;
-    let image_root = kernel
-        .parent()
-        .ok_or_else(|| fail("the counter guest has no folder"))?
-        .to_path_buf();
+    let (kernel, image_root) = node::guest_and_image_root(guests::COUNTER)?;
     let scratch = ctx.scratch()?;
     let node = Node::start_with(ctx, scratch.path(), &image_root, &path.serve_args())?;
     let rt = node::runtime()?;

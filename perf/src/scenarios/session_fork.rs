@@ -68,11 +68,7 @@ fn fail(what: impl std::fmt::Display) -> PerfError {
 
 /// Measures into `result`; `Some(reason)` when host-agent has no ForkSession.
 fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<Option<String>> {
-    let kernel = guests::path(guests::COUNTER)?;
-    let image_root = kernel
-        .parent()
-        .ok_or_else(|| fail("the counter guest has no folder"))?
-        .to_path_buf();
+    let (kernel, image_root) = node::guest_and_image_root(guests::COUNTER)?;
     let scratch = ctx.scratch()?;
     let node = Node::start(ctx, scratch.path(), &image_root)?;
     let rt = node::runtime()?;

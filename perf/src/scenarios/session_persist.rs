@@ -119,11 +119,7 @@ fn dirtied_bytes(console: &str) -> Option<u64> {
 }
 
 fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
-    let kernel = guests::path(guests::DIRTIER)?;
-    let image_root = kernel
-        .parent()
-        .ok_or_else(|| fail("the dirtier guest has no folder"))?
-        .to_path_buf();
+    let (kernel, image_root) = node::guest_and_image_root(guests::DIRTIER)?;
     let scratch = ctx.scratch()?;
     let node = Node::start(ctx, scratch.path(), &image_root)?;
     let mem_mib = ctx.settings.session_mem_mib;

@@ -80,11 +80,8 @@ pub fn boot_counter_with(dir: &Path, name: &str, extra: &[&str]) -> Vm {
 /// Boots test guest `guest` (64 MiB, `cmdline`, `extra` vmm flags) with its
 /// serial log at `<dir>/<name>.log` and control socket `<dir>/<name>.sock`.
 pub fn boot_guest(dir: &Path, name: &str, guest_name: &str, cmdline: &str, extra: &[&str]) -> Vm {
-    let log = dir.join(format!("{name}.log"));
-    let sock = dir.join(format!("{name}.sock"));
     let g = guest(guest_name);
-    let serial = format!("file:{}", log.display());
-    let mut args = vec![
+    let args = [
         "run",
         "--kernel",
         g.to_str().unwrap(),
@@ -92,37 +89,46 @@ pub fn boot_guest(dir: &Path, name: &str, guest_name: &str, cmdline: &str, extra
         "64",
         "--cmdline",
         cmdline,
+    ];
+    let (child, ctl, log, _) = spawn_logged(dir, name, &args, extra);
+    Vm { child, ctl, log }
+}
+
+/// Spawns the vmm with `args`, its serial console in `<dir>/<name>.log` and
+/// its control socket at `<dir>/<name>.sock`, then `extra`; returns it with
+/// the socket connected, the log's path and the socket's path.
+pub fn spawn_logged(
+    dir: &Path,
+    name: &str,
+    args: &[&str],
+    extra: &[&str],
+) -> (Child, Control, PathBuf, PathBuf) {
+    let log = dir.join(format!("{name}.log"));
+    let sock = dir.join(format!("{name}.sock"));
+    let serial = format!("file:{}", log.display());
+    let mut all = args.to_vec();
+    all.extend([
         "--serial",
         &serial,
         "--control-socket",
         sock.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    let child = spawn_vmm(&args);
+    ]);
+    all.extend_from_slice(extra);
+    let child = spawn_vmm(&all);
     let ctl = Control::connect(&sock);
-    Vm { child, ctl, log }
+    (child, ctl, log, sock)
 }
 
 pub fn restore(dir: &Path, name: &str, snap: &Path, backend: &str, paused: bool) -> Vm {
-    let log = dir.join(format!("{name}.log"));
-    let sock = dir.join(format!("{name}.sock"));
-    let serial = format!("file:{}", log.display());
-    let mut args = vec![
+    let args = [
         "restore",
         "--snapshot",
         snap.to_str().unwrap(),
         "--memory-backend",
         backend,
-        "--serial",
-        &serial,
-        "--control-socket",
-        sock.to_str().unwrap(),
     ];
-    if paused {
-        args.push("--paused");
-    }
-    let child = spawn_vmm(&args);
-    let ctl = Control::connect(&sock);
+    let extra: &[&str] = if paused { &["--paused"] } else { &[] };
+    let (child, ctl, log, _) = spawn_logged(dir, name, &args, extra);
     Vm { child, ctl, log }
 }
 
