@@ -255,7 +255,12 @@ fn init_logging(format: LogFormat, level: &str) {
         .and_then(|v| v.parse::<Targets>().ok())
         .or_else(|| level.parse::<Targets>().ok())
         .unwrap_or_else(|| Targets::new().with_default(tracing::Level::WARN));
-    let layer = tracing_subscriber::fmt::layer().with_writer(|| vmm::logfile::CappedStderr);
+    // Colour only on a terminal: a log file (host-agent's vmm.log, whose
+    // last lines go into error messages) gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let layer = tracing_subscriber::fmt::layer()
+        .with_ansi(ansi)
+        .with_writer(|| vmm::logfile::CappedStderr);
     match format {
         LogFormat::Text => tracing_subscriber::registry()
             .with(layer)
