@@ -38,6 +38,10 @@ pub enum Error {
     /// The guest channel failed.
     #[error("guest: {0}")]
     Guest(String),
+    /// The guest (or the vsock under it) closed its channel: guest-init
+    /// exited, or its VM went away.
+    #[error("guest: {0}")]
+    GuestGone(String),
     /// A share's virtiofsd could not be started (or died before its VM
     /// could connect to it).
     #[error("virtiofsd: {0}")]
@@ -111,6 +115,7 @@ impl Error {
             Error::Timeout(_) => Code::DeadlineExceeded,
             Error::Vmm(_)
             | Error::Guest(_)
+            | Error::GuestGone(_)
             | Error::Network(_)
             | Error::Fleet(_)
             | Error::Virtiofsd(_) => Code::Unavailable,

@@ -61,7 +61,7 @@ pub fn warm_fallback() {
 }
 
 /// Counts a restore from the golden snapshot tried again because its vmm
-/// exited before the guest was ready.
+/// exited, or its guest closed the channel, before the guest was ready.
 pub fn restore_retry() {
     RESTORE_RETRIES.fetch_add(1, Ordering::Relaxed);
 }

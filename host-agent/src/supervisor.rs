@@ -216,6 +216,41 @@ impl VmmProcess {
     pub fn log_tail(&self) -> String {
         log_tail(&self.dir.join("vmm.log"))
     }
+
+    /// Last lines of the guest's console (its serial log), for the error of
+    /// a guest that went away: a panic or an oops is printed there.
+    pub fn console_tail(&self) -> String {
+        let (host_run, _) = run_dirs(&self.dir, self.jailed);
+        console_tail(&host_run.join("serial.log"))
+    }
+}
+
+/// How many console lines an error carries, and how long each may be.
+const CONSOLE_TAIL_LINES: usize = 6;
+const CONSOLE_LINE_CHARS: usize = 160;
+
+/// The last few non-empty lines of a guest console log, joined with " | ":
+/// the guest wrote them, so control characters are dropped and each line
+/// is cut to a bound (the file itself is bounded by the vmm's rotation).
+pub fn console_tail(path: &Path) -> String {
+    let Ok(bytes) = std::fs::read(path) else {
+        return String::new();
+    };
+    // Only the end matters; a rotated log is at most `--log-max-bytes`.
+    let from = bytes.len().saturating_sub(16 * 1024);
+    let text = String::from_utf8_lossy(&bytes[from..]);
+    let lines: Vec<String> = text
+        .lines()
+        .map(|l| {
+            l.chars()
+                .filter(|c| !c.is_control())
+                .take(CONSOLE_LINE_CHARS)
+                .collect::<String>()
+        })
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    let start = lines.len().saturating_sub(CONSOLE_TAIL_LINES);
+    lines[start..].join(" | ")
 }
 
 /// The last few lines of a log file, joined with "; ".
@@ -473,6 +508,29 @@ pub async fn wait_for_state(vmm: &VmmProcess, want: VmState, timeout: Duration) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_console_tail_is_the_last_lines_cleaned_and_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("serial.log");
+        let mut text = String::new();
+        for i in 0..20 {
+            text.push_str(&format!("line {i}\r\n"));
+        }
+        text.push_str("\x1b[31mKernel panic - not syncing: Attempted to kill init!\r\n\n");
+        text.push_str(&"x".repeat(1000));
+        std::fs::write(&log, &text).unwrap();
+        let tail = console_tail(&log);
+        let lines: Vec<&str> = tail.split(" | ").collect();
+        assert_eq!(lines.len(), CONSOLE_TAIL_LINES, "{tail}");
+        assert_eq!(lines[0], "line 16");
+        assert_eq!(
+            lines[4], "[31mKernel panic - not syncing: Attempted to kill init!",
+            "the escape character is dropped"
+        );
+        assert_eq!(lines[5].len(), CONSOLE_LINE_CHARS);
+        assert_eq!(console_tail(&dir.path().join("absent")), "");
+    }
 
     #[tokio::test]
     async fn the_jailed_vmm_is_whichever_child_the_jailer_has_now() {

@@ -65,7 +65,7 @@ impl GuestConn {
         let id = {
             let mut g = self.shared.routes();
             if g.closed {
-                return Err(Error::Guest("the guest channel is closed".into()));
+                return Err(Error::GuestGone("the guest channel is closed".into()));
             }
             if g.files.calls.len() >= MAX_FILE_CALLS {
                 return Err(Error::ResourceExhausted(format!(
@@ -100,7 +100,7 @@ impl FileCall {
         }));
         match tokio::time::timeout(limits::SEND_TIMEOUT, self.out.send(m)).await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(_)) => Err(Error::Guest("the guest channel is closed".into())),
+            Ok(Err(_)) => Err(Error::GuestGone("the guest channel is closed".into())),
             Err(_) => Err(Error::Timeout(format!(
                 "the guest has not read its channel for {:?}",
                 limits::SEND_TIMEOUT

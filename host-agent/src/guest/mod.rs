@@ -232,7 +232,7 @@ impl GuestConn {
     pub async fn send(&self, m: In) -> Result<()> {
         match tokio::time::timeout(limits::SEND_TIMEOUT, self.out.send(kind(m))).await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(_)) => Err(Error::Guest("the guest channel is closed".into())),
+            Ok(Err(_)) => Err(Error::GuestGone("the guest channel is closed".into())),
             Err(_) => Err(Error::Timeout(format!(
                 "the guest has not read its channel for {:?}",
                 limits::SEND_TIMEOUT
@@ -266,7 +266,7 @@ impl GuestConn {
                         metrics::guest_dropped_n("control_queue_full", n);
                     }
                     Err(broadcast::error::RecvError::Closed) => {
-                        return Err(Error::Guest("the guest closed the channel".into()))
+                        return Err(Error::GuestGone("the guest closed the channel".into()))
                     }
                 }
             }
@@ -300,7 +300,7 @@ impl GuestConn {
     pub fn route_exec(&self, exec_id: &str) -> Result<mpsc::Receiver<GuestMessage>> {
         let mut g = self.shared.routes();
         if g.closed {
-            return Err(Error::Guest("the guest channel is closed".into()));
+            return Err(Error::GuestGone("the guest channel is closed".into()));
         }
         let (tx, rx) = mpsc::channel(limits::EXEC_OUTPUT_QUEUE);
         g.execs.insert(exec_id.to_string(), tx);
@@ -382,7 +382,7 @@ impl GuestConn {
                 },
             };
             let Some(chunk) = chunk else {
-                return Err(Error::Guest(
+                return Err(Error::GuestGone(
                     "the guest closed the channel while sending the branch".into(),
                 ));
             };

@@ -333,7 +333,7 @@ impl Manager {
                     tracing::warn!(
                         session = %sess.id,
                         error = %e,
-                        "the restored VM exited before its guest was ready; restoring once more"
+                        "the restored VM or its guest went away before the guest was ready; restoring once more"
                     );
                     failures.push(format!("a restore failed: {e}"));
                 }
@@ -441,7 +441,9 @@ impl Manager {
     /// network hand-over): it has worked when both have. The vmm is watched
     /// only then. If either fails, the other is abandoned, the VM killed,
     /// its directory emptied and its uid given back, so the caller can try
-    /// another; the flag says whether the vmm had exited by itself.
+    /// another; the flag says whether the VM or its guest went away by
+    /// itself (exited, or closed the channel) rather than refused or timed
+    /// out: another VM from the same snapshot may do.
     pub(super) async fn try_vm(
         self: &Arc<Self>,
         sess: &Arc<Session>,
@@ -474,7 +476,21 @@ impl Manager {
             self.watch_exit(sess.clone(), vmm);
             return Ok(());
         };
-        let exited = vmm.exit_status().is_some();
+        // A VM that ended closes its guest's channel before its exit is
+        // reaped, and a guest whose init died reboots (panic=1) a moment
+        // after: give the exit that long, so that the error is the VM's.
+        let guest_gone = matches!(e, Error::GuestGone(_));
+        let e = match e {
+            Error::GuestGone(_) => match tokio::time::timeout(EXIT_GRACE, vmm.wait()).await {
+                Ok(status) => Error::Vmm(format!("{status}: {}", vmm.log_tail())),
+                Err(_) => e,
+            },
+            e => e,
+        };
+        let lost = guest_gone || vmm.exit_status().is_some();
+        // The VM's directory goes below: a guest that went away or never
+        // answered is explained by its console, so the error keeps its end.
+        let e = with_console(e, &vmm.console_tail());
         {
             let mut i = sess.lock();
             i.vmm = None;
@@ -492,7 +508,7 @@ impl Manager {
         if let Some(uid) = vmm.jail_uid {
             self.jail_uids.release(uid);
         }
-        Err((e, exited))
+        Err((e, lost))
     }
 
     /// A new vmm restoring the golden snapshot into `dir` (or booting the
@@ -599,4 +615,57 @@ pub(super) struct Grant {
     node: Arc<NodeNetwork>,
     egress: crate::network::grants::SessionEgress,
     noted: AtomicBool,
+}
+
+/// How long a bring-up whose guest went away waits for the vmm's exit: a
+/// guest kernel that panicked reboots after a second (`panic=1`).
+const EXIT_GRACE: Duration = Duration::from_secs(2);
+
+/// A guest error, vmm exit or time-out with the end of the guest's console added
+/// (the same kind of error, so its gRPC code is unchanged).
+fn with_console(e: Error, console: &str) -> Error {
+    if console.is_empty() {
+        return e;
+    }
+    let add = |m: String| format!("{m}; the guest's console ends: {console}");
+    match e {
+        Error::Guest(m) => Error::Guest(add(m)),
+        Error::GuestGone(m) => Error::GuestGone(add(m)),
+        Error::Timeout(m) => Error::Timeout(add(m)),
+        Error::Vmm(m) => Error::Vmm(add(m)),
+        e => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guest_errors_carry_the_console_and_keep_their_kind() {
+        let console = "Kernel panic - not syncing";
+        let Error::Guest(m) = with_console(Error::Guest("closed".into()), console) else {
+            panic!("not a guest error");
+        };
+        assert_eq!(
+            m,
+            "closed; the guest's console ends: Kernel panic - not syncing"
+        );
+        assert!(matches!(
+            with_console(Error::Timeout("late".into()), console),
+            Error::Timeout(m) if m.ends_with(console)
+        ));
+        assert!(matches!(
+            with_console(Error::Vmm("exited".into()), console),
+            Error::Vmm(m) if m.ends_with(console)
+        ));
+        assert!(matches!(
+            with_console(Error::Network("no tap".into()), console),
+            Error::Network(m) if m == "no tap"
+        ));
+        assert!(matches!(
+            with_console(Error::Guest("closed".into()), ""),
+            Error::Guest(m) if m == "closed"
+        ));
+    }
 }

@@ -12,6 +12,11 @@
 //!   output frames, then exit 0;
 //! * `audit-flood`: on go, 4 MiB audit events with increasing seq, forever;
 //! * `bad-seq`: on go, audit event seq 1, then seq `u64::MAX`, then seq 2.
+//! * `vanish-once`: at a session's first StartSession, hangs up and, 100 ms
+//!   later, kills the session's vmm (a guest whose VM died: the channel
+//!   closes before the exit is reaped); as `good` from then on.
+//! * `hang-up-once`: at a session's first StartSession, hangs up (a
+//!   guest-init that died in a VM that runs on); as `good` from then on.
 //!
 //! FetchBranch is answered with the bundle file set by
 //! [`FakeGuest::set_branch_bundle`] for that session (an Error without one),
@@ -67,6 +72,9 @@ pub struct Seen {
     pub execs: Mutex<Vec<(String, proto::guest::Exec)>>,
     /// Files written, by (session id, path): their last content.
     pub files: Mutex<HashMap<(String, String), Vec<u8>>>,
+    /// Sessions whose `vanish-once` or `hang-up-once` guest hung up, with
+    /// their vmm's pids then.
+    pub vanished: Mutex<HashMap<String, Vec<u32>>>,
 }
 
 /// The fake guest: serves `sock` until dropped.
@@ -242,7 +250,9 @@ async fn serve(mut conn: tokio::net::UnixStream, ctx: Ctx) -> std::io::Result<()
                 file(f, &ctx, &tx, &session, &mut writes).await;
                 continue;
             }
-            handle(m, &ctx, &tx, &mut session, &mut repo).await;
+            if handle(m, &ctx, &tx, &mut session, &mut repo).await == Flow::HangUp {
+                return Ok(());
+            }
         }
         let n = r.read(&mut buf).await?;
         if n == 0 {
@@ -260,7 +270,46 @@ impl Drop for AbortOnDrop {
     }
 }
 
-async fn handle(m: In, ctx: &Ctx, tx: &Tx, session: &mut Option<StartSession>, repo: &mut Vec<u8>) {
+/// Whether the connection goes on after a message.
+#[derive(PartialEq)]
+enum Flow {
+    Continue,
+    HangUp,
+}
+
+/// The processes whose command line names session `sid`'s directory (its
+/// vmm, or its jailer), with their children (a jailed vmm).
+fn session_vmm_pids(sid: &str) -> Vec<u32> {
+    let needle = format!("/sessions/{sid}/");
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        if String::from_utf8_lossy(&cmd).contains(&needle) {
+            let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+                .unwrap_or_default();
+            out.extend(
+                children
+                    .split_whitespace()
+                    .filter_map(|c| c.parse::<u32>().ok()),
+            );
+            out.push(pid);
+        }
+    }
+    out
+}
+
+async fn handle(
+    m: In,
+    ctx: &Ctx,
+    tx: &Tx,
+    session: &mut Option<StartSession>,
+    repo: &mut Vec<u8>,
+) -> Flow {
     let sid = session
         .as_ref()
         .map(|s| s.session_id.clone())
@@ -283,6 +332,32 @@ async fn handle(m: In, ctx: &Ctx, tx: &Tx, session: &mut Option<StartSession>, r
                 .lock()
                 .unwrap()
                 .insert(s.session_id.clone(), s.clone());
+            let first = !ctx
+                .seen
+                .vanished
+                .lock()
+                .unwrap()
+                .contains_key(&s.session_id);
+            if ["vanish-once", "hang-up-once"].contains(&s.agent.as_str()) && first {
+                let pids = session_vmm_pids(&s.session_id);
+                assert!(!pids.is_empty(), "no vmm names session {}", s.session_id);
+                ctx.seen
+                    .vanished
+                    .lock()
+                    .unwrap()
+                    .insert(s.session_id.clone(), pids.clone());
+                if s.agent == "hang-up-once" {
+                    return Flow::HangUp;
+                }
+                tokio::spawn(async move {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    for pid in pids {
+                        // SAFETY: kill(2) with a pid and a signal number; no memory involved.
+                        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                    }
+                });
+                return Flow::HangUp;
+            }
             *session = Some(s);
         }
         In::RepoChunk(c) => {
@@ -324,7 +399,7 @@ async fn handle(m: In, ctx: &Ctx, tx: &Tx, session: &mut Option<StartSession>, r
                     exec_id: String::new(),
                 }))
                 .await;
-                return;
+                return Flow::Continue;
             };
             let data = std::fs::read(path).expect("reading the branch bundle");
             let mut chunks = data.chunks(64 * 1024).peekable();
@@ -348,6 +423,7 @@ async fn handle(m: In, ctx: &Ctx, tx: &Tx, session: &mut Option<StartSession>, r
         }
         _ => {}
     }
+    Flow::Continue
 }
 
 /// A Files API request: writes are taken (credit for every chunk, the
