@@ -295,6 +295,9 @@ pub enum ConfigError {
     /// The ACPI setting is not `on` or `off`.
     #[error("invalid ACPI setting {0:?}: expected on or off")]
     Acpi(String),
+    /// The PIT setting is not `on` or `off`.
+    #[error("invalid PIT setting {0:?}: expected on or off")]
+    Pit(String),
     /// The config file cannot be read.
     #[error("cannot read config file {path}: {source}")]
     FileUnreadable {
@@ -349,6 +352,9 @@ pub struct ConfigFile {
     /// ACPI tables (default true); false keeps the MP table and
     /// `virtio_mmio.device=` command-line entries only, for kernels without ACPI.
     pub acpi: Option<bool>,
+    /// An in-kernel i8254 PIT (default: the opposite of `acpi`; the ACPI
+    /// machine is hardware-reduced, which has no legacy timer).
+    pub pit: Option<bool>,
 }
 
 impl ConfigFile {
@@ -381,6 +387,7 @@ impl ConfigFile {
             fs: overrides.fs.or(self.fs),
             memory: overrides.memory.or(self.memory),
             acpi: overrides.acpi.or(self.acpi),
+            pit: overrides.pit.or(self.pit),
         }
     }
 }
@@ -409,14 +416,30 @@ pub struct VmConfig {
     /// ACPI tables, VMGenID and the ACPI power device; when false the
     /// virtio devices are announced on the kernel command line instead.
     pub acpi: bool,
+    /// An in-kernel i8254 PIT (`KVM_CREATE_PIT2`). By default only without
+    /// ACPI: the ACPI tables describe a hardware-reduced machine, which has
+    /// no legacy timer (Linux then times with kvmclock and the LAPIC), while
+    /// the MP table's legacy PC needs one (Linux verifies its LAPIC timer
+    /// against the PIT, and without one boots with no timer). Closing a VM
+    /// with a PIT takes longer (see `vm`).
+    pub pit: bool,
 }
 
 /// Parses the CLI form of the ACPI setting: `on` or `off`.
 pub fn parse_acpi(s: &str) -> Result<bool, ConfigError> {
+    on_off(s).ok_or_else(|| ConfigError::Acpi(s.to_string()))
+}
+
+/// Parses the CLI form of the PIT setting: `on` or `off`.
+pub fn parse_pit(s: &str) -> Result<bool, ConfigError> {
+    on_off(s).ok_or_else(|| ConfigError::Pit(s.to_string()))
+}
+
+fn on_off(s: &str) -> Option<bool> {
     match s {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        other => Err(ConfigError::Acpi(other.to_string())),
+        "on" => Some(true),
+        "off" => Some(false),
+        _ => None,
     }
 }
 
@@ -451,6 +474,7 @@ impl TryFrom<ConfigFile> for VmConfig {
             .transpose()
             .map_err(ConfigError::Memory)?;
         let memory = devices.memory_mode(requested)?;
+        let acpi = f.acpi.unwrap_or(true);
         Ok(VmConfig {
             kernel,
             initrd: f.initrd,
@@ -461,7 +485,8 @@ impl TryFrom<ConfigFile> for VmConfig {
             serial,
             control_socket: f.control_socket,
             devices,
-            acpi: f.acpi.unwrap_or(true),
+            acpi,
+            pit: f.pit.unwrap_or(!acpi),
         })
     }
 }
@@ -636,6 +661,22 @@ mod tests {
         assert!(!VmConfig::try_from(off).unwrap().acpi);
         assert!(parse_acpi("on").unwrap());
         assert!(!parse_acpi("off").unwrap());
+        assert!(!cfg.pit, "no PIT by default with ACPI");
+        let legacy: ConfigFile = serde_json::from_str(r#"{"kernel":"/k","acpi":false}"#).unwrap();
+        assert!(
+            VmConfig::try_from(legacy).unwrap().pit,
+            "a PIT without ACPI"
+        );
+        let neither: ConfigFile =
+            serde_json::from_str(r#"{"kernel":"/k","acpi":false,"pit":false}"#).unwrap();
+        assert!(!VmConfig::try_from(neither).unwrap().pit);
+        let on: ConfigFile = serde_json::from_str(r#"{"kernel":"/k","pit":true}"#).unwrap();
+        assert!(VmConfig::try_from(on).unwrap().pit);
+        assert!(parse_pit("on").unwrap());
+        assert_eq!(
+            parse_pit("1").unwrap_err().to_string(),
+            "invalid PIT setting \"1\": expected on or off"
+        );
         assert_eq!(
             parse_acpi("yes").unwrap_err().to_string(),
             "invalid ACPI setting \"yes\": expected on or off"

@@ -5,7 +5,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use vmm::config::{parse_acpi, ConfigFile, DeviceConfig, MemoryMode, SerialConfig, VmConfig};
+use vmm::config::{
+    parse_acpi, parse_pit, ConfigFile, DeviceConfig, MemoryMode, SerialConfig, VmConfig,
+};
 use vmm::control::server::{ControlError, ControlServer};
 use vmm::control::standby::{RestoreRequest, StandbyRequest, StandbyServer};
 use vmm::exit::{EXIT_BAD_INPUT, EXIT_VM_FAILURE};
@@ -238,6 +240,12 @@ struct RunArgs {
     /// command line, and the MP table alone describes the CPUs.
     #[arg(long, value_name = "on|off")]
     acpi: Option<String>,
+    /// An in-kernel i8254 PIT [default: on only with --acpi off]. The ACPI tables
+    /// describe a hardware-reduced machine, which has no legacy timer; the MP
+    /// table's legacy PC needs one. A VM with a PIT takes longer to tear down.
+    /// Restores follow the snapshot (a VM that had a PIT gets one back).
+    #[arg(long, value_name = "on|off")]
+    pit: Option<String>,
 }
 
 /// Installs the stderr logger. The filter is `target=level` directives
@@ -297,6 +305,12 @@ fn run(args: RunArgs) -> Result<i32, (i32, String)> {
             .acpi
             .as_deref()
             .map(parse_acpi)
+            .transpose()
+            .map_err(|e| bad(&e))?,
+        pit: args
+            .pit
+            .as_deref()
+            .map(parse_pit)
             .transpose()
             .map_err(|e| bad(&e))?,
     };

@@ -49,6 +49,7 @@ fn booted(kvm: &KvmHandle) -> (Vm, Vcpu) {
     let vm = Vm::new(
         kvm,
         create_guest_memory(16, vmm::memory::MemoryMode::Private).unwrap(),
+        true,
     )
     .unwrap();
     let vcpu = Vcpu::new(vm.fd(), 0, buses()).unwrap();
@@ -115,7 +116,7 @@ fn a_restored_vm_s_clocks_continue_from_the_snapshot_without_the_paused_time() {
     }
 
     // Saved as a snapshot saves them (the VM is not running).
-    let vm_state = vm_persist::save(vm.fd()).unwrap();
+    let vm_state = vm_persist::save(vm.fd(), true).unwrap();
     let msr_indices = vcpu_persist::msrs_to_save(kvm.kvm()).unwrap();
     let vcpu_state = vcpu_persist::save(&fd, 0, &msr_indices).unwrap();
     let saved_at = Instant::now();
@@ -140,10 +141,11 @@ fn a_restored_vm_s_clocks_continue_from_the_snapshot_without_the_paused_time() {
     let vm2 = Vm::new(
         &kvm,
         create_guest_memory(16, vmm::memory::MemoryMode::Private).unwrap(),
+        true,
     )
     .unwrap();
     let start = Instant::now();
-    vm_persist::restore(vm2.fd(), &vm_state).unwrap();
+    vm_persist::restore(vm2.fd(), &vm_state, true).unwrap();
     let vcpu2 = Vcpu::new(vm2.fd(), 0, buses()).unwrap();
     let shared2 = vcpu2.fd();
     let fd2 = lock_fd(&shared2);

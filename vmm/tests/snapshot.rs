@@ -10,6 +10,7 @@ use common::counter::*;
 use common::*;
 use serde_json::{json, Value};
 use vmm::snapshot::format::FORMAT_MINOR;
+use vmm::snapshot::state::MachineState;
 
 fn continuity(backend: &str) {
     let t = tempfile::tempdir().unwrap();
@@ -471,5 +472,58 @@ fn a_restored_vsock_device_writes_nothing_until_the_vm_runs() {
             .unwrap()
             .contains("vsock.event=0"));
         stop(ctl, child);
+    }
+}
+
+/// Whether the snapshot in `dir` has a PIT, and whether its saved state is
+/// a live PIT's (KVM resets channel 0 with its gate up) or the zeros of none.
+fn saved_pit(dir: &Path) -> (bool, bool) {
+    let state = MachineState::load(dir).unwrap();
+    (state.pit, state.vm.pit.channels[0].gate != 0)
+}
+
+/// There is no in-kernel PIT unless asked for (`--pit on`); a VM that has
+/// one keeps it in its snapshots, and a restore of one gets it back, also
+/// on a standby vmm whose vCPUs exist before it learns of the PIT.
+#[test]
+fn a_pit_is_made_only_when_asked_for_and_kept_across_restores() {
+    let t = tempfile::tempdir().unwrap();
+    for (pit, extra) in [(false, &[][..]), (true, &["--pit", "on"][..])] {
+        let mut vm = boot_counter_with(t.path(), &format!("boot-{pit}"), extra);
+        wait_for_counts(&vm.log, 1);
+        assert_eq!(vm.ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);
+        let booted = t.path().join(format!("booted-{pit}"));
+        snapshot(&mut vm.ctl, &booted, "full");
+        stop(vm.ctl, vm.child);
+        assert_eq!(saved_pit(&booted), (pit, pit), "booted with {extra:?}");
+
+        let mut r = restore(t.path(), &format!("restored-{pit}"), &booted, "file", false);
+        let seen = counts(&r.log).len();
+        wait_for_counts(&r.log, seen + 1);
+        assert_eq!(r.ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);
+        let again = t.path().join(format!("again-{pit}"));
+        snapshot(&mut r.ctl, &again, "full");
+        stop(r.ctl, r.child);
+        assert_eq!(saved_pit(&again), (pit, pit), "restored from {extra:?}");
+
+        let (child, mut ctl, log, _) = spawn_logged(
+            t.path(),
+            &format!("standby-{pit}"),
+            &["restore", "--standby"],
+            &["--mem-mib", "64"],
+        );
+        let request = json!({"op": "restore", "snapshot": &again, "paused": false});
+        let resp = ctl.send_raw(&request.to_string());
+        assert_eq!(resp["ok"], true, "{resp}");
+        wait_for_counts(&log, counts(&log).len() + 1);
+        assert_eq!(ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);
+        let third = t.path().join(format!("standby-{pit}-snap"));
+        snapshot(&mut ctl, &third, "full");
+        stop(ctl, child);
+        assert_eq!(
+            saved_pit(&third),
+            (pit, pit),
+            "standby restore of {extra:?}"
+        );
     }
 }

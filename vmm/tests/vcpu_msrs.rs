@@ -36,6 +36,7 @@ fn new_vcpu(kvm: &KvmHandle) -> (Vm, Vcpu) {
     let vm = Vm::new(
         kvm,
         create_guest_memory(16, vmm::memory::MemoryMode::Private).unwrap(),
+        false,
     )
     .unwrap();
     let buses = Buses {

@@ -211,6 +211,8 @@ pub struct MachineShared {
     /// are dropped on this thread, not on a vCPU thread under its seccomp filter).
     i8042: Arc<Mutex<I8042>>,
     mem_mib: u64,
+    /// Whether the VM has an in-kernel PIT (its state is then saved).
+    pit: bool,
     /// The snapshot the current memory descends from (the parent of the next diff).
     last_snapshot: Mutex<Option<PathBuf>>,
     /// Dirty pages taken from KVM but not yet written to a snapshot (kept if a write fails).
@@ -372,7 +374,7 @@ impl Machine {
         );
 
         timing::mark("kernel-loaded");
-        let vm = Vm::new(&kvm, memory)?;
+        let vm = Vm::new(&kvm, memory, config.pit)?;
         timing::mark("vm-created");
         let coordinator = Arc::new(Coordinator::new(usize::from(config.vcpus)));
         let serial = SerialDevice::new(serial_irq()?, serial_output(&config.serial)?);
@@ -417,6 +419,7 @@ impl Machine {
             serial: devices.serial,
             i8042: devices.i8042,
             mem_mib: config.mem_mib,
+            pit: config.pit,
             last_snapshot: Mutex::new(None),
             pending_dirty: Mutex::new(Vec::new()),
             maybe_nonzero: Mutex::new(maybe_nonzero),

@@ -227,7 +227,10 @@ impl Machine {
                 (vm, fds, ready)
             }
         };
-        vm_persist::restore(vm.fd(), &state.vm)?;
+        if state.pit {
+            vm.create_pit()?;
+        }
+        vm_persist::restore(vm.fd(), &state.vm, state.pit)?;
         timing::mark("vm-restored");
 
         let coordinator = Arc::new(if config.paused {
@@ -322,6 +325,7 @@ impl Machine {
             serial: devices.serial,
             i8042: devices.i8042,
             mem_mib: state.mem_mib,
+            pit: state.pit,
             last_snapshot: Mutex::new(Some(top)),
             pending_dirty: Mutex::new(Vec::new()),
             maybe_nonzero: Mutex::new(maybe_nonzero),

@@ -62,7 +62,7 @@ impl MachineShared {
         }
         Ok(MachineState {
             mem_mib: self.mem_mib,
-            vm: vm_persist::save(self.vm.fd()).map_err(|e| state_err(&e))?,
+            vm: vm_persist::save(self.vm.fd(), self.pit).map_err(|e| state_err(&e))?,
             vcpus,
             serial: lock(&self.serial).save().map_err(|e| state_err(&e))?,
             virtio,
@@ -73,6 +73,7 @@ impl MachineShared {
                 .map(Persist::save)
                 .transpose()
                 .map_err(|e| state_err(&e))?,
+            pit: self.pit,
         })
     }
 

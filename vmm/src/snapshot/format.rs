@@ -18,7 +18,8 @@
 //! for older files (see `state`).
 //!
 //! Minor versions: 1.0 the first; 1.1 appends the i8042's state; 1.2 appends
-//! the ACPI devices' state (`None` for a VM without ACPI).
+//! the ACPI devices' state (`None` for a VM without ACPI); 1.3 appends
+//! whether the VM has an in-kernel PIT (older VMs all had one).
 
 use crc::{Crc, CRC_64_XZ};
 
@@ -27,7 +28,7 @@ pub const MAGIC: &[u8; 8] = b"AGVMSNAP";
 /// Major version written by this build.
 pub const FORMAT_MAJOR: u16 = 1;
 /// Minor version written by this build.
-pub const FORMAT_MINOR: u16 = 2;
+pub const FORMAT_MINOR: u16 = 3;
 /// Largest payload accepted (the state of 32 vCPUs and all devices is far below this).
 pub const MAX_PAYLOAD_LEN: u64 = 16 << 20;
 const HEADER_LEN: usize = 24;

@@ -34,6 +34,9 @@ pub struct MachineState {
     /// The ACPI devices (format 1.2); `None` for a VM booted with ACPI off
     /// and for 1.0 and 1.1 files.
     pub acpi: Option<AcpiState>,
+    /// Whether the VM has an in-kernel i8254 PIT, whose state is `vm.pit`
+    /// (format 1.3; older files always had one).
+    pub pit: bool,
 }
 
 /// A format 1.0 payload: `MachineState` without the fields 1.1 appended.
@@ -56,6 +59,7 @@ impl From<MachineStateV1_0> for MachineState {
             virtio: old.virtio,
             i8042: I8042State::power_on(),
             acpi: None,
+            pit: true,
         }
     }
 }
@@ -81,6 +85,34 @@ impl From<MachineStateV1_1> for MachineState {
             virtio: old.virtio,
             i8042: old.i8042,
             acpi: None,
+            pit: true,
+        }
+    }
+}
+
+/// A format 1.2 payload: `MachineState` without the fields 1.3 appended.
+#[derive(Deserialize)]
+struct MachineStateV1_2 {
+    mem_mib: u64,
+    vm: VmState,
+    vcpus: Vec<VcpuState>,
+    serial: SerialSnapshot,
+    virtio: VirtioState,
+    i8042: I8042State,
+    acpi: Option<AcpiState>,
+}
+
+impl From<MachineStateV1_2> for MachineState {
+    fn from(old: MachineStateV1_2) -> Self {
+        MachineState {
+            mem_mib: old.mem_mib,
+            vm: old.vm,
+            vcpus: old.vcpus,
+            serial: old.serial,
+            virtio: old.virtio,
+            i8042: old.i8042,
+            acpi: old.acpi,
+            pit: true,
         }
     }
 }
@@ -158,7 +190,10 @@ impl MachineState {
             1 => postcard::from_bytes::<MachineStateV1_1>(payload)
                 .map_err(invalid)?
                 .into(),
-            // 1.2, or a newer minor whose appended fields are ignored.
+            2 => postcard::from_bytes::<MachineStateV1_2>(payload)
+                .map_err(invalid)?
+                .into(),
+            // 1.3, or a newer minor whose appended fields are ignored.
             _ => postcard::from_bytes(payload).map_err(invalid)?,
         };
         state.validate().map_err(DecodeError::Invalid)?;
@@ -234,6 +269,7 @@ mod tests {
                 ged_gsi: 3,
                 ged_pending: 1,
             }),
+            pit: false,
         }
     }
 
@@ -285,6 +321,32 @@ mod tests {
             MachineState::decode(&mislabelled),
             Err(DecodeError::Invalid(_))
         ));
+    }
+
+    #[test]
+    fn a_format_1_2_file_restores_with_a_pit() {
+        let state = sample();
+        assert!(!state.pit);
+        let decoded = MachineState::decode(&state.encode().unwrap()).unwrap();
+        assert!(!decoded.pit, "a VM without a PIT is stored so");
+        // Every VM had a PIT before 1.3.
+        let legacy = (
+            state.mem_mib,
+            &state.vm,
+            &state.vcpus,
+            &state.serial,
+            &state.virtio,
+            &state.i8042,
+            &state.acpi,
+        );
+        let bytes = format::encode_minor(&postcard::to_stdvec(&legacy).unwrap(), 2);
+        let decoded = MachineState::decode(&bytes).unwrap();
+        assert!(decoded.pit);
+        assert_eq!(decoded.acpi, state.acpi);
+        // A 1.2 reader decodes a 1.3 payload and ignores the appended field.
+        let as_1_2: MachineStateV1_2 =
+            postcard::from_bytes(format::decode(&state.encode().unwrap()).unwrap()).unwrap();
+        assert_eq!(as_1_2.acpi, state.acpi);
     }
 
     #[test]

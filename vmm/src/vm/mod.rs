@@ -1,6 +1,15 @@
 //! The KVM VM: guest memory registered as memory slots, the in-kernel
-//! irqchip (PIC + IOAPIC + LAPICs) and PIT, and the TSS and identity-map
-//! pages KVM needs on Intel hosts.
+//! irqchip (PIC + IOAPIC + LAPICs), an in-kernel PIT when asked for, and the
+//! TSS and identity-map pages KVM needs on Intel hosts.
+//!
+//! The PIT is optional because it is costly to tear down: closing a VM
+//! unregisters each in-kernel device from KVM's I/O bus, each waiting for an
+//! SRCU grace period, and on this project's development machine the PIT's
+//! two devices added 8 ms to the 16 ms an irqchip's close took (measured
+//! with a C program creating and closing VMs; the PIT's creation costs
+//! 0.03 ms). The ACPI machine is hardware-reduced and so has no legacy timer
+//! (Linux times with kvmclock and the LAPIC); the MP table's legacy PC has
+//! one (`config::VmConfig::pit`).
 
 pub mod persist;
 
@@ -61,7 +70,7 @@ pub struct Vm {
 /// A KVM VM created before its final memory: KVM_CREATE_VM and the TSS and
 /// identity-map addresses, and, when created over a memory reservation
 /// ([`EmptyVm::create`] with `Some`), its memory slots, the in-kernel
-/// irqchip and the PIT too. A vmm on standby holds one until it learns which
+/// irqchip too. A vmm on standby holds one until it learns which
 /// snapshot to restore.
 ///
 /// Order matters on some hosts: registering a memory slot once the irqchip
@@ -71,8 +80,8 @@ pub struct Vm {
 /// snapshot's memory is later mapped onto (`MAP_FIXED`).
 pub struct EmptyVm {
     fd: VmFd,
-    /// Memory slots registered over this reservation (then the irqchip and
-    /// PIT exist too).
+    /// Memory slots registered over this reservation (then the irqchip
+    /// exists too).
     reserved: Option<GuestMemoryMmap>,
 }
 
@@ -103,20 +112,16 @@ unsafe fn register_slots(fd: &VmFd, memory: &GuestMemoryMmap) -> Result<(), VmEr
     Ok(())
 }
 
-/// The irqchip and the PIT, after the memory slots.
-fn create_irqchip_and_pit(fd: &VmFd) -> Result<(), VmError> {
-    fd.create_irq_chip().map_err(setup("KVM_CREATE_IRQCHIP"))?;
-    let pit = kvm_pit_config {
-        flags: KVM_PIT_SPEAKER_DUMMY,
-        ..Default::default()
-    };
-    fd.create_pit2(pit).map_err(setup("KVM_CREATE_PIT2"))
+/// The in-kernel irqchip (both PICs, the IOAPIC and the LAPICs), after the
+/// memory slots.
+fn create_irqchip(fd: &VmFd) -> Result<(), VmError> {
+    fd.create_irq_chip().map_err(setup("KVM_CREATE_IRQCHIP"))
 }
 
 impl EmptyVm {
     /// KVM_CREATE_VM and the TSS and identity-map addresses (before any vCPU
     /// exists, as KVM requires). With `reserved`, its regions are registered
-    /// as the memory slots and the irqchip and PIT are created, so vCPUs can
+    /// as the memory slots and the irqchip is created, so vCPUs can
     /// be created next; the restored memory must then be mapped over the
     /// reservation ([`EmptyVm::with_memory_over_reservation`]).
     pub fn create(kvm: &KvmHandle, reserved: Option<GuestMemoryMmap>) -> Result<Self, VmError> {
@@ -129,7 +134,7 @@ impl EmptyVm {
             // SAFETY: `reserved` is kept in the EmptyVm and then the Vm, with
             // the fd, and never remapped elsewhere.
             unsafe { register_slots(&fd, memory)? };
-            create_irqchip_and_pit(&fd)?;
+            create_irqchip(&fd)?;
         }
         Ok(EmptyVm { fd, reserved })
     }
@@ -150,7 +155,7 @@ impl EmptyVm {
     }
 
     /// Registers every region of `memory` as a memory slot, then creates the
-    /// irqchip and PIT. For a VM created without a reservation.
+    /// irqchip. For a VM created without a reservation.
     pub fn with_memory(self, memory: GuestMemoryMmap) -> Result<Vm, VmError> {
         if self.reserved.is_some() {
             return Err(VmError::Prepared(
@@ -159,7 +164,7 @@ impl EmptyVm {
         }
         // SAFETY: the returned Vm keeps `memory` alive with the fd.
         unsafe { register_slots(&self.fd, &memory)? };
-        create_irqchip_and_pit(&self.fd)?;
+        create_irqchip(&self.fd)?;
         Ok(Vm {
             fd: self.fd,
             memory,
@@ -193,9 +198,24 @@ impl EmptyVm {
 }
 
 impl Vm {
-    /// Creates the VM, registers `memory`, and sets up the irqchip and PIT.
-    pub fn new(kvm: &KvmHandle, memory: GuestMemoryMmap) -> Result<Self, VmError> {
-        EmptyVm::create(kvm, None)?.with_memory(memory)
+    /// Creates the VM, registers `memory`, and sets up the irqchip, and the
+    /// PIT when `pit`.
+    pub fn new(kvm: &KvmHandle, memory: GuestMemoryMmap, pit: bool) -> Result<Self, VmError> {
+        let vm = EmptyVm::create(kvm, None)?.with_memory(memory)?;
+        if pit {
+            vm.create_pit()?;
+        }
+        Ok(vm)
+    }
+
+    /// Adds the in-kernel i8254 PIT (port 0x61's speaker bit as a dummy),
+    /// after the irqchip; vCPUs may exist already.
+    pub fn create_pit(&self) -> Result<(), VmError> {
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        self.fd.create_pit2(pit).map_err(setup("KVM_CREATE_PIT2"))
     }
 
     /// The VM file descriptor.

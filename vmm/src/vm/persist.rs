@@ -1,5 +1,5 @@
-//! VM-wide KVM state for snapshots: the PIT, the kvmclock and the in-kernel
-//! irqchip (both PICs and the IOAPIC).
+//! VM-wide KVM state for snapshots: the PIT (when the VM has one), the
+//! kvmclock and the in-kernel irqchip (both PICs and the IOAPIC).
 
 use kvm_bindings::{
     kvm_clock_data, kvm_irqchip, kvm_pit_state2, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER,
@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 /// VM-wide state.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct VmState {
-    /// The i8254 PIT.
+    /// The i8254 PIT; all zero for a VM without one (`MachineState::pit`).
     pub pit: kvm_pit_state2,
     /// kvmclock.
     pub clock: kvm_clock_data,
@@ -45,10 +45,13 @@ fn get_chip(fd: &VmFd, chip_id: u32, what: &'static str) -> Result<kvm_irqchip, 
     Ok(chip)
 }
 
-/// Saves the VM-wide state of a paused VM.
-pub fn save(fd: &VmFd) -> Result<VmState, VmStateError> {
+/// Saves the VM-wide state of a paused VM (with its PIT's when `pit`).
+pub fn save(fd: &VmFd, pit: bool) -> Result<VmState, VmStateError> {
     Ok(VmState {
-        pit: fd.get_pit2().map_err(err("KVM_GET_PIT2"))?,
+        pit: match pit {
+            true => fd.get_pit2().map_err(err("KVM_GET_PIT2"))?,
+            false => kvm_pit_state2::default(),
+        },
         clock: fd.get_clock().map_err(err("KVM_GET_CLOCK"))?,
         pic_master: get_chip(fd, KVM_IRQCHIP_PIC_MASTER, "KVM_GET_IRQCHIP (PIC master)")?,
         pic_slave: get_chip(fd, KVM_IRQCHIP_PIC_SLAVE, "KVM_GET_IRQCHIP (PIC slave)")?,
@@ -56,9 +59,12 @@ pub fn save(fd: &VmFd) -> Result<VmState, VmStateError> {
     })
 }
 
-/// Restores VM-wide state into a VM created with the same irqchip and PIT.
-pub fn restore(fd: &VmFd, state: &VmState) -> Result<(), VmStateError> {
-    fd.set_pit2(&state.pit).map_err(err("KVM_SET_PIT2"))?;
+/// Restores VM-wide state into a VM created with the same irqchip, and
+/// with a PIT exactly when `pit`.
+pub fn restore(fd: &VmFd, state: &VmState, pit: bool) -> Result<(), VmStateError> {
+    if pit {
+        fd.set_pit2(&state.pit).map_err(err("KVM_SET_PIT2"))?;
+    }
     // kvmclock goes back exactly as saved: flags 0, never KVM_CLOCK_REALTIME
     // (with it, KVM would move the clock on by the host's wall-clock time
     // since the save). The guest's CLOCK_MONOTONIC and CLOCK_BOOTTIME thus
