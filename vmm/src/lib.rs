@@ -10,6 +10,7 @@ pub mod control;
 pub mod devices;
 pub mod exit;
 pub mod jail;
+pub mod keeper;
 pub mod kvm;
 pub mod logfile;
 pub mod machine;

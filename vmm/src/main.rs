@@ -572,6 +572,10 @@ fn main() -> ExitCode {
         return ExitCode::from(EXIT_VM_FAILURE as u8);
     }
     vmm::timing::mark("seccomp-compiled");
+    if matches!(cli.command, Command::Run(_) | Command::Restore(_)) {
+        // Before any thread exists: the VM's teardown goes to a keeper process.
+        vmm::keeper::start();
+    }
     let code = match cli.command {
         Command::Run(args) => run(args),
         Command::Restore(args) => restore(args),

@@ -163,3 +163,80 @@ fn sigterm_stops_the_vm_cleanly() {
     let out = wait_with_deadline(child, std::time::Duration::from_secs(10));
     assert_eq!(out.status.code(), Some(0), "stderr: {}", stderr(&out));
 }
+
+/// The children of `pid` (any of its threads'), with their names.
+fn children_of(pid: u32) -> Vec<(u32, String)> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|c| {
+            c.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .map(|c| {
+            let comm = std::fs::read_to_string(format!("/proc/{c}/comm")).unwrap_or_default();
+            (c, comm.trim().to_string())
+        })
+        .collect()
+}
+
+/// Gone, or dead and not yet reaped by whoever inherited it.
+fn is_gone(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+        s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z'))
+    })
+}
+
+/// The KVM VM is held by a keeper process as well, which holds nothing else
+/// and does not read as a vmm, so the kernel's teardown of the VM happens
+/// when the keeper lets go, after the vmm is gone (vmm/src/keeper.rs).
+#[test]
+fn the_vm_is_torn_down_by_its_keeper_after_the_vmm() {
+    let t = tempfile::tempdir().unwrap();
+    let mut vm = common::counter::boot_counter(t.path(), "kept");
+    common::counter::wait_for_counts(&vm.log, 1);
+    let pid = vm.child.id();
+    let keepers: Vec<u32> = children_of(pid)
+        .into_iter()
+        .filter(|(_, comm)| comm == vmm::keeper::NAME)
+        .map(|(p, _)| p)
+        .collect();
+    assert_eq!(keepers.len(), 1, "children: {:?}", children_of(pid));
+    let keeper = keepers[0];
+    let mut held: Vec<String> = std::fs::read_dir(format!("/proc/{keeper}/fd"))
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            let target = std::fs::read_link(e.path())
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            // socket:[inode] -> socket
+            target.split(':').next().unwrap_or_default().to_string()
+        })
+        .collect();
+    held.sort();
+    assert_eq!(held, ["anon_inode", "socket"], "the keeper holds more");
+    let vm_fd = std::fs::read_dir(format!("/proc/{keeper}/fd"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .any(|l| l.to_string_lossy() == "anon_inode:kvm-vm");
+    assert!(vm_fd, "the keeper has no VM fd");
+    let cmdline = std::fs::read(format!("/proc/{keeper}/cmdline")).unwrap();
+    let shown = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+    assert_eq!(shown.trim(), vmm::keeper::NAME, "the keeper's command line");
+
+    vm.child.kill().unwrap();
+    vm.child.wait().unwrap();
+    let start = std::time::Instant::now();
+    while !is_gone(keeper) {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(10),
+            "the keeper outlived its vmm by 10 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}

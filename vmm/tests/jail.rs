@@ -21,12 +21,19 @@ fn ns(pid: &str, kind: &str) -> String {
         .into_owned()
 }
 
+/// The jailer's child in a PID namespace of its own: the vmm (the jailer
+/// also forks, briefly, the intermediate of the VM's detached keeper).
 fn find_jailed_vmm(jailer: u32) -> String {
     let start = Instant::now();
+    let jailer_ns = ns(&jailer.to_string(), "pid");
     loop {
         let children = std::fs::read_to_string(format!("/proc/{jailer}/task/{jailer}/children"))
             .unwrap_or_default();
-        if let Some(pid) = children.split_whitespace().next() {
+        let jailed = children.split_whitespace().find(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/ns/pid"))
+                .is_ok_and(|l| l.to_string_lossy() != jailer_ns)
+        });
+        if let Some(pid) = jailed {
             return pid.to_string();
         }
         assert!(
@@ -166,9 +173,29 @@ fn a_jailed_vmm_is_confined_as_asked() {
         );
     }
 
+    // The VM's keeper was forked by the jailer outside the namespaces: the
+    // vmm holds the socket it was given and forked none of its own.
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let fd = environ
+        .split(|b| *b == 0)
+        .find_map(|v| v.strip_prefix(b"AGENTVM_VM_KEEPER_FD="))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .expect("the jailer passed a keeper socket");
+    let target = std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).unwrap();
+    assert!(
+        target.to_string_lossy().starts_with("socket:"),
+        "{target:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap(),
+        "",
+        "the jailed vmm forked a keeper inside its namespace"
+    );
+
     assert_eq!(ctl.send_raw(r#"{"op":"stop"}"#)["ok"], true);
     let out = wait_with_deadline(child, Duration::from_secs(20));
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("keeper"), "{}", stderr(&out));
 }
 
 #[test]

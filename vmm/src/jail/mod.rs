@@ -264,6 +264,13 @@ pub fn run(config: &JailConfig) -> Result<i32, JailError> {
             ));
         }
     }
+    // The VM's keeper (see `crate::keeper`), forked before the namespaces
+    // exist: the vmm is init of its PID namespace, whose exit would wait
+    // for a keeper inside it. Detached, so the vmm is the jailer's only
+    // child. Without one the VM is torn down in the vmm's exit, as before.
+    let keeper = crate::keeper::spawn(true)
+        .map_err(|e| tracing::warn!("{e}; the VM will be torn down in the vmm's exit"))
+        .ok();
     let mut flags =
         libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
     if joined.is_none() {
@@ -294,13 +301,28 @@ pub fn run(config: &JailConfig) -> Result<i32, JailError> {
     let child_setup = setup::ChildSetup::new(config, &root, &cgroup, &alive)?;
     let mut command = Command::new("/vmm");
     command.args(&config.vmm_args);
+    let keeper_fd = keeper.as_ref().map(|k| k.as_raw_fd());
+    if let Some(fd) = keeper_fd {
+        command.env(crate::keeper::INHERITED_ENV, fd.to_string());
+    }
     // SAFETY: the closure runs in the forked child before exec; it only makes system calls
-    // (mount, pivot_root, setrlimit, setuid...) on data prepared before the fork and does not
-    // allocate or take locks.
+    // (mount, pivot_root, setrlimit, setuid, fcntl...) on data prepared before the fork and
+    // does not allocate or take locks.
     unsafe {
-        command.pre_exec(move || child_setup.enter());
+        command.pre_exec(move || {
+            child_setup.enter()?;
+            if let Some(fd) = keeper_fd {
+                // The keeper's socket is the one descriptor the vmm inherits on purpose.
+                if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
     }
     let child = command.spawn().map_err(JailError::Spawn)?;
+    // The vmm's copy is its own now: the keeper lets go when that closes.
+    drop(keeper);
     let code = setup::wait_forwarding_signals(child);
     drop(alive);
     cgroup.remove();

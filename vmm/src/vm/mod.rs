@@ -126,6 +126,8 @@ impl EmptyVm {
     /// reservation ([`EmptyVm::with_memory_over_reservation`]).
     pub fn create(kvm: &KvmHandle, reserved: Option<GuestMemoryMmap>) -> Result<Self, VmError> {
         let fd = kvm.kvm().create_vm().map_err(VmError::Create)?;
+        // Its teardown then happens in the keeper, after this process's exit.
+        crate::keeper::hand_over(std::os::fd::AsRawFd::as_raw_fd(&fd));
         fd.set_tss_address(KVM_TSS_ADDRESS as usize)
             .map_err(setup("KVM_SET_TSS_ADDR"))?;
         fd.set_identity_map_address(KVM_IDENTITY_MAP_ADDRESS)
