@@ -165,7 +165,7 @@ fn measure(ctx: &Context, result: &mut ScenarioResult) -> Result<()> {
         .collect();
     result.notes.push(format!(
         "counter guest ({}), {MEM_MIB} MiB, 1 vCPU, one full snapshot per VMM; per round N VMMs \
-         restore it at once; Rss and Pss from /proc/PID/smaps_rollup {} ms after every guest \
+         restore it at once; Rss and Pss from /proc/PID/smaps_rollup of each VMM process and its children (the vmm's keeper) {} ms after every guest \
          printed {IDLE_LINE:?} (its vCPU halted); fit-in-host = MemTotal ({} MiB) / Pss per VM; \
          guest memory in the kernel (KVM's page tables) is not in smaps",
         guests.join("; "),
@@ -263,7 +263,12 @@ fn round(ctx: &Context, backend: &dyn Backend, snapshot: &IdleSnapshot, n: u64) 
     for vm in &mut vms {
         vm.process.wait_for(IDLE_LINE, 0, ctx.timeout())?;
     }
-    let pids: Vec<u32> = vms.iter().map(|vm| vm.process.pid()).collect();
+    // Each VMM process with its children: our vmm's keeper (which holds
+    // the VM fd for the teardown) is part of what a VM costs.
+    let pids: Vec<u32> = vms
+        .iter()
+        .flat_map(|vm| with_children(vm.process.pid()))
+        .collect();
     let cpu_before = cpu_time(&pids)?;
     let t = Instant::now();
     std::thread::sleep(SETTLE);
@@ -283,6 +288,24 @@ fn round(ctx: &Context, backend: &dyn Backend, snapshot: &IdleSnapshot, n: u64) 
         vm.process.kill();
     }
     Ok(reading)
+}
+
+/// `pid` and its children (of any of its threads).
+fn with_children(pid: u32) -> Vec<u32> {
+    let mut out = vec![pid];
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten();
+    for task in tasks {
+        let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        out.extend(
+            children
+                .split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok()),
+        );
+    }
+    out
 }
 
 /// User + system CPU time of the processes `pids`, all their threads.
@@ -313,6 +336,29 @@ fn stat_cpu_ticks(text: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_process_is_counted_with_its_children() {
+        let mut sh = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & echo $!; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(sh.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let child: u32 = line.trim().parse().unwrap();
+        let family = with_children(sh.id());
+        let _ = std::process::Command::new("kill")
+            .arg(child.to_string())
+            .status();
+        let _ = sh.kill();
+        let _ = sh.wait();
+        assert_eq!(family, vec![sh.id(), child]);
+    }
 
     #[test]
     fn cpu_ticks_are_read_after_the_command_name() {
