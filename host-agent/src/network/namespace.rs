@@ -6,7 +6,9 @@
 //! read the result with, rather than hand-written netlink: every step is one
 //! command whose failure message names what it tried. A namespace is
 //! removed with `ip netns del`, which takes the veth pair and the tap with
-//! it, so a VM's network is released in one step even after a crash.
+//! it once nothing holds the namespace any more, so a VM's network is
+//! released even after a crash; [`VmNetwork::remove`] deletes the node's
+//! veth end first, so that the pair is gone at once.
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -359,14 +361,11 @@ impl VmNetwork {
     /// Removes the namespace (and with it the veth pair and the tap). Never
     /// fails: what is already gone is fine.
     pub fn remove(&self) {
-        if let Err(e) = run(
-            "removing the VM's network namespace",
-            &mut ip(None, &["netns", "del", &self.netns]),
-            None,
-        ) {
-            tracing::debug!(netns = %self.netns, error = %e, "network namespace already gone");
-        }
-        // A veth whose namespace was never made stays on the node.
+        // The node's veth end first: deleting it takes the pair at once,
+        // where the namespace's deletion would take it only when the last
+        // holder of the namespace lets go (the kernel's cleanup is
+        // asynchronous). So once the namespace is gone from the list, so is
+        // the veth. (A veth whose namespace was never made is removed too.)
         let _ = run(
             "removing the node's veth",
             &mut ip(
@@ -375,6 +374,13 @@ impl VmNetwork {
             ),
             None,
         );
+        if let Err(e) = run(
+            "removing the VM's network namespace",
+            &mut ip(None, &["netns", "del", &self.netns]),
+            None,
+        ) {
+            tracing::debug!(netns = %self.netns, error = %e, "network namespace already gone");
+        }
     }
 }
 
