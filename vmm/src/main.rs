@@ -240,10 +240,9 @@ struct RunArgs {
     /// command line, and the MP table alone describes the CPUs.
     #[arg(long, value_name = "on|off")]
     acpi: Option<String>,
-    /// An in-kernel i8254 PIT [default: on only with --acpi off]. The ACPI tables
-    /// describe a hardware-reduced machine, which has no legacy timer; the MP
-    /// table's legacy PC needs one. A VM with a PIT takes longer to tear down.
-    /// Restores follow the snapshot (a VM that had a PIT gets one back).
+    /// An in-kernel i8254 PIT [default: on]. Off, the ACPI machine (hardware-reduced)
+    /// boots Linux, which times with kvmclock and the LAPIC; `--acpi off`'s legacy PC
+    /// needs one. Restores follow the snapshot (a VM that had a PIT gets one back).
     #[arg(long, value_name = "on|off")]
     pit: Option<String>,
 }

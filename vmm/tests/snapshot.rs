@@ -482,13 +482,13 @@ fn saved_pit(dir: &Path) -> (bool, bool) {
     (state.pit, state.vm.pit.channels[0].gate != 0)
 }
 
-/// There is no in-kernel PIT unless asked for (`--pit on`); a VM that has
-/// one keeps it in its snapshots, and a restore of one gets it back, also
-/// on a standby vmm whose vCPUs exist before it learns of the PIT.
+/// There is an in-kernel PIT unless asked not to (`--pit off`); a VM keeps
+/// what it has in its snapshots, and a restore gets it back, also on a
+/// standby vmm whose vCPUs exist before it learns of the PIT.
 #[test]
-fn a_pit_is_made_only_when_asked_for_and_kept_across_restores() {
+fn a_pit_is_made_unless_asked_not_to_and_kept_across_restores() {
     let t = tempfile::tempdir().unwrap();
-    for (pit, extra) in [(false, &[][..]), (true, &["--pit", "on"][..])] {
+    for (pit, extra) in [(false, &["--pit", "off"][..]), (true, &[][..])] {
         let mut vm = boot_counter_with(t.path(), &format!("boot-{pit}"), extra);
         wait_for_counts(&vm.log, 1);
         assert_eq!(vm.ctl.send_raw(r#"{"op":"pause"}"#)["ok"], true);

@@ -1,15 +1,13 @@
 //! The KVM VM: guest memory registered as memory slots, the in-kernel
-//! irqchip (PIC + IOAPIC + LAPICs), an in-kernel PIT when asked for, and the
-//! TSS and identity-map pages KVM needs on Intel hosts.
+//! irqchip (PIC + IOAPIC + LAPICs), the in-kernel PIT unless turned off,
+//! and the TSS and identity-map pages KVM needs on Intel hosts.
 //!
-//! The PIT is optional because it is costly to tear down: closing a VM
-//! unregisters each in-kernel device from KVM's I/O bus, each waiting for an
+//! The PIT can be turned off because it lengthens the VM's close: each
+//! in-kernel device is unregistered from KVM's I/O bus, each waiting for an
 //! SRCU grace period, and on this project's development machine the PIT's
-//! two devices added 8 ms to the 16 ms an irqchip's close took (measured
-//! with a C program creating and closing VMs; the PIT's creation costs
-//! 0.03 ms). The ACPI machine is hardware-reduced and so has no legacy timer
-//! (Linux times with kvmclock and the LAPIC); the MP table's legacy PC has
-//! one (`config::VmConfig::pit`).
+//! two devices added 8 ms to the 16 ms an irqchip's close took (a C program
+//! creating and closing VMs). The close happens in the VM's keeper now
+//! (`crate::keeper`), so the PIT stays on by default (`config::VmConfig::pit`).
 
 pub mod persist;
 
