@@ -59,14 +59,8 @@ async fn create_past_a_lost_guest(agent_name: &str) {
         .get(&s.session_id)
         .cloned()
         .expect("the first VM's guest hung up");
-    // Gone, or dead and not yet reaped by whoever inherited it.
-    let gone = |pid: &u32| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
-            s.rsplit(") ").next().is_some_and(|r| r.starts_with('Z'))
-        })
-    };
     assert!(
-        first.iter().all(gone),
+        first.iter().all(|&p| test_harness::process::is_gone(p)),
         "the first VM {first:?} still runs:\n{}",
         agent.log()
     );

@@ -164,31 +164,6 @@ fn sigterm_stops_the_vm_cleanly() {
     assert_eq!(out.status.code(), Some(0), "stderr: {}", stderr(&out));
 }
 
-/// The children of `pid` (any of its threads'), with their names.
-fn children_of(pid: u32) -> Vec<(u32, String)> {
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
-    tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
-        .flat_map(|c| {
-            c.split_whitespace()
-                .filter_map(|p| p.parse().ok())
-                .collect::<Vec<u32>>()
-        })
-        .map(|c| {
-            let comm = std::fs::read_to_string(format!("/proc/{c}/comm")).unwrap_or_default();
-            (c, comm.trim().to_string())
-        })
-        .collect()
-}
-
-/// Gone, or dead and not yet reaped by whoever inherited it.
-fn is_gone(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
-        s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z'))
-    })
-}
-
 /// The KVM VM is held by a keeper process as well, which holds nothing else
 /// and does not read as a vmm, so the kernel's teardown of the VM happens
 /// when the keeper lets go, after the vmm is gone (vmm/src/keeper.rs).
@@ -198,12 +173,17 @@ fn the_vm_is_torn_down_by_its_keeper_after_the_vmm() {
     let mut vm = common::counter::boot_counter(t.path(), "kept");
     common::counter::wait_for_counts(&vm.log, 1);
     let pid = vm.child.id();
-    let keepers: Vec<u32> = children_of(pid)
+    let keepers: Vec<u32> = test_harness::process::children(pid)
         .into_iter()
         .filter(|(_, comm)| comm == vmm::keeper::NAME)
         .map(|(p, _)| p)
         .collect();
-    assert_eq!(keepers.len(), 1, "children: {:?}", children_of(pid));
+    assert_eq!(
+        keepers.len(),
+        1,
+        "children: {:?}",
+        test_harness::process::children(pid)
+    );
     let keeper = keepers[0];
     let mut held: Vec<String> = std::fs::read_dir(format!("/proc/{keeper}/fd"))
         .unwrap()
@@ -232,7 +212,7 @@ fn the_vm_is_torn_down_by_its_keeper_after_the_vmm() {
     vm.child.kill().unwrap();
     vm.child.wait().unwrap();
     let start = std::time::Instant::now();
-    while !is_gone(keeper) {
+    while !test_harness::process::is_gone(keeper) {
         assert!(
             start.elapsed() < std::time::Duration::from_secs(10),
             "the keeper outlived its vmm by 10 s"

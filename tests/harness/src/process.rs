@@ -109,6 +109,34 @@ pub fn sigkill(pid: u32) {
     }
 }
 
+/// Whether process `pid` has exited: gone from /proc, or dead and not yet
+/// reaped by whoever inherited it.
+pub fn is_gone(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+        s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z'))
+    })
+}
+
+/// The children of `pid` (of any of its threads), with their names.
+pub fn children(pid: u32) -> Vec<(u32, String)> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten();
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|c| {
+            c.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .map(|c| {
+            let comm = std::fs::read_to_string(format!("/proc/{c}/comm")).unwrap_or_default();
+            (c, comm.trim().to_string())
+        })
+        .collect()
+}
+
 /// SIGKILLs every process whose command line mentions `dir` (the vmm
 /// processes of a test's state directory, which outlive a killed parent).
 pub fn kill_processes_under(dir: &Path) {
@@ -131,6 +159,29 @@ pub fn kill_processes_under(dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_child_is_listed_and_gone_once_it_exits() {
+        let mut child = command("sleep").arg("30").spawn().unwrap();
+        let me = std::process::id();
+        let listed = children(me);
+        assert!(
+            listed
+                .iter()
+                .any(|(p, comm)| *p == child.id() && comm == "sleep"),
+            "{listed:?}"
+        );
+        assert!(!is_gone(child.id()));
+        sigkill(child.id());
+        // Dead but not yet reaped counts as gone.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !is_gone(child.id()) {
+            assert!(Instant::now() < deadline, "SIGKILL did not end it");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child.wait().unwrap();
+        assert!(is_gone(child.id()));
+    }
 
     #[test]
     fn a_quick_child_is_collected_and_a_slow_one_killed() {
@@ -167,7 +218,7 @@ mod tests {
         // Until the child has exec'ed, its command line is this test's and
         // names no directory: wait for tail's own.
         let cmdline = format!("/proc/{}/cmdline", child.id());
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + Duration::from_secs(10);
         while !std::fs::read(&cmdline)
             .map(|c| String::from_utf8_lossy(&c).contains(&*dir.path().to_string_lossy()))
             .unwrap_or(false)
