@@ -273,6 +273,25 @@ mod tests {
         }
     }
 
+    /// `state`'s payload as format 1.`minor` (0 to 2) wrote it: the fields
+    /// that version had, in order (postcard puts tuples' fields one after
+    /// another, so nesting them changes nothing).
+    fn payload_as_minor(state: &MachineState, minor: u16) -> Vec<u8> {
+        let v1_0 = (
+            state.mem_mib,
+            &state.vm,
+            &state.vcpus,
+            &state.serial,
+            &state.virtio,
+        );
+        match minor {
+            0 => postcard::to_stdvec(&v1_0),
+            1 => postcard::to_stdvec(&(v1_0, &state.i8042)),
+            _ => postcard::to_stdvec(&(v1_0, &state.i8042, &state.acpi)),
+        }
+        .unwrap()
+    }
+
     #[test]
     fn the_i8042_round_trips() {
         let state = sample();
@@ -302,21 +321,14 @@ mod tests {
     #[test]
     fn a_format_1_1_file_restores_without_acpi() {
         let state = sample();
-        let legacy = (
-            state.mem_mib,
-            &state.vm,
-            &state.vcpus,
-            &state.serial,
-            &state.virtio,
-            &state.i8042,
-        );
-        let bytes = format::encode_minor(&postcard::to_stdvec(&legacy).unwrap(), 1);
+        let legacy = payload_as_minor(&state, 1);
+        let bytes = format::encode_minor(&legacy, 1);
         let decoded = MachineState::decode(&bytes).unwrap();
         assert_eq!(decoded.acpi, None);
         assert_eq!(decoded.i8042, state.i8042);
         assert_eq!(decoded.serial, state.serial);
         // The same 1.1 payload labelled as this version lacks the ACPI field.
-        let mislabelled = format::encode(&postcard::to_stdvec(&legacy).unwrap());
+        let mislabelled = format::encode(&legacy);
         assert!(matches!(
             MachineState::decode(&mislabelled),
             Err(DecodeError::Invalid(_))
@@ -330,16 +342,7 @@ mod tests {
         let decoded = MachineState::decode(&state.encode().unwrap()).unwrap();
         assert!(!decoded.pit, "a VM without a PIT is stored so");
         // Every VM had a PIT before 1.3.
-        let legacy = (
-            state.mem_mib,
-            &state.vm,
-            &state.vcpus,
-            &state.serial,
-            &state.virtio,
-            &state.i8042,
-            &state.acpi,
-        );
-        let bytes = format::encode_minor(&postcard::to_stdvec(&legacy).unwrap(), 2);
+        let bytes = format::encode_minor(&payload_as_minor(&state, 2), 2);
         let decoded = MachineState::decode(&bytes).unwrap();
         assert!(decoded.pit);
         assert_eq!(decoded.acpi, state.acpi);
@@ -352,21 +355,15 @@ mod tests {
     #[test]
     fn a_format_1_0_file_restores_a_power_on_i8042() {
         let state = sample();
-        let legacy = (
-            state.mem_mib,
-            &state.vm,
-            &state.vcpus,
-            &state.serial,
-            &state.virtio,
-        );
-        let bytes = format::encode_minor(&postcard::to_stdvec(&legacy).unwrap(), 0);
+        let legacy = payload_as_minor(&state, 0);
+        let bytes = format::encode_minor(&legacy, 0);
         let decoded = MachineState::decode(&bytes).unwrap();
         assert_eq!(decoded.i8042, I8042State::power_on());
         assert_eq!(decoded.acpi, None);
         assert_eq!(decoded.mem_mib, 128);
         assert_eq!(decoded.serial, state.serial);
         // The same 1.0 payload labelled as this version lacks the i8042 and is refused.
-        let mislabelled = format::encode(&postcard::to_stdvec(&legacy).unwrap());
+        let mislabelled = format::encode(&legacy);
         assert!(matches!(
             MachineState::decode(&mislabelled),
             Err(DecodeError::Invalid(_))
