@@ -517,9 +517,9 @@ fn serve(
     vmm::timing::mark("vm-ended");
     let code = reason.exit_code();
     if code == 0 {
-        tracing::info!(reason = reason.name(), %reason, code, "VM exited");
+        tracing::info!(kind = reason.name(), %reason, code, "VM exited");
     } else {
-        tracing::error!(reason = reason.name(), %reason, code, "VM failed");
+        tracing::error!(kind = reason.name(), %reason, code, "VM failed");
         eprintln!("vmm: VM failed: {reason}");
     }
     Ok(code)

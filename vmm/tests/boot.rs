@@ -96,6 +96,16 @@ fn triple_fault_is_a_vm_failure_with_exit_code_one() {
         "stderr: {}",
         stderr(&out)
     );
+    // The vCPU's state is logged: the empty IDT the guest loaded, and the
+    // long-mode code segment it ran in.
+    let err = stderr(&out);
+    let state = err
+        .lines()
+        .find(|l| l.contains("vCPU 0 at the failure:"))
+        .unwrap_or_else(|| panic!("no vCPU state in stderr: {err}"));
+    assert!(state.contains(" idt=0x0+0x0"), "{state}");
+    assert!(state.contains("64-bit"), "{state}");
+    assert!(state.contains(" rip=0x"), "{state}");
 }
 
 #[test]

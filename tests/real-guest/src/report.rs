@@ -41,6 +41,37 @@ pub struct Outcome {
     pub detail: String,
 }
 
+/// Whether a failure's reason says the guest died at the CPU level: the
+/// vmm's own words for a triple fault or a KVM internal error. Under the
+/// outer VM's software emulation such a crash is sometimes the emulation's
+/// (see the README's "The outer VM's QEMU"), so the harness reruns the
+/// scenario once in a fresh outer VM; a crash that comes back fails.
+pub fn guest_cpu_crash(detail: &str) -> bool {
+    detail.contains("triple-faulted") || detail.contains("KVM internal error on vCPU")
+}
+
+/// Where the harness files a scenario's result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Filing {
+    /// The scenario's verdict.
+    Final,
+    /// The outer VM stalled under it: run it in the next outer VM.
+    Stalled,
+    /// Its guest crashed for the first time: run it once more in the next
+    /// outer VM.
+    CrashRerun,
+}
+
+/// Files `o`; `crashed_before` says whether this scenario's guest already
+/// crashed in an earlier outer VM (a second crash is the verdict).
+pub fn filing(o: &Outcome, crashed_before: bool) -> Filing {
+    match o.status {
+        Status::Infra => Filing::Stalled,
+        Status::Fail if guest_cpu_crash(&o.detail) && !crashed_before => Filing::CrashRerun,
+        Status::Fail | Status::Pass => Filing::Final,
+    }
+}
+
 /// A parsed runner line.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Line {
@@ -157,6 +188,35 @@ mod tests {
         assert_eq!(back.status, Status::Fail);
         assert_eq!(back.detail, "no marker | in 300 s");
         assert_eq!(back.to_string(), "FAIL boot-1-vcpu: no marker | in 300 s");
+    }
+
+    #[test]
+    fn a_guest_crash_is_rerun_once_and_nothing_else_is() {
+        let with = |status, detail: &str| Outcome {
+            name: "boot-bzimage".into(),
+            status,
+            secs: 9.0,
+            detail: detail.into(),
+        };
+        let triple = with(
+            Status::Fail,
+            "the guest's console ended (vmm exit status: 1) before \"RG-DONE\"; \
+             vmm stderr: vmm: VM failed: vCPU 0 triple-faulted",
+        );
+        assert_eq!(filing(&triple, false), Filing::CrashRerun);
+        assert_eq!(filing(&triple, true), Filing::Final, "a second crash fails");
+        let internal = with(
+            Status::Fail,
+            "vmm: VM failed: KVM internal error on vCPU 1: suberror 1 (emulation)",
+        );
+        assert_eq!(filing(&internal, false), Filing::CrashRerun);
+        // Any other failure is the verdict at once, a pass is a pass, and a
+        // stall goes to the next outer VM whatever came before.
+        let wrong = with(Status::Fail, "the guest sees \"1\" CPUs, not 2");
+        assert_eq!(filing(&wrong, false), Filing::Final);
+        assert_eq!(filing(&with(Status::Pass, "1 CPU"), false), Filing::Final);
+        let stall = with(Status::Infra, "stalled");
+        assert_eq!(filing(&stall, true), Filing::Stalled);
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! dispatches its exits to the buses.
 
 pub mod coordinator;
+pub mod crash;
 pub mod kick;
 pub mod persist;
 
@@ -222,6 +223,12 @@ impl Vcpu {
     }
 }
 
+/// Logs the vCPU's registers when the guest failed at the CPU level, with
+/// `extra` (the internal error's data) after them.
+fn log_crash(fd: &VcpuFd, index: usize, extra: &str) {
+    tracing::error!("vCPU {index} at the failure: {}{extra}", crash::state(fd));
+}
+
 /// What one KVM_RUN led to.
 struct Ran {
     /// Why the VM must end, if it must.
@@ -270,7 +277,10 @@ fn run_once(fd: &mut VcpuFd, index: u8, buses: &Buses) -> Ran {
             }
             // Only seen without an in-kernel LAPIC: the vCPU stopped for good.
             VcpuExit::Hlt => ends(ExitReason::GuestHalted { vcpu: index }),
-            VcpuExit::Shutdown => ends(ExitReason::TripleFault { vcpu: index }),
+            VcpuExit::Shutdown => {
+                log_crash(fd, index, "");
+                ends(ExitReason::TripleFault { vcpu: index })
+            }
             VcpuExit::SystemEvent(kind, _) => ends(match kind {
                 KVM_SYSTEM_EVENT_SHUTDOWN => ExitReason::GuestPoweroff,
                 KVM_SYSTEM_EVENT_RESET => ExitReason::GuestReset,
@@ -287,15 +297,20 @@ fn run_once(fd: &mut VcpuFd, index: u8, buses: &Buses) -> Ran {
                 // SAFETY: exit_reason is KVM_EXIT_INTERNAL_ERROR, so `internal` is the
                 // active union member.
                 let suberror = unsafe { fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
+                let data = crash::internal_error_data(fd);
+                log_crash(fd, index, &format!(" data=[{data}]"));
                 ends(ExitReason::KvmInternalError {
                     vcpu: index,
                     suberror,
                 })
             }
-            VcpuExit::FailEntry(reason, _) => ends(ExitReason::FailEntry {
-                vcpu: index,
-                reason,
-            }),
+            VcpuExit::FailEntry(reason, _) => {
+                log_crash(fd, index, "");
+                ends(ExitReason::FailEntry {
+                    vcpu: index,
+                    reason,
+                })
+            }
             VcpuExit::Intr => nothing,
             other => ends(ExitReason::VmmError {
                 vcpu: Some(index),

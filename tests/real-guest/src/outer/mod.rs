@@ -10,6 +10,9 @@
 //! past its limit with heartbeats flowing is a scenario failure. A scenario
 //! the runner reports as `INFRA` (a recognised emulation stall of the outer
 //! VM under a guest) is retried in the next attempt's fresh outer VM too.
+//! So, once, is a scenario whose guest crashed at the CPU level (triple
+//! fault, KVM internal error: `report::guest_cpu_crash`); the first crash is
+//! kept in the summary, and a second one is the scenario's failure.
 
 pub mod qemu;
 
@@ -18,7 +21,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::catalogue::Group;
-use crate::report::{self, Line, Outcome, Status};
+use crate::report::{self, Filing, Line, Outcome, Status};
 use qemu::{L1Options, L1};
 
 /// The outer VM must reach its `ready` line within this.
@@ -65,6 +68,8 @@ pub struct Summary {
     pub not_run: Vec<(String, String)>,
     /// Each infrastructure failure that was retried or gave up.
     pub infrastructure: Vec<String>,
+    /// Each guest crash that was rerun (its first failure).
+    pub crash_reruns: Vec<String>,
     /// Wall time.
     pub secs: f64,
 }
@@ -85,6 +90,8 @@ fn run_group(opts: &RunOptions, group: &Group, summary: &mut Summary) {
     let mut last_infra = String::new();
     // Scenarios reported INFRA in the latest attempt.
     let mut stalled: BTreeMap<String, Outcome> = BTreeMap::new();
+    // Scenarios whose guest crashed once (in any attempt), with that failure.
+    let mut crashed: BTreeMap<String, Outcome> = BTreeMap::new();
     for attempt in 1..=opts.attempts {
         let pending: Vec<&str> = group
             .scenarios
@@ -100,23 +107,47 @@ fn run_group(opts: &RunOptions, group: &Group, summary: &mut Summary) {
             group.name, opts.attempts, group.about
         );
         stalled.clear();
-        let (end, current) = match session(opts, group, attempt, &mut results, &mut stalled) {
+        let crashed_before: Vec<String> = crashed.keys().cloned().collect();
+        let mut filed = Filed {
+            results: &mut results,
+            stalled: &mut stalled,
+            crashed: &mut crashed,
+        };
+        let (end, current) = match session(opts, group, attempt, &mut filed) {
             Ok(x) => x,
             Err(e) => (End::Infrastructure(format!("cannot start QEMU: {e}")), None),
         };
-        for o in stalled.values() {
-            let msg = format!(
-                "group {} attempt {attempt}: {}: {}{}",
-                group.name,
-                o.name,
-                o.detail,
-                if attempt < opts.attempts {
-                    "; retrying in a fresh outer VM"
+        // Scenarios whose guest crashed for the first time in this attempt.
+        let crashed_now: Vec<String> = crashed
+            .keys()
+            .filter(|k| !crashed_before.contains(k))
+            .cloned()
+            .collect();
+        let rerun = !crashed_now.is_empty() && attempt < opts.attempts;
+        let last = attempt == opts.attempts;
+        let note = |o: &Outcome, then: &str| {
+            format!(
+                "group {} attempt {attempt}: {}: {}; {then}",
+                group.name, o.name, o.detail
+            )
+        };
+        for o in crashed_now.iter().map(|name| &crashed[name]) {
+            summary.crash_reruns.push(note(
+                o,
+                if last {
+                    "the guest crashed and no attempt is left to rerun it"
                 } else {
-                    "; no attempts left"
-                }
-            );
-            summary.infrastructure.push(msg);
+                    "the guest crashed: rerunning it once in a fresh outer VM"
+                },
+            ));
+        }
+        for o in stalled.values() {
+            let then = if last {
+                "no attempts left"
+            } else {
+                "retrying in a fresh outer VM"
+            };
+            summary.infrastructure.push(note(o, then));
             last_infra = o.detail.clone();
         }
         match end {
@@ -128,10 +159,21 @@ fn run_group(opts: &RunOptions, group: &Group, summary: &mut Summary) {
                     stalled.keys().cloned().collect::<Vec<_>>().join(", ")
                 );
             }
+            End::Finished if rerun => {
+                println!(
+                    "GUEST CRASH group {} attempt {attempt}: rerunning {} once in a fresh outer VM",
+                    group.name,
+                    crashed_now.join(", ")
+                );
+            }
             End::Finished => {
                 // A runner that ended without reporting a scenario failed it
-                // (one that stalled on the last attempt could not run).
+                // (one that stalled on the last attempt could not run; one
+                // whose guest crashed with no attempt left failed with that).
                 for s in group.scenarios {
+                    if let Some(o) = crashed.get(*s).filter(|_| !results.contains_key(*s)) {
+                        results.insert(s.to_string(), o.clone());
+                    }
                     if !results.contains_key(*s) && !stalled.contains_key(*s) {
                         let o = Outcome {
                             name: s.to_string(),
@@ -156,7 +198,7 @@ fn run_group(opts: &RunOptions, group: &Group, summary: &mut Summary) {
                 println!("{o}");
                 results.insert(name, o);
                 for s in group.scenarios {
-                    if !results.contains_key(*s) {
+                    if !results.contains_key(*s) && !crashed.contains_key(*s) {
                         summary.not_run.push((
                             s.to_string(),
                             format!("group {} overran its time limit first", group.name),
@@ -183,7 +225,8 @@ fn run_group(opts: &RunOptions, group: &Group, summary: &mut Summary) {
         }
     }
     for s in group.scenarios {
-        match results.remove(*s) {
+        // A crash whose rerun never ran (the outer VM kept failing) stands.
+        match results.remove(*s).or_else(|| crashed.remove(*s)) {
             Some(o) => summary.outcomes.push(o),
             None => {
                 if !summary.not_run.iter().any(|(n, _)| n == s) {
@@ -200,14 +243,46 @@ fn run_group(opts: &RunOptions, group: &Group, summary: &mut Summary) {
     }
 }
 
+/// Where one group's results are filed as the runner reports them.
+struct Filed<'a> {
+    /// Final verdicts.
+    results: &'a mut BTreeMap<String, Outcome>,
+    /// Scenarios the outer VM stalled under in this attempt.
+    stalled: &'a mut BTreeMap<String, Outcome>,
+    /// Scenarios whose guest crashed once, in any attempt.
+    crashed: &'a mut BTreeMap<String, Outcome>,
+}
+
+impl Filed<'_> {
+    /// Files one result (see `report::filing`).
+    fn file(&mut self, o: Outcome) {
+        let first = self.crashed.get(&o.name).cloned();
+        match report::filing(&o, first.is_some()) {
+            Filing::Stalled => {
+                self.stalled.insert(o.name.clone(), o);
+            }
+            Filing::CrashRerun => {
+                self.crashed.insert(o.name.clone(), o);
+            }
+            Filing::Final => {
+                let mut o = o;
+                if let (Some(first), Status::Fail) = (first, o.status) {
+                    o.detail =
+                        format!("{} (its first run crashed too: {})", o.detail, first.detail);
+                }
+                self.results.insert(o.name.clone(), o);
+            }
+        }
+    }
+}
+
 /// Runs one outer-VM session of `group`, recording results as they come.
 /// Returns how it ended and the scenario running at the end.
 fn session(
     opts: &RunOptions,
     group: &Group,
     attempt: u32,
-    results: &mut BTreeMap<String, Outcome>,
-    stalled: &mut BTreeMap<String, Outcome>,
+    filed: &mut Filed<'_>,
 ) -> std::io::Result<(End, Option<String>)> {
     let logs = opts.work.join("logs");
     std::fs::create_dir_all(&logs)?;
@@ -218,7 +293,7 @@ fn session(
     let skip: Vec<&str> = full
         .iter()
         .copied()
-        .filter(|s| results.contains_key(*s) || !group.scenarios.contains(s))
+        .filter(|s| filed.results.contains_key(*s) || !group.scenarios.contains(s))
         .collect();
     std::fs::write(
         &script,
@@ -285,11 +360,7 @@ fn session(
                     Some(Line::Result(o)) => {
                         println!("{o}");
                         current = None;
-                        if o.status == Status::Infra {
-                            stalled.insert(o.name.clone(), o);
-                        } else {
-                            results.insert(o.name.clone(), o);
-                        }
+                        filed.file(o);
                     }
                     None => {}
                 }
@@ -357,6 +428,10 @@ pub fn print_summary(s: &Summary) -> i32 {
     println!("infrastructure retries: {}", s.infrastructure.len());
     for i in &s.infrastructure {
         println!("  {i}");
+    }
+    println!("guest crashes rerun: {}", s.crash_reruns.len());
+    for c in &s.crash_reruns {
+        println!("  {c}");
     }
     let passed = s
         .outcomes
