@@ -16,6 +16,7 @@ pub mod logfile;
 pub mod machine;
 pub mod memory;
 pub mod persist;
+pub mod random;
 pub mod seccomp;
 pub mod signals;
 pub mod snapshot;

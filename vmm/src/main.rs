@@ -579,7 +579,7 @@ fn main() -> ExitCode {
         eprintln!("vmm: {e}");
         return ExitCode::from(EXIT_VM_FAILURE as u8);
     }
-    vmm::timing::mark("seccomp-compiled");
+    vmm::timing::mark("seccomp-installed");
     let code = match cli.command {
         Command::Run(args) => run(args),
         Command::Restore(args) => restore(args),

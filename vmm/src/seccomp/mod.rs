@@ -1,4 +1,6 @@
 //! Seccomp filters, one per kind of vmm thread, built with seccompiler.
+//! The build script compiles `rules.rs` to BPF and embeds the programs, so
+//! a starting vmm only installs them.
 //!
 //! Each thread installs its own filter (seccomp filters are per thread and
 //! inherited by threads it creates) before it does any work that touches the
@@ -23,12 +25,14 @@
 //! `vmm --no-seccomp` turns the filters off for debugging and says so loudly.
 
 mod handler;
+// The lists are compiled by build.rs; the vmm itself uses the thread kinds
+// (and its tests check the embedded programs against the lists).
+#[cfg_attr(not(test), allow(dead_code))]
 mod rules;
 
-use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
-use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
+use seccompiler::sock_filter;
 
 pub use handler::SelftestCall;
 pub use rules::ThreadKind;
@@ -36,14 +40,6 @@ pub use rules::ThreadKind;
 /// Errors building or installing filters.
 #[derive(Debug, thiserror::Error)]
 pub enum SeccompError {
-    /// A filter could not be compiled.
-    #[error("cannot build the seccomp filter for {kind} threads: {message}")]
-    Build {
-        /// The thread kind.
-        kind: &'static str,
-        /// What failed.
-        message: String,
-    },
     /// The kernel refused the filter.
     #[error("cannot install the seccomp filter for {kind} threads: {message}")]
     Install {
@@ -57,77 +53,46 @@ pub enum SeccompError {
     Handler(std::io::Error),
 }
 
-/// The filter of one thread kind (on top of the inherited clone3 one).
-struct Filters {
-    /// The kind's allow list; anything else raises SIGSYS.
-    main: BpfProgram,
+/// The BPF programs, compiled from `rules.rs` by the build script.
+mod programs {
+    use seccompiler::sock_filter;
+    include!(concat!(env!("OUT_DIR"), "/seccomp_programs.rs"));
 }
 
-/// Compiled filters for every thread kind, or `None` when seccomp is off.
-static FILTERS: OnceLock<Option<BTreeMap<ThreadKind, Filters>>> = OnceLock::new();
+/// The embedded program of `kind` (on top of the inherited clone3 one).
+fn program(kind: ThreadKind) -> &'static [sock_filter] {
+    match kind {
+        ThreadKind::Main => programs::MAIN,
+        ThreadKind::Vcpu => programs::VCPU,
+        ThreadKind::Control => programs::CONTROL,
+        ThreadKind::Device => programs::DEVICE,
+    }
+}
+
+/// Whether filters are on (`None` before `init`, as in unit tests).
+static ENABLED: OnceLock<bool> = OnceLock::new();
 /// A thread kind that must make a forbidden call right after its filter is
 /// installed, and which (test hook for `--seccomp-selftest`).
 static SELFTEST: OnceLock<Option<(ThreadKind, SelftestCall)>> = OnceLock::new();
 
-fn compile(kind: ThreadKind) -> Result<Filters, SeccompError> {
-    let build = |message: String| SeccompError::Build {
-        kind: kind.name(),
-        message,
-    };
-    let program = |rules, mismatch, matched| {
-        let filter = SeccompFilter::new(rules, mismatch, matched, TargetArch::x86_64)
-            .map_err(|e| build(e.to_string()))?;
-        BpfProgram::try_from(filter).map_err(|e| build(e.to_string()))
-    };
-    Ok(Filters {
-        main: program(
-            rules::rules(kind).map_err(|e| build(e.to_string()))?,
-            SeccompAction::Trap,
-            SeccompAction::Allow,
-        )?,
-    })
-}
-
-/// Compiles every filter and installs the SIGSYS handler (call once, early in
-/// main). With `enabled == false` every later `apply` does nothing.
+/// Installs the SIGSYS handler and the clone3 filter every thread inherits
+/// (call once, early in main, before any other thread exists). With
+/// `enabled == false` every later `apply` does nothing.
 pub fn init(
     enabled: bool,
     selftest: Option<(ThreadKind, SelftestCall)>,
 ) -> Result<(), SeccompError> {
-    let filters = if enabled {
+    if enabled {
         handler::install().map_err(SeccompError::Handler)?;
-        // clone3 → ENOSYS, everything else passes to the thread's own filter.
-        // Installed here, on the only thread so far, so every thread the vmm
-        // starts inherits it.
-        let clone3 = SeccompFilter::new(
-            rules::clone3_rules().map_err(|e| SeccompError::Build {
-                kind: "every",
-                message: e.to_string(),
-            })?,
-            SeccompAction::Allow,
-            SeccompAction::Errno(libc::ENOSYS as u32),
-            TargetArch::x86_64,
-        )
-        .and_then(BpfProgram::try_from)
-        .map_err(|e| SeccompError::Build {
+        seccompiler::apply_filter(programs::CLONE3).map_err(|e| SeccompError::Install {
             kind: "every",
             message: e.to_string(),
         })?;
-        seccompiler::apply_filter(&clone3).map_err(|e| SeccompError::Install {
-            kind: "every",
-            message: e.to_string(),
-        })?;
-        let mut map = BTreeMap::new();
-        for kind in ThreadKind::ALL {
-            map.insert(kind, compile(kind)?);
-        }
-        Some(map)
     } else {
         tracing::warn!("seccomp filters are OFF (--no-seccomp): use this for debugging only");
         eprintln!("vmm: WARNING: seccomp filters are disabled (--no-seccomp); never run untrusted guests like this");
-        None
-    };
-    let _ = FILTERS.set(filters);
+    }
+    let _ = ENABLED.set(enabled);
     let _ = SELFTEST.set(selftest);
     Ok(())
 }
@@ -135,14 +100,11 @@ pub fn init(
 /// Installs the filter for `kind` on the calling thread (no-op if seccomp is off
 /// or `init` was not called, as in unit tests).
 pub fn apply(kind: ThreadKind) -> Result<(), SeccompError> {
-    let Some(Some(filters)) = FILTERS.get() else {
+    if ENABLED.get() != Some(&true) {
         return Ok(());
-    };
-    let Some(filters) = filters.get(&kind) else {
-        return Ok(());
-    };
+    }
     handler::set_thread_kind(kind);
-    seccompiler::apply_filter(&filters.main).map_err(|e| SeccompError::Install {
+    seccompiler::apply_filter(program(kind)).map_err(|e| SeccompError::Install {
         kind: kind.name(),
         message: e.to_string(),
     })?;
@@ -169,10 +131,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_filter_compiles() {
+    fn the_embedded_programs_are_the_rules_compiled() {
         for kind in ThreadKind::ALL {
-            let filters = compile(kind).unwrap();
-            assert!(filters.main.len() > 10, "{kind:?}");
+            let compiled = rules::program(kind).unwrap();
+            assert!(compiled.len() > 10, "{kind:?}");
+            assert_eq!(program(kind), compiled.as_slice(), "{kind:?}");
         }
+        assert_eq!(
+            programs::CLONE3,
+            rules::clone3_program().unwrap().as_slice()
+        );
+        // The kinds differ (a build script that wrote one program four
+        // times would not).
+        assert_ne!(programs::MAIN, programs::VCPU);
+        assert_ne!(programs::CONTROL, programs::DEVICE);
     }
 }

@@ -5,7 +5,10 @@
 
 use std::collections::BTreeMap;
 
-use seccompiler::{SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule};
+use seccompiler::{
+    SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule,
+    TargetArch,
+};
 
 /// The kinds of threads in a vmm process, each with its own filter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -441,6 +444,35 @@ pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Rules>, seccompiler::Back
 /// this one; seccomp takes the stricter answer of the two.)
 pub fn clone3_rules() -> Result<BTreeMap<i64, Rules>, seccompiler::BackendError> {
     Ok(BTreeMap::from([(libc::SYS_clone3, Vec::new())]))
+}
+
+/// The BPF program of `kind`: its allow list, anything else raises SIGSYS.
+/// Compiled by the build script (`build.rs`), which embeds the result.
+pub fn program(kind: ThreadKind) -> Result<seccompiler::BpfProgram, String> {
+    let rules = rules(kind).map_err(|e| e.to_string())?;
+    compile(rules, SeccompAction::Trap, SeccompAction::Allow)
+}
+
+/// The BPF program every thread inherits from the main thread: clone3 fails
+/// with ENOSYS (so glibc falls back to clone, whose flags the kinds check),
+/// everything else passes on to the thread's own filter.
+pub fn clone3_program() -> Result<seccompiler::BpfProgram, String> {
+    let rules = clone3_rules().map_err(|e| e.to_string())?;
+    compile(
+        rules,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+    )
+}
+
+fn compile(
+    rules: BTreeMap<i64, Rules>,
+    mismatch: SeccompAction,
+    matched: SeccompAction,
+) -> Result<seccompiler::BpfProgram, String> {
+    let filter = SeccompFilter::new(rules, mismatch, matched, TargetArch::x86_64)
+        .map_err(|e| e.to_string())?;
+    seccompiler::BpfProgram::try_from(filter).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

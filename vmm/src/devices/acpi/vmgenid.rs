@@ -19,7 +19,7 @@ const VMGENID_ALIGN: u64 = 8;
 pub enum VmGenIdError {
     /// The host could not provide random bytes.
     #[error("cannot draw a new VM generation ID from the host's getrandom: {0}")]
-    Random(getrandom::Error),
+    Random(std::io::Error),
     /// The address is not 8-byte aligned or the 16 bytes are not all guest RAM.
     #[error("the VM generation ID at {addr:#x} is not 8-byte aligned inside guest RAM")]
     Misplaced {
@@ -61,7 +61,7 @@ impl VmGenId {
     /// Draws 16 random bytes from the host and writes them into guest memory.
     pub fn write_new(&self, mem: &GuestMemoryMmap) -> Result<[u8; VMGENID_LEN], VmGenIdError> {
         let mut id = [0u8; VMGENID_LEN];
-        getrandom::fill(&mut id).map_err(VmGenIdError::Random)?;
+        crate::random::fill(&mut id).map_err(VmGenIdError::Random)?;
         mem.write_slice(&id, GuestAddress(self.addr))
             .map_err(|source| VmGenIdError::Write {
                 addr: self.addr,

@@ -76,7 +76,7 @@ fn fill(mem: &GuestMemoryMmap, chain: DescriptorChain<&GuestMemoryMmap>) -> u32 
     let mut written = 0usize;
     while left > 0 {
         let n = left.min(buf.len());
-        if let Err(e) = getrandom::fill(&mut buf[..n]) {
+        if let Err(e) = crate::random::fill(&mut buf[..n]) {
             tracing::warn!(error = %e, "host getrandom failed");
             break;
         }
