@@ -54,6 +54,7 @@ fn cold_boot_runs_end_to_end_and_writes_valid_reports() {
     // perf's own events (first output, reaped), each run once per sample.
     let steps = [
         "main",
+        "keeper-forked",
         "seccomp-installed",
         "memory-mapped",
         "kernel-loaded",

@@ -545,6 +545,7 @@ fn main() -> ExitCode {
     {
         vmm::keeper::start();
     }
+    let kept = vmm::timing::now_ns();
     // One malloc arena for the whole process instead of one per thread: the
     // vmm's threads allocate little and rarely, and each arena costs a 128 MiB
     // reservation, page faults and about 132 KiB of memory once touched.
@@ -564,6 +565,7 @@ fn main() -> ExitCode {
     vmm::logfile::init_stderr();
     init_logging(cli.log_format, &cli.log_level);
     vmm::timing::mark_at("main", entered);
+    vmm::timing::mark_at("keeper-forked", kept);
     let selftest = match cli.seccomp_selftest.as_deref().map(parse_selftest) {
         Some(None) => {
             eprintln!(

@@ -237,6 +237,61 @@ fn a_standby_vmm_ends_on_sigterm() {
     assert_eq!(out.status.signal(), Some(libc::SIGTERM), "{:?}", out.status);
 }
 
+/// The blocked-signal mask (`SigBlk`) of `pid`'s thread named `name`.
+fn thread_blocked_signals(pid: u32, name: &str) -> u64 {
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let dir = task.unwrap().path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if comm.trim() != name {
+            continue;
+        }
+        let status = std::fs::read_to_string(dir.join("status")).unwrap();
+        let hex = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigBlk:"))
+            .unwrap_or_else(|| panic!("no SigBlk in {status}"));
+        return u64::from_str_radix(hex.trim(), 16).unwrap();
+    }
+    panic!("vmm {pid} has no thread named {name}");
+}
+
+#[test]
+fn a_vm_restored_on_standby_stops_cleanly_on_sigterm() {
+    // The vCPU threads were started on standby, before the main thread
+    // blocked the termination signals: they must block them themselves, or
+    // a SIGTERM arriving while the main thread is not in its sigwait would
+    // reach one of them and kill the process instead of stopping the VM.
+    let t = tempfile::tempdir().unwrap();
+    let (snap, _) = counter_snapshot(t.path());
+    let mut vm = standby(t.path(), "term-restored", &[]);
+    assert_standby(&mut vm.ctl, 1);
+    let resp = vm.ctl.send_raw(&restore_request(&snap, false));
+    assert_eq!(resp["ok"], true, "{resp}");
+    wait_for_counts(&vm.log, 1);
+    // The vCPU thread blocks SIGHUP, SIGINT, SIGTERM and the exit wake-up
+    // (SIGUSR2), as every thread but the main one, whose sigwait takes them.
+    let blocked = thread_blocked_signals(vm.child.id(), "vcpu0");
+    let wanted = (1 << (libc::SIGHUP - 1))
+        | (1 << (libc::SIGINT - 1))
+        | (1 << (libc::SIGTERM - 1))
+        | (1 << (libc::SIGUSR2 - 1));
+    assert_eq!(blocked & wanted, wanted, "vcpu0 blocks {blocked:#x}");
+    // SAFETY: sends SIGTERM to the child this test started.
+    assert_eq!(
+        unsafe { libc::kill(vm.child.id() as libc::pid_t, libc::SIGTERM) },
+        0
+    );
+    let out = wait_with_deadline(vm.child, Duration::from_secs(20));
+    // Exit 0: a requested stop, not death by the signal.
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{:?}, stderr: {}",
+        out.status,
+        stderr(&out)
+    );
+}
+
 #[test]
 fn standby_options_are_checked() {
     let t = tempfile::tempdir().unwrap();

@@ -39,6 +39,7 @@ use crate::memory::{create_guest_memory, MemoryError};
 use crate::snapshot::memory_file;
 use crate::timing;
 use crate::vcpu::coordinator::Coordinator;
+use crate::vcpu::threads::VcpuThreads;
 use crate::vcpu::{kick, Buses, SharedVcpuFd, Vcpu, VcpuError};
 use crate::vm::{Vm, VmError};
 
@@ -329,6 +330,8 @@ impl Machine {
                 max,
             });
         }
+        // Their seccomp filters go in while the VM is built.
+        let threads = VcpuThreads::spawn(usize::from(config.vcpus))?;
         let memory = create_guest_memory(config.mem_mib, config.memory)?;
         timing::mark("memory-mapped");
 
@@ -426,13 +429,14 @@ impl Machine {
             virtio: devices.virtio,
             acpi: devices.acpi,
         };
-        Self::launch(shared, vcpus, &config.serial)
+        Self::launch(shared, vcpus, threads, &config.serial)
     }
 
     /// Starts the vCPU threads (and the serial input forwarder) of a built VM.
     fn launch(
         shared: MachineShared,
         vcpus: Vec<Vcpu>,
+        threads: VcpuThreads,
         serial: &SerialConfig,
     ) -> Result<Machine, StartError> {
         if *serial == SerialConfig::Stdout {
@@ -450,23 +454,19 @@ impl Machine {
             .before_start()
             .map_err(StartError::FirstRun)?;
         let shared = Arc::new(shared);
-        let mut threads = Vec::with_capacity(vcpus.len());
-        for vcpu in vcpus {
-            match vcpu.start(shared.coordinator.clone()) {
-                Ok(handle) => threads.push(handle),
-                Err(e) => {
-                    shared.coordinator.request_exit(ExitReason::VmmError {
-                        vcpu: None,
-                        message: e.to_string(),
-                    });
-                    for t in threads {
-                        let _ = t.join();
-                    }
-                    return Err(e.into());
+        match threads.start(vcpus, &shared.coordinator) {
+            Ok(threads) => Ok(Machine { shared, threads }),
+            Err((e, started)) => {
+                shared.coordinator.request_exit(ExitReason::VmmError {
+                    vcpu: None,
+                    message: e.to_string(),
+                });
+                for t in started {
+                    let _ = t.join();
                 }
+                Err(e.into())
             }
         }
-        Ok(Machine { shared, threads })
     }
 
     /// The coordinator, for the control socket and signal handling.

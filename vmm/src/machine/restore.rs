@@ -24,6 +24,7 @@ use crate::snapshot::restore_memory::{self, MemoryBackend};
 use crate::snapshot::state::MachineState;
 use crate::timing;
 use crate::vcpu::coordinator::Coordinator;
+use crate::vcpu::threads::VcpuThreads;
 use crate::vcpu::{lock_fd, persist as vcpu_persist, Vcpu, VcpuError};
 use crate::vm::{persist as vm_persist, EmptyVm};
 use kvm_ioctls::{VcpuFd, VmFd};
@@ -61,6 +62,8 @@ pub struct PreparedVm {
     vcpu_count: usize,
     /// The vCPUs, created once the irqchip exists (with a reservation).
     vcpus: Vec<VcpuFd>,
+    /// Their threads, filtered and waiting.
+    threads: VcpuThreads,
 }
 
 /// Creates vCPUs `0..count` of `vm`.
@@ -91,6 +94,8 @@ impl PreparedVm {
                 max: kvm.max_vcpus(),
             });
         }
+        // Their seccomp filters go in while the VM is prepared and restored.
+        let threads = VcpuThreads::spawn(vcpus)?;
         let reserved = reserve_mib
             .map(|mib| create_guest_memory(mib, MemoryMode::Private))
             .transpose()?;
@@ -105,6 +110,7 @@ impl PreparedVm {
             vm,
             vcpu_count: vcpus,
             vcpus: fds,
+            threads,
         })
     }
 
@@ -206,6 +212,7 @@ impl Machine {
             vm,
             vcpu_count: count,
             vcpus: vcpu_fds,
+            threads,
         } = prepared;
         let (vm, vcpu_fds, memory_ready) = match vm.reservation() {
             Some(reserved) => {
@@ -332,6 +339,6 @@ impl Machine {
             virtio: devices.virtio,
             acpi: devices.acpi,
         };
-        Self::launch(shared, vcpus, &config.serial)
+        Self::launch(shared, vcpus, threads, &config.serial)
     }
 }

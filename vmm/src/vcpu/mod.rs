@@ -5,9 +5,9 @@ pub mod coordinator;
 pub mod crash;
 pub mod kick;
 pub mod persist;
+pub mod threads;
 
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 
 use kvm_bindings::{
     CpuId, KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
@@ -58,6 +58,13 @@ pub enum VcpuError {
         index: u8,
         /// What failed.
         message: String,
+    },
+    /// A vCPU thread ended before it was handed its vCPU, or the threads
+    /// and vCPUs do not pair up.
+    #[error("vCPU {index} has no thread waiting for it")]
+    Thread {
+        /// vCPU index.
+        index: u8,
     },
     /// The vCPU thread could not be spawned.
     #[error("cannot spawn the thread for vCPU {index}: {source}")]
@@ -177,20 +184,12 @@ impl Vcpu {
         Ok(())
     }
 
-    /// Starts the vCPU's thread; it runs until the coordinator says exit.
-    pub fn start(self, coordinator: Arc<Coordinator>) -> Result<JoinHandle<()>, VcpuError> {
-        let index = self.index;
-        std::thread::Builder::new()
-            .name(format!("vcpu{index}"))
-            .spawn(move || self.run_loop(&coordinator))
-            .map_err(|source| VcpuError::Spawn { index, source })
-    }
-
+    /// Runs the vCPU until the coordinator says exit (on its thread, which
+    /// has installed its seccomp filter: see [`threads`]).
     fn run_loop(self, coordinator: &Coordinator) {
         let target: *mut u8 = &mut lock_fd(&self.fd).get_kvm_run().immediate_exit;
         kick::set_immediate_exit_target(target);
         coordinator.register_current_thread();
-        crate::seccomp::apply_or_die(crate::seccomp::ThreadKind::Vcpu);
         let mut io_pending = false;
         let mut first_run = self.index == 0;
         loop {
