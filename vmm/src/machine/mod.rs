@@ -10,6 +10,7 @@ pub use restore::{LoadedSnapshot, PreparedVm, RestoreConfig};
 pub use snapshot::SnapshotRequestError;
 
 use std::io::LineWriter;
+use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -297,15 +298,21 @@ fn serial_irq() -> Result<IrqLine, StartError> {
 }
 
 fn serial_output(cfg: &SerialConfig) -> Result<SerialOut, StartError> {
-    let buffered = |sink: SerialOut| -> Result<SerialOut, StartError> {
-        let out = BufferedOutput::new(sink).map_err(|source| StartError::Device {
+    let buffered = |sink: SerialOut, direct: Option<RawFd>| -> Result<SerialOut, StartError> {
+        let out = match direct {
+            Some(fd) => BufferedOutput::with_direct_fd(sink, fd),
+            None => BufferedOutput::new(sink),
+        }
+        .map_err(|source| StartError::Device {
             what: "the serial output thread".into(),
             source,
         })?;
         Ok(Box::new(out))
     };
     Ok(match cfg {
-        SerialConfig::Stdout => buffered(Box::new(std::io::stdout()))?,
+        // Stdout stays open for the process's life; the writer thread
+        // flushes std's line buffer after every batch.
+        SerialConfig::Stdout => buffered(Box::new(std::io::stdout()), Some(libc::STDOUT_FILENO))?,
         SerialConfig::None => Box::new(std::io::sink()),
         SerialConfig::File(path) => {
             // Rotated at the log bound: a guest cannot fill the disk through it.
@@ -314,7 +321,7 @@ fn serial_output(cfg: &SerialConfig) -> Result<SerialOut, StartError> {
                     path: path.clone(),
                     source,
                 })?;
-            buffered(Box::new(LineWriter::new(file)))?
+            buffered(Box::new(LineWriter::new(file)), None)?
         }
     })
 }

@@ -3,9 +3,16 @@
 //! floods the console while the reader is slow (a full pipe, a stuck
 //! terminal) loses the bytes that do not fit, counted, instead of blocking
 //! its vCPU in write(2) or growing host memory.
+//!
+//! With a direct descriptor (stdout), the vCPU writes a few bytes itself
+//! when nothing is queued and `poll` says the descriptor takes them without
+//! blocking: the usual case, a reader that keeps up, then costs two system
+//! calls per UART byte instead of waking the writer thread for each one
+//! (a futex wake, its wait, its write and two context switches).
 
 use std::collections::VecDeque;
 use std::io::Write;
+use std::os::fd::RawFd;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -13,12 +20,19 @@ use std::time::{Duration, Instant};
 pub const OUTPUT_BUFFER: usize = 64 * 1024;
 /// How long `flush` waits for the writer (at VM exit).
 const FLUSH_WAIT: Duration = Duration::from_secs(2);
+/// The most bytes the vCPU writes directly in one call: a descriptor that
+/// `poll` reports writable takes this many without blocking (a pipe with a
+/// free buffer takes up to PIPE_BUF, a terminal below its wake-up mark has
+/// 256 bytes of room). The UART writes one byte per call.
+const DIRECT_MAX: usize = 64;
 
 #[derive(Default)]
 struct State {
     buf: VecDeque<u8>,
     dropped: u64,
     writing: bool,
+    /// Callers waiting in `flush` (the writer wakes them after each batch).
+    flushers: u32,
 }
 
 #[derive(Default)]
@@ -36,11 +50,32 @@ impl Shared {
 /// The vCPU-side handle: never blocks on the real output.
 pub struct BufferedOutput {
     shared: Arc<Shared>,
+    /// The descriptor `sink` writes to, when the vCPU may write to it
+    /// itself (see the module's doc).
+    direct: Option<RawFd>,
 }
 
 impl BufferedOutput {
     /// Starts the writer thread draining into `sink`.
-    pub fn new(mut sink: Box<dyn Write + Send>) -> std::io::Result<BufferedOutput> {
+    pub fn new(sink: Box<dyn Write + Send>) -> std::io::Result<BufferedOutput> {
+        Self::start(sink, None)
+    }
+
+    /// As [`BufferedOutput::new`], and small writes go straight to `fd`
+    /// while nothing is queued and `fd` is writable. `sink` must write to
+    /// `fd` unbuffered (or flush what it buffers, as the writer thread
+    /// does after every batch), and `fd` must stay open while this lives.
+    pub fn with_direct_fd(
+        sink: Box<dyn Write + Send>,
+        fd: RawFd,
+    ) -> std::io::Result<BufferedOutput> {
+        Self::start(sink, Some(fd))
+    }
+
+    fn start(
+        mut sink: Box<dyn Write + Send>,
+        direct: Option<RawFd>,
+    ) -> std::io::Result<BufferedOutput> {
         let shared = Arc::new(Shared::default());
         let thread_shared = shared.clone();
         std::thread::Builder::new()
@@ -68,10 +103,12 @@ impl BufferedOutput {
                         // A closed stdout must not stop the guest: drop what we had.
                         st.dropped += chunk.len() as u64;
                     }
-                    thread_shared.changed.notify_all();
+                    if st.flushers > 0 {
+                        thread_shared.changed.notify_all();
+                    }
                 }
             })?;
-        Ok(BufferedOutput { shared })
+        Ok(BufferedOutput { shared, direct })
     }
 
     /// Bytes lost because the output could not keep up.
@@ -80,9 +117,46 @@ impl BufferedOutput {
     }
 }
 
+/// Writes `data` to `fd` if `poll` says it is writable now and `data` is
+/// small enough to go in without blocking; the bytes written (0 when not
+/// writable, on any error, or for larger `data`).
+fn write_if_ready(fd: RawFd, data: &[u8]) -> usize {
+    if data.is_empty() || data.len() > DIRECT_MAX {
+        return 0;
+    }
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, count 1, zero timeout (never blocks).
+    let ready = unsafe { libc::poll(&mut pfd, 1, 0) };
+    let refused = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
+    if ready != 1 || pfd.revents & libc::POLLOUT == 0 || pfd.revents & refused != 0 {
+        return 0;
+    }
+    // SAFETY: `data` is a live slice of `data.len()` bytes; `fd` is open (the
+    // caller's contract).
+    let n = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
+    usize::try_from(n).unwrap_or(0)
+}
+
 impl Write for BufferedOutput {
     fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
         let mut st = self.shared.lock();
+        // Straight out while nothing is queued or being written (the lock is
+        // held, so the writer thread cannot start a batch meanwhile: order
+        // is kept); what does not go out this way is queued.
+        let mut data = data;
+        let asked = data.len();
+        if let Some(fd) = self.direct {
+            if st.buf.is_empty() && !st.writing {
+                data = &data[write_if_ready(fd, data)..];
+                if data.is_empty() {
+                    return Ok(asked);
+                }
+            }
+        }
         let was_empty = st.buf.is_empty();
         let room = OUTPUT_BUFFER.saturating_sub(st.buf.len());
         let n = data.len().min(room);
@@ -94,13 +168,14 @@ impl Write for BufferedOutput {
             self.shared.changed.notify_all();
         }
         // Report everything as written: the guest's UART never waits on the host.
-        Ok(data.len())
+        Ok(asked)
     }
 
     /// Waits (bounded) until the writer thread has written everything queued.
     fn flush(&mut self) -> std::io::Result<()> {
         let deadline = Instant::now() + FLUSH_WAIT;
         let mut st = self.shared.lock();
+        st.flushers += 1;
         while !st.buf.is_empty() || st.writing {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -113,6 +188,7 @@ impl Write for BufferedOutput {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+        st.flushers -= 1;
         Ok(())
     }
 }
@@ -162,6 +238,121 @@ mod tests {
         assert_eq!(text.lines().count(), 1000);
         assert_eq!(text.lines().last(), Some("999"));
         assert_eq!(out.dropped(), 0);
+    }
+
+    /// A pipe: (read end, write end), both owned.
+    fn pipe() -> (std::fs::File, std::fs::File) {
+        use std::os::fd::FromRawFd;
+        let mut fds = [0; 2];
+        // SAFETY: `fds` has room for the two descriptors pipe2 returns.
+        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        // SAFETY: both descriptors were just created and are owned here alone.
+        unsafe {
+            (
+                std::fs::File::from_raw_fd(fds[0]),
+                std::fs::File::from_raw_fd(fds[1]),
+            )
+        }
+    }
+
+    /// Reads what `r` holds now, without blocking.
+    fn read_now(r: &std::fs::File) -> Vec<u8> {
+        use std::os::fd::AsRawFd;
+        let mut out = Vec::new();
+        let mut buf = [0u8; 65536];
+        loop {
+            let mut pfd = libc::pollfd {
+                fd: r.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd, count 1, zero timeout.
+            if unsafe { libc::poll(&mut pfd, 1, 0) } != 1 {
+                return out;
+            }
+            let n = std::io::Read::read(&mut &*r, &mut buf).unwrap();
+            out.extend_from_slice(&buf[..n]);
+        }
+    }
+
+    /// A sink that records whether the writer thread was ever used.
+    struct Counted(std::fs::File, Arc<Mutex<usize>>);
+
+    impl Write for Counted {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            *self.1.lock().unwrap() += b.len();
+            self.0.write(b)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_writable_pipe_gets_the_bytes_from_the_vcpu_without_the_writer_thread() {
+        use std::os::fd::AsRawFd;
+        let (r, w) = pipe();
+        let through_thread = Arc::new(Mutex::new(0));
+        let sink = Counted(w.try_clone().unwrap(), through_thread.clone());
+        let mut out = BufferedOutput::with_direct_fd(Box::new(sink), w.as_raw_fd()).unwrap();
+        for b in b"hello\n" {
+            assert_eq!(out.write(std::slice::from_ref(b)).unwrap(), 1);
+        }
+        // Already in the pipe when write returned: no flush, no thread.
+        assert_eq!(read_now(&r), b"hello\n");
+        assert_eq!(*through_thread.lock().unwrap(), 0);
+        assert_eq!(out.dropped(), 0);
+    }
+
+    #[test]
+    fn a_full_pipe_queues_the_bytes_and_they_follow_in_order() {
+        use std::os::fd::AsRawFd;
+        let (r, w) = pipe();
+        // Fill the pipe so that poll reports it not writable.
+        // SAFETY: F_SETFL on a descriptor owned by this test.
+        unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+        let mut filled = 0usize;
+        while let Ok(n) = (&w).write(&[b'.'; 4096]) {
+            filled += n;
+        }
+        // SAFETY: as above; back to blocking for the writer thread.
+        unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETFL, 0) };
+        let through_thread = Arc::new(Mutex::new(0));
+        let sink = Counted(w.try_clone().unwrap(), through_thread.clone());
+        let mut out = BufferedOutput::with_direct_fd(Box::new(sink), w.as_raw_fd()).unwrap();
+        for b in b"abc" {
+            out.write_all(std::slice::from_ref(b)).unwrap();
+        }
+        // Drain the pipe while the writer thread delivers the queue.
+        let mut got = Vec::new();
+        while got.len() < filled + 3 {
+            let mut buf = [0u8; 65536];
+            let n = std::io::Read::read(&mut &r, &mut buf).unwrap();
+            got.extend_from_slice(&buf[..n]);
+        }
+        out.flush().unwrap();
+        assert_eq!(&got[filled..], b"abc");
+        assert_eq!(
+            *through_thread.lock().unwrap(),
+            3,
+            "the queue went through the thread"
+        );
+        // The queue is empty again: the next bytes go straight out.
+        out.write_all(b"d").unwrap();
+        assert_eq!(read_now(&r), b"d");
+        assert_eq!(*through_thread.lock().unwrap(), 3);
+    }
+
+    #[test]
+    fn a_pipe_without_reader_drops_instead_of_failing_the_guest() {
+        use std::os::fd::AsRawFd;
+        let (r, w) = pipe();
+        drop(r);
+        let sink = Counted(w.try_clone().unwrap(), Arc::new(Mutex::new(0)));
+        let mut out = BufferedOutput::with_direct_fd(Box::new(sink), w.as_raw_fd()).unwrap();
+        assert_eq!(out.write(b"x").unwrap(), 1);
+        out.flush().unwrap();
+        assert_eq!(out.dropped(), 1);
     }
 
     #[test]
