@@ -299,11 +299,7 @@ fn serial_irq() -> Result<IrqLine, StartError> {
 
 fn serial_output(cfg: &SerialConfig) -> Result<SerialOut, StartError> {
     let buffered = |sink: SerialOut, direct: Option<RawFd>| -> Result<SerialOut, StartError> {
-        let out = match direct {
-            Some(fd) => BufferedOutput::with_direct_fd(sink, fd),
-            None => BufferedOutput::new(sink),
-        }
-        .map_err(|source| StartError::Device {
+        let out = BufferedOutput::new(sink, direct).map_err(|source| StartError::Device {
             what: "the serial output thread".into(),
             source,
         })?;

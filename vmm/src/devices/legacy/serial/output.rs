@@ -56,23 +56,12 @@ pub struct BufferedOutput {
 }
 
 impl BufferedOutput {
-    /// Starts the writer thread draining into `sink`.
-    pub fn new(sink: Box<dyn Write + Send>) -> std::io::Result<BufferedOutput> {
-        Self::start(sink, None)
-    }
-
-    /// As [`BufferedOutput::new`], and small writes go straight to `fd`
-    /// while nothing is queued and `fd` is writable. `sink` must write to
-    /// `fd` unbuffered (or flush what it buffers, as the writer thread
-    /// does after every batch), and `fd` must stay open while this lives.
-    pub fn with_direct_fd(
-        sink: Box<dyn Write + Send>,
-        fd: RawFd,
-    ) -> std::io::Result<BufferedOutput> {
-        Self::start(sink, Some(fd))
-    }
-
-    fn start(
+    /// Starts the writer thread draining into `sink`. With `direct`, small
+    /// writes go straight to that descriptor while nothing is queued and it
+    /// is writable: `sink` must write to it unbuffered (or flush what it
+    /// buffers, as the writer thread does after every batch), and it must
+    /// stay open while this lives.
+    pub fn new(
         mut sink: Box<dyn Write + Send>,
         direct: Option<RawFd>,
     ) -> std::io::Result<BufferedOutput> {
@@ -229,7 +218,7 @@ mod tests {
     #[test]
     fn everything_arrives_in_order_and_flush_waits_for_it() {
         let sink = Collect::default();
-        let mut out = BufferedOutput::new(Box::new(sink.clone())).unwrap();
+        let mut out = BufferedOutput::new(Box::new(sink.clone()), None).unwrap();
         for i in 0..1000u32 {
             out.write_all(format!("{i}\n").as_bytes()).unwrap();
         }
@@ -240,23 +229,8 @@ mod tests {
         assert_eq!(out.dropped(), 0);
     }
 
-    /// A pipe: (read end, write end), both owned.
-    fn pipe() -> (std::fs::File, std::fs::File) {
-        use std::os::fd::FromRawFd;
-        let mut fds = [0; 2];
-        // SAFETY: `fds` has room for the two descriptors pipe2 returns.
-        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
-        // SAFETY: both descriptors were just created and are owned here alone.
-        unsafe {
-            (
-                std::fs::File::from_raw_fd(fds[0]),
-                std::fs::File::from_raw_fd(fds[1]),
-            )
-        }
-    }
-
     /// Reads what `r` holds now, without blocking.
-    fn read_now(r: &std::fs::File) -> Vec<u8> {
+    fn read_now(r: &std::io::PipeReader) -> Vec<u8> {
         use std::os::fd::AsRawFd;
         let mut out = Vec::new();
         let mut buf = [0u8; 65536];
@@ -275,8 +249,8 @@ mod tests {
         }
     }
 
-    /// A sink that records whether the writer thread was ever used.
-    struct Counted(std::fs::File, Arc<Mutex<usize>>);
+    /// A sink that counts the bytes the writer thread wrote through it.
+    struct Counted(std::io::PipeWriter, Arc<Mutex<usize>>);
 
     impl Write for Counted {
         fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
@@ -291,10 +265,10 @@ mod tests {
     #[test]
     fn a_writable_pipe_gets_the_bytes_from_the_vcpu_without_the_writer_thread() {
         use std::os::fd::AsRawFd;
-        let (r, w) = pipe();
+        let (r, w) = std::io::pipe().unwrap();
         let through_thread = Arc::new(Mutex::new(0));
         let sink = Counted(w.try_clone().unwrap(), through_thread.clone());
-        let mut out = BufferedOutput::with_direct_fd(Box::new(sink), w.as_raw_fd()).unwrap();
+        let mut out = BufferedOutput::new(Box::new(sink), Some(w.as_raw_fd())).unwrap();
         for b in b"hello\n" {
             assert_eq!(out.write(std::slice::from_ref(b)).unwrap(), 1);
         }
@@ -307,7 +281,7 @@ mod tests {
     #[test]
     fn a_full_pipe_queues_the_bytes_and_they_follow_in_order() {
         use std::os::fd::AsRawFd;
-        let (r, w) = pipe();
+        let (r, w) = std::io::pipe().unwrap();
         // Fill the pipe so that poll reports it not writable.
         // SAFETY: F_SETFL on a descriptor owned by this test.
         unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
@@ -319,7 +293,7 @@ mod tests {
         unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETFL, 0) };
         let through_thread = Arc::new(Mutex::new(0));
         let sink = Counted(w.try_clone().unwrap(), through_thread.clone());
-        let mut out = BufferedOutput::with_direct_fd(Box::new(sink), w.as_raw_fd()).unwrap();
+        let mut out = BufferedOutput::new(Box::new(sink), Some(w.as_raw_fd())).unwrap();
         for b in b"abc" {
             out.write_all(std::slice::from_ref(b)).unwrap();
         }
@@ -346,10 +320,10 @@ mod tests {
     #[test]
     fn a_pipe_without_reader_drops_instead_of_failing_the_guest() {
         use std::os::fd::AsRawFd;
-        let (r, w) = pipe();
+        let (r, w) = std::io::pipe().unwrap();
         drop(r);
         let sink = Counted(w.try_clone().unwrap(), Arc::new(Mutex::new(0)));
-        let mut out = BufferedOutput::with_direct_fd(Box::new(sink), w.as_raw_fd()).unwrap();
+        let mut out = BufferedOutput::new(Box::new(sink), Some(w.as_raw_fd())).unwrap();
         assert_eq!(out.write(b"x").unwrap(), 1);
         out.flush().unwrap();
         assert_eq!(out.dropped(), 1);
@@ -358,7 +332,7 @@ mod tests {
     #[test]
     fn a_stuck_output_drops_bytes_instead_of_blocking_or_growing() {
         let gate = Arc::new((Mutex::new(false), Condvar::new()));
-        let mut out = BufferedOutput::new(Box::new(Stuck(gate.clone()))).unwrap();
+        let mut out = BufferedOutput::new(Box::new(Stuck(gate.clone())), None).unwrap();
         let flood = vec![b'x'; 1 << 20];
         for _ in 0..8 {
             assert_eq!(out.write(&flood).unwrap(), flood.len());
