@@ -3,12 +3,7 @@
 //! restore backends (see the README's seccomp section); thread start-up calls
 //! made before a filter is installed (stack mapping, naming) are not listed.
 
-use std::collections::BTreeMap;
-
-use seccompiler::{
-    SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule,
-    TargetArch,
-};
+use super::bpf::{self, AllowList, ArgCheck};
 
 /// The kinds of threads in a vmm process, each with its own filter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -312,45 +307,23 @@ const EVENTS: &[i64] = &[
     libc::SYS_rt_sigtimedwait,
 ];
 
-type Rules = Vec<SeccompRule>;
-
-/// One rule per allowed value of argument `arg` (any of them passes).
-fn arg_in(
-    arg: u8,
-    len: SeccompCmpArgLen,
-    values: &[u64],
-) -> Result<Rules, seccompiler::BackendError> {
-    values
-        .iter()
-        .map(|v| {
-            SeccompRule::new(vec![SeccompCondition::new(
-                arg,
-                len.clone(),
-                SeccompCmpOp::Eq,
-                *v,
-            )?])
-        })
-        .collect()
-}
-
-/// A rule passing when argument `arg` has none of the bits in `mask`.
-fn arg_lacks(arg: u8, mask: u64) -> Result<Rules, seccompiler::BackendError> {
-    Ok(vec![SeccompRule::new(vec![SeccompCondition::new(
+/// Argument `arg`'s low 32 bits (an `int` or `unsigned int`) equal one of `values`.
+fn dword_in(arg: u8, values: &[u64]) -> ArgCheck {
+    ArgCheck::OneOf {
         arg,
-        SeccompCmpArgLen::Qword,
-        SeccompCmpOp::MaskedEq(mask),
-        0,
-    )?])?])
+        qword: false,
+        values: values.to_vec(),
+    }
 }
 
-/// The rule map seccompiler compiles for `kind`: an empty rule list allows the
-/// call with any arguments; the calls below are allowed only with the
-/// arguments the vmm uses (any other value raises SIGSYS like an unlisted call).
-pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Rules>, seccompiler::BackendError> {
-    let mut map: BTreeMap<i64, Rules> = BTreeMap::new();
+/// The allow list of `kind`: `ArgCheck::Any` allows the call with any
+/// arguments; the calls below are allowed only with the arguments the vmm
+/// uses (any other value raises SIGSYS like an unlisted call).
+pub fn rules(kind: ThreadKind) -> AllowList {
+    let mut map = AllowList::new();
     let mut allow = |calls: &[i64]| {
         for c in calls {
-            map.entry(*c).or_default();
+            map.entry(*c).or_insert(ArgCheck::Any);
         }
     };
     allow(COMMON);
@@ -403,38 +376,33 @@ pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Rules>, seccompiler::Back
     };
     ioctls.sort_unstable();
     ioctls.dedup();
-    map.insert(
-        libc::SYS_ioctl,
-        arg_in(1, SeccompCmpArgLen::Dword, &ioctls)?,
-    );
+    map.insert(libc::SYS_ioctl, dword_in(1, &ioctls));
     // Guest memory and allocations are never executable.
-    let no_exec = libc::PROT_EXEC as u64;
-    map.insert(libc::SYS_mmap, arg_lacks(2, no_exec)?);
-    map.insert(libc::SYS_mprotect, arg_lacks(2, no_exec)?);
-    let mut restrict = |call: i64, rules: Rules| {
+    let no_exec = ArgCheck::Lacks {
+        arg: 2,
+        mask: libc::PROT_EXEC as u64,
+    };
+    map.insert(libc::SYS_mmap, no_exec.clone());
+    map.insert(libc::SYS_mprotect, no_exec);
+    let mut restrict = |call: i64, check: ArgCheck| {
         if let Some(entry) = map.get_mut(&call) {
-            *entry = rules;
+            *entry = check;
         }
     };
     // Only Unix sockets: the control socket and the vsock back end.
-    restrict(
-        libc::SYS_socket,
-        arg_in(0, SeccompCmpArgLen::Dword, &[libc::AF_UNIX as u64])?,
-    );
+    restrict(libc::SYS_socket, dword_in(0, &[libc::AF_UNIX as u64]));
     // Threads only, never a new process.
     restrict(
         libc::SYS_clone,
-        arg_in(0, SeccompCmpArgLen::Qword, &[THREAD_CLONE_FLAGS])?,
+        ArgCheck::OneOf {
+            arg: 0,
+            qword: true,
+            values: vec![THREAD_CLONE_FLAGS],
+        },
     );
-    restrict(
-        libc::SYS_prctl,
-        arg_in(0, SeccompCmpArgLen::Dword, PRCTL_OPTIONS)?,
-    );
-    restrict(
-        libc::SYS_fcntl,
-        arg_in(1, SeccompCmpArgLen::Dword, FCNTL_COMMANDS)?,
-    );
-    Ok(map)
+    restrict(libc::SYS_prctl, dword_in(0, PRCTL_OPTIONS));
+    restrict(libc::SYS_fcntl, dword_in(1, FCNTL_COMMANDS));
+    map
 }
 
 /// The second filter every thread gets: clone3 fails with ENOSYS. Its flags
@@ -442,37 +410,26 @@ pub fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Rules>, seccompiler::Back
 /// glibc then falls back to clone, whose flags the main filter checks. (The
 /// main filter of a thread kind that starts threads lets clone3 through to
 /// this one; seccomp takes the stricter answer of the two.)
-pub fn clone3_rules() -> Result<BTreeMap<i64, Rules>, seccompiler::BackendError> {
-    Ok(BTreeMap::from([(libc::SYS_clone3, Vec::new())]))
+pub fn clone3_rules() -> AllowList {
+    AllowList::from([(libc::SYS_clone3, ArgCheck::Any)])
 }
 
 /// The BPF program of `kind`: its allow list, anything else raises SIGSYS.
 /// Compiled by the build script (`build.rs`), which embeds the result.
-pub fn program(kind: ThreadKind) -> Result<seccompiler::BpfProgram, String> {
-    let rules = rules(kind).map_err(|e| e.to_string())?;
-    compile(rules, SeccompAction::Trap, SeccompAction::Allow)
+pub fn program(kind: ThreadKind) -> Result<Vec<seccompiler::sock_filter>, String> {
+    bpf::compile(&rules(kind), bpf::RET_ALLOW, bpf::RET_TRAP).map_err(|e| e.to_string())
 }
 
 /// The BPF program every thread inherits from the main thread: clone3 fails
 /// with ENOSYS (so glibc falls back to clone, whose flags the kinds check),
 /// everything else passes on to the thread's own filter.
-pub fn clone3_program() -> Result<seccompiler::BpfProgram, String> {
-    let rules = clone3_rules().map_err(|e| e.to_string())?;
-    compile(
-        rules,
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::ENOSYS as u32),
+pub fn clone3_program() -> Result<Vec<seccompiler::sock_filter>, String> {
+    bpf::compile(
+        &clone3_rules(),
+        bpf::RET_ERRNO | libc::ENOSYS as u32,
+        bpf::RET_ALLOW,
     )
-}
-
-fn compile(
-    rules: BTreeMap<i64, Rules>,
-    mismatch: SeccompAction,
-    matched: SeccompAction,
-) -> Result<seccompiler::BpfProgram, String> {
-    let filter = SeccompFilter::new(rules, mismatch, matched, TargetArch::x86_64)
-        .map_err(|e| e.to_string())?;
-    seccompiler::BpfProgram::try_from(filter).map_err(|e| e.to_string())
+    .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -488,5 +445,136 @@ mod tests {
         assert!(kvm::VCPU.contains(&0x4138_ae84)); // KVM_SET_SREGS
         assert!(kvm::VM.contains(&0x4010_ae42)); // KVM_GET_DIRTY_LOG
         assert!(UFFD.contains(&0xc028_aa03)); // UFFDIO_COPY
+    }
+
+    /// The same list compiled by seccompiler, the reference for the verdicts.
+    fn reference(list: &AllowList, matched: u32, mismatch: u32) -> Vec<seccompiler::sock_filter> {
+        use seccompiler::{
+            SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+            SeccompRule, TargetArch,
+        };
+        let action = |ret: u32| match ret {
+            bpf::RET_ALLOW => SeccompAction::Allow,
+            bpf::RET_TRAP => SeccompAction::Trap,
+            e => SeccompAction::Errno(e & 0xffff),
+        };
+        let rule = |arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64| {
+            SeccompRule::new(vec![SeccompCondition::new(arg, len, op, v).unwrap()]).unwrap()
+        };
+        let rules = list
+            .iter()
+            .map(|(nr, check)| {
+                let rules = match check {
+                    ArgCheck::Any => Vec::new(),
+                    ArgCheck::OneOf { arg, qword, values } => values
+                        .iter()
+                        .map(|v| {
+                            let len = if *qword {
+                                SeccompCmpArgLen::Qword
+                            } else {
+                                SeccompCmpArgLen::Dword
+                            };
+                            rule(*arg, len, SeccompCmpOp::Eq, *v)
+                        })
+                        .collect(),
+                    ArgCheck::Lacks { arg, mask } => vec![rule(
+                        *arg,
+                        SeccompCmpArgLen::Qword,
+                        SeccompCmpOp::MaskedEq(*mask),
+                        0,
+                    )],
+                };
+                (*nr, rules)
+            })
+            .collect();
+        let filter =
+            SeccompFilter::new(rules, action(mismatch), action(matched), TargetArch::x86_64)
+                .unwrap();
+        seccompiler::BpfProgram::try_from(filter).unwrap()
+    }
+
+    /// Argument values around `v`: itself, its neighbours, other high halves.
+    fn around(v: u64) -> [u64; 6] {
+        [
+            v,
+            v.wrapping_add(1),
+            v.wrapping_sub(1),
+            v | 1 << 32,
+            v | 0xffff_ffff_0000_0000,
+            v & 0xffff_ffff,
+        ]
+    }
+
+    /// Compares the verdicts of `ours` and `theirs` over every system call
+    /// number (and x32's), and, for each listed call, over the values around
+    /// every allowed value and mask bit in each argument.
+    fn same_verdicts(
+        list: &AllowList,
+        ours: &[seccompiler::sock_filter],
+        theirs: &[seccompiler::sock_filter],
+    ) -> usize {
+        use bpf::interpreter::{run, Data};
+        let mut values: Vec<u64> = vec![0, 1, 7, u64::MAX, 1 << 40];
+        for check in list.values() {
+            match check {
+                ArgCheck::Any => {}
+                ArgCheck::OneOf { values: vs, .. } => {
+                    vs.iter().for_each(|v| values.extend(around(*v)))
+                }
+                ArgCheck::Lacks { mask, .. } => values.extend(around(*mask)),
+            }
+        }
+        values.sort_unstable();
+        values.dedup();
+        let mut cases = 0;
+        let mut compare = |data: Data| {
+            assert_eq!(run(ours, &data), run(theirs, &data), "{data:?}");
+            cases += 1;
+        };
+        for nr in (0..600u32).chain((0..600).map(|n| n | 0x4000_0000)) {
+            let mut data = Data {
+                nr,
+                arch: bpf::AUDIT_ARCH_X86_64,
+                args: [0; 6],
+            };
+            compare(data);
+            if !list.contains_key(&i64::from(nr)) {
+                continue;
+            }
+            for arg in 0..6 {
+                for v in &values {
+                    data.args = [0; 6];
+                    data.args[arg] = *v;
+                    compare(data);
+                }
+            }
+        }
+        compare(Data {
+            nr: 0,
+            arch: 0x4000_0003,
+            args: [0; 6],
+        });
+        cases
+    }
+
+    #[test]
+    fn the_compact_programs_answer_as_seccompiler_would() {
+        for kind in ThreadKind::ALL {
+            let list = rules(kind);
+            let ours = program(kind).unwrap();
+            let theirs = reference(&list, bpf::RET_ALLOW, bpf::RET_TRAP);
+            let cases = same_verdicts(&list, &ours, &theirs);
+            println!(
+                "{}: {} instructions (seccompiler: {}), {cases} inputs compared",
+                kind.name(),
+                ours.len(),
+                theirs.len()
+            );
+            assert!(ours.len() < theirs.len(), "{kind:?}");
+        }
+        let list = clone3_rules();
+        let errno = bpf::RET_ERRNO | libc::ENOSYS as u32;
+        let theirs = reference(&list, errno, bpf::RET_ALLOW);
+        same_verdicts(&list, &clone3_program().unwrap(), &theirs);
     }
 }
