@@ -489,7 +489,7 @@ fn jail(args: JailArgs) -> Result<i32, (i32, String)> {
 
 /// Serves the control socket and signals until the VM ends; returns the exit code.
 fn serve(
-    machine: Machine,
+    mut machine: Machine,
     blocked: signals::BlockedSignals,
     control: Option<Result<ControlServer, ControlError>>,
 ) -> Result<i32, (i32, String)> {
@@ -509,7 +509,11 @@ fn serve(
         },
         None => None,
     };
+    // Filtered before the guest runs: the main thread is then asleep in
+    // `watch_until_ended` by the guest's first output (see `Machine::run`).
     seccomp::apply_or_die(ThreadKind::Main);
+    vmm::timing::mark("main-filtered");
+    machine.run().map_err(|e| (e.exit_code(), e.to_string()))?;
     signals::watch_until_ended(&blocked, &machine.coordinator());
     let reason = machine.wait();
     // What remains is the process's exit: dropping the VM and, in the

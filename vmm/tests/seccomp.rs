@@ -147,6 +147,39 @@ fn selftest(selftest: &str) -> (Option<i32>, String) {
 }
 
 #[test]
+fn the_guest_runs_only_once_the_main_thread_is_filtered() {
+    // The main thread installs its filter before it hands the vCPUs out, so
+    // that it is asleep, not competing for a CPU, when the guest starts: its
+    // `main-filtered` mark comes before vCPU 0's `first-run` (handed out
+    // first, the vCPU usually marked its first run while the main thread was
+    // still installing its filter).
+    let g = guest("hello");
+    let out = run_vmm(&[
+        "--log-format",
+        "json",
+        "--log-level",
+        "warn,vmm::timing=info",
+        "run",
+        "--kernel",
+        g.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let at = |phase: &str| -> u64 {
+        stderr(&out)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["fields"]["phase"] == phase)
+            .and_then(|v| v["fields"]["at_ns"].as_u64())
+            .unwrap_or_else(|| panic!("no {phase} mark in {}", stderr(&out)))
+    };
+    assert!(
+        at("main-filtered") < at("first-run"),
+        "the guest ran before the main thread was filtered: {}",
+        stderr(&out)
+    );
+}
+
+#[test]
 fn a_forbidden_argument_from_any_thread_kind_is_fatal() {
     // Each call is allowed to some thread kinds with other arguments (socket for
     // Unix sockets, clone for threads, prctl for naming threads, ioctl for the

@@ -196,9 +196,11 @@ impl StartError {
     }
 }
 
-/// A running microVM.
+/// A built microVM: its vCPUs run once [`Machine::run`] is called.
 pub struct Machine {
     shared: Arc<MachineShared>,
+    /// The vCPUs and the threads waiting for them, until `run`.
+    waiting: Option<(Vec<Vcpu>, VcpuThreads)>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -323,7 +325,7 @@ fn serial_output(cfg: &SerialConfig) -> Result<SerialOut, StartError> {
 }
 
 impl Machine {
-    /// Builds the VM described by `config` and starts its vCPUs.
+    /// Builds the VM described by `config`; [`Machine::run`] starts its vCPUs.
     pub fn start(config: &VmConfig) -> Result<Machine, StartError> {
         let kvm = KvmHandle::open()?;
         let max = kvm.max_vcpus();
@@ -435,7 +437,8 @@ impl Machine {
         Self::launch(shared, vcpus, threads, &config.serial)
     }
 
-    /// Starts the vCPU threads (and the serial input forwarder) of a built VM.
+    /// Readies a built VM: the serial input forwarder, the kick handler and
+    /// the first-run work; the vCPUs wait for [`Machine::run`].
     fn launch(
         shared: MachineShared,
         vcpus: Vec<Vcpu>,
@@ -456,11 +459,30 @@ impl Machine {
             .coordinator
             .before_start()
             .map_err(StartError::FirstRun)?;
-        let shared = Arc::new(shared);
-        match threads.start(vcpus, &shared.coordinator) {
-            Ok(threads) => Ok(Machine { shared, threads }),
+        Ok(Machine {
+            shared: Arc::new(shared),
+            waiting: Some((vcpus, threads)),
+            threads: Vec::new(),
+        })
+    }
+
+    /// Hands the vCPU threads their vCPUs: the guest runs (or waits paused,
+    /// as the coordinator says). The caller does its own last set-up steps
+    /// (control socket, its seccomp filter) first, so that it is asleep
+    /// when the guest starts: on a busy host the guest's first output then
+    /// finds a free CPU for whoever reads it, instead of a reader queued
+    /// behind the vCPU thread that woke it. Calling it again does nothing.
+    pub fn run(&mut self) -> Result<(), StartError> {
+        let Some((vcpus, threads)) = self.waiting.take() else {
+            return Ok(());
+        };
+        match threads.start(vcpus, &self.shared.coordinator) {
+            Ok(threads) => {
+                self.threads = threads;
+                Ok(())
+            }
             Err((e, started)) => {
-                shared.coordinator.request_exit(ExitReason::VmmError {
+                self.shared.coordinator.request_exit(ExitReason::VmmError {
                     vcpu: None,
                     message: e.to_string(),
                 });
@@ -488,7 +510,15 @@ impl Machine {
     }
 
     /// Waits until the VM ends and returns why.
-    pub fn wait(self) -> ExitReason {
+    pub fn wait(mut self) -> ExitReason {
+        // vCPUs not yet handed out (the caller gave up before `run`) are
+        // handed out now: they see the exit request and leave at once.
+        if let Err(e) = self.run() {
+            return ExitReason::VmmError {
+                vcpu: None,
+                message: e.to_string(),
+            };
+        }
         let reason = self.shared.coordinator.wait_for_exit();
         for t in self.threads {
             let _ = t.join();
