@@ -168,8 +168,9 @@ fn send_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
     msg.msg_control = space.0.as_mut_ptr().cast();
+    // (`as _`: the field is a usize with glibc, a u32 with musl.)
     // SAFETY: CMSG_SPACE only computes a size.
-    msg.msg_controllen = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as _;
     // SAFETY: msg_control points at `space`, large enough for one header and
     // one int (checked by the assertion in the tests), so CMSG_FIRSTHDR is
     // non-null and CMSG_DATA is inside it.
@@ -177,7 +178,7 @@ fn send_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
         std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
     }
     // SAFETY: msg and everything it points to are valid for the call.
@@ -212,7 +213,7 @@ fn keeper_main(sock: RawFd) -> ! {
             msg.msg_iov = &mut iov;
             msg.msg_iovlen = 1;
             msg.msg_control = space.0.as_mut_ptr().cast();
-            msg.msg_controllen = space.0.len();
+            msg.msg_controllen = space.0.len() as _;
             // Descriptors received are simply kept; they close at the exit.
             let n = libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC);
             if n == 0 || (n < 0 && *libc::__errno_location() != libc::EINTR) {

@@ -553,8 +553,12 @@ fn main() -> ExitCode {
     // One malloc arena for the whole process instead of one per thread: the
     // vmm's threads allocate little and rarely, and each arena costs a 128 MiB
     // reservation, page faults and about 132 KiB of memory once touched.
+    // (musl's allocator has no arenas to limit.)
+    #[cfg(target_env = "gnu")]
     // SAFETY: mallopt only sets a glibc tuning value; no other thread exists yet.
-    unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1)
+    };
     let cli = Cli::parse();
     match parse_size(&cli.log_max_bytes) {
         Ok(n) if n >= vmm::logfile::MIN_MAX_BYTES => vmm::logfile::set_max_bytes(n),

@@ -9,10 +9,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The vmm under test: Cargo's build, or the one `AGENTVM_TEST_VMM` names.
+fn vmm_path() -> std::ffi::OsString {
+    std::env::var_os("AGENTVM_TEST_VMM").unwrap_or_else(|| env!("CARGO_BIN_EXE_vmm").into())
+}
+
 /// Runs `guest` with `args`; returns (exit code, serial output, stderr).
 fn run_guest(guest: &str, args: &[&str], cmdline: &str) -> (i32, String, String) {
     let kernel = test_guests::path(guest).expect("known test guest");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_vmm"))
+    let mut child = Command::new(vmm_path())
         .arg("run")
         .arg("--kernel")
         .arg(&kernel)
@@ -317,7 +322,7 @@ mod net {
         let sock = PacketSocket::bind(&tap.0);
         let kernel = test_guests::path("virtio_net").unwrap();
         let net = format!("{},mac=02:11:22:33:44:55", tap.0);
-        let child = Command::new(env!("CARGO_BIN_EXE_vmm"))
+        let child = Command::new(vmm_path())
             .arg("run")
             .arg("--kernel")
             .arg(&kernel)
@@ -404,7 +409,7 @@ mod vsock {
         });
 
         let kernel = test_guests::path("virtio_vsock").unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_vmm"))
+        let mut child = Command::new(vmm_path())
             .arg("run")
             .arg("--kernel")
             .arg(&kernel)

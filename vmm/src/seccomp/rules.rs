@@ -178,6 +178,9 @@ const FILE_FLAGS: &[u64] = &[
 /// threads): CLONE_VM | CLONE_FS | CLONE_FILES | CLONE_SIGHAND | CLONE_THREAD
 /// | CLONE_SYSVSEM | CLONE_SETTLS | CLONE_PARENT_SETTID | CLONE_CHILD_CLEARTID.
 pub(super) const THREAD_CLONE_FLAGS: u64 = 0x3d0f00;
+/// musl's (the node's static vmm): the same and CLONE_DETACHED, which the
+/// kernel ignores.
+pub(super) const MUSL_THREAD_CLONE_FLAGS: u64 = THREAD_CLONE_FLAGS | 0x40_0000;
 
 /// prctl options used once filters are on: naming a new thread, and the two
 /// steps of installing a thread's own filter (no-new-privs is set by
@@ -213,6 +216,8 @@ const COMMON: &[i64] = &[
     libc::SYS_gettid,
     libc::SYS_getpid,
     libc::SYS_tgkill,
+    // musl's pthread_kill (the kick of a vCPU thread).
+    libc::SYS_tkill,
     libc::SYS_clock_gettime,
     libc::SYS_clock_nanosleep,
     libc::SYS_nanosleep,
@@ -262,6 +267,11 @@ const FILES: &[i64] = &[
     libc::SYS_readlinkat,
     libc::SYS_fcntl,
     libc::SYS_getcwd,
+    // musl (the node's static vmm) calls these where glibc calls openat,
+    // newfstatat and statx.
+    libc::SYS_open,
+    libc::SYS_stat,
+    libc::SYS_lstat,
 ];
 
 /// Sockets: the control socket and device back ends (vsock, tap).
@@ -397,7 +407,7 @@ pub fn rules(kind: ThreadKind) -> AllowList {
         ArgCheck::OneOf {
             arg: 0,
             qword: true,
-            values: vec![THREAD_CLONE_FLAGS],
+            values: vec![THREAD_CLONE_FLAGS, MUSL_THREAD_CLONE_FLAGS],
         },
     );
     restrict(libc::SYS_prctl, dword_in(0, PRCTL_OPTIONS));

@@ -13,7 +13,7 @@
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 use crate::exit::ExitReason;
-use crate::vcpu::kick;
+use crate::vcpu::kick::{self, ThreadHandle};
 
 /// What the VM's vCPUs are doing (the control protocol's state names).
 pub use vmm_api::protocol::VmState;
@@ -62,12 +62,12 @@ struct Inner {
     parked: usize,
     exited: usize,
     exit: Option<ExitReason>,
-    threads: Vec<libc::pthread_t>,
+    threads: Vec<ThreadHandle>,
     /// Work to do right before the vCPUs first run, in the order added.
     first_run: Vec<FirstRunHook>,
     /// The thread waiting for the VM's end, and the signal that wakes it
     /// (see [`Coordinator::wake_on_exit`]).
-    exit_waker: Option<(libc::pthread_t, libc::c_int)>,
+    exit_waker: Option<(ThreadHandle, libc::c_int)>,
 }
 
 /// Shared by the vCPU threads, the control socket and the main thread.
@@ -112,7 +112,7 @@ impl Coordinator {
                 // SAFETY: the registered thread is the main thread, which
                 // lives until the process ends; pthread_kill only queues the
                 // signal, which that thread keeps blocked and takes with sigwait.
-                unsafe { libc::pthread_kill(thread, signal) };
+                unsafe { thread.signal(signal) };
             }
         }
     }
@@ -122,9 +122,7 @@ impl Coordinator {
     /// set, or one more vCPU has left its loop. Lets the main thread wait for
     /// the end and for termination signals at once, without a thread of its own.
     pub fn wake_on_exit(&self, signal: libc::c_int) {
-        // SAFETY: pthread_self has no preconditions and always succeeds.
-        let me = unsafe { libc::pthread_self() };
-        self.lock().exit_waker = Some((me, signal));
+        self.lock().exit_waker = Some((ThreadHandle::current(), signal));
     }
 
     /// Whether the VM has ended: an exit reason is set and every vCPU has left its loop.
@@ -153,9 +151,7 @@ impl Coordinator {
 
     /// Called by a vCPU thread once, before its first run, so it can be kicked.
     pub fn register_current_thread(&self) {
-        // SAFETY: pthread_self has no preconditions and always succeeds.
-        let me = unsafe { libc::pthread_self() };
-        self.lock().threads.push(me);
+        self.lock().threads.push(ThreadHandle::current());
     }
 
     /// Called by a vCPU thread before each KVM_RUN: parks while paused.
@@ -191,14 +187,10 @@ impl Coordinator {
 
     /// Called by a vCPU thread when it leaves its run loop.
     pub fn vcpu_exited(&self) {
-        // SAFETY: pthread_self has no preconditions and always succeeds.
-        let me = unsafe { libc::pthread_self() };
+        let me = ThreadHandle::current();
         let mut inner = self.lock();
         // Forget this thread so it is never signalled after it ends.
-        // SAFETY: pthread_equal only compares two thread ids.
-        inner
-            .threads
-            .retain(|t| unsafe { libc::pthread_equal(*t, me) } == 0);
+        inner.threads.retain(|t| !t.same(&me));
         inner.exited += 1;
         self.notify(&inner);
     }

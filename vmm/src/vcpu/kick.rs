@@ -42,12 +42,49 @@ pub fn set_immediate_exit_target(target: *mut u8) {
     IMMEDIATE_EXIT.with(|p| p.set(target));
 }
 
+/// A thread of this process to signal: its `pthread_t`, which glibc makes an
+/// integer and musl a pointer.
+#[derive(Debug, Clone, Copy)]
+pub struct ThreadHandle(libc::pthread_t);
+
+// SAFETY: the handle is only ever passed to pthread_kill and pthread_equal,
+// from any thread of the process; it is never dereferenced here (with musl it
+// points at the thread's control block, which libc alone reads).
+unsafe impl Send for ThreadHandle {}
+// SAFETY: as for Send: shared references only copy the handle out.
+unsafe impl Sync for ThreadHandle {}
+
+impl ThreadHandle {
+    /// The calling thread.
+    pub fn current() -> Self {
+        // SAFETY: pthread_self has no preconditions and always succeeds.
+        ThreadHandle(unsafe { libc::pthread_self() })
+    }
+
+    /// Whether both name the same thread.
+    pub fn same(&self, other: &ThreadHandle) -> bool {
+        // SAFETY: pthread_equal only compares two handles.
+        unsafe { libc::pthread_equal(self.0, other.0) != 0 }
+    }
+
+    /// Queues `signal` for the thread (pthread_kill's return code).
+    ///
+    /// # Safety
+    ///
+    /// The thread must still be alive (a handle of a thread that has ended
+    /// may be reused or dangle).
+    pub unsafe fn signal(&self, signal: libc::c_int) -> libc::c_int {
+        // SAFETY: the caller guarantees the thread is alive.
+        unsafe { libc::pthread_kill(self.0, signal) }
+    }
+}
+
 /// Sends the kick signal to `thread`.
-pub fn kick(thread: libc::pthread_t) {
+pub fn kick(thread: ThreadHandle) {
     // SAFETY: `thread` was registered by a vCPU thread of this process; its handler is installed
     // before any vCPU thread starts. The coordinator removes a thread's id before the thread
     // leaves its run loop, so only live threads are signalled.
-    let rc = unsafe { libc::pthread_kill(thread, kick_signal()) };
+    let rc = unsafe { thread.signal(kick_signal()) };
     if rc != 0 {
         tracing::debug!(rc, "kicking a vCPU thread failed");
     }

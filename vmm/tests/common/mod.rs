@@ -19,11 +19,16 @@ pub use test_harness::guests::path as guest;
 pub use test_harness::host::jail_supported;
 pub use test_harness::process::{stderr, stdout, wait_for_path, wait_with_deadline};
 
-/// The vmm binary under test (Cargo's own build of it for these tests). It
-/// is killed when the test thread that started it ends, so a failing
-/// assertion never leaves a VM running.
+/// The vmm binary under test: Cargo's own build of it for these tests, or
+/// the one `AGENTVM_TEST_VMM` names (`scripts/test-release-vmm` runs the
+/// tests against the node's release build, linked with another libc). It is
+/// killed when the test thread that started it ends, so a failing assertion
+/// never leaves a VM running.
 pub fn vmm() -> Command {
-    test_harness::process::command(env!("CARGO_BIN_EXE_vmm"))
+    match std::env::var_os("AGENTVM_TEST_VMM") {
+        Some(path) => test_harness::process::command(path),
+        None => test_harness::process::command(env!("CARGO_BIN_EXE_vmm")),
+    }
 }
 
 /// Starts the vmm with `args`, capturing its stdout and stderr.
