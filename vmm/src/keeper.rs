@@ -16,7 +16,15 @@
 //! `vmm-keeper` and its command line is blanked (so that nothing looking
 //! for vmm processes by command line takes it for one). When the vmm is
 //! gone its end of the socket closes; the keeper then exits, which closes
-//! the VM fd. A jailed vmm is init of its own PID namespace, whose exit
+//! the VM fd, but only once the vmm has exited entirely: its socket is
+//! among its first descriptors, so it closes before the VM's and vCPUs' in
+//! the vmm's exit, and a keeper that left at that end of file sometimes
+//! closed its copy first and left the last close, and the teardown, to the
+//! vmm's exit after all (its parent then waited 13-25 ms for the reap in one
+//! restore of ten). So the vmm also sends the keeper a pidfd of itself, and
+//! the keeper, at the end of file, waits until that pidfd says every thread
+//! of the vmm is gone (their descriptors closed) before it exits. A jailed
+//! vmm is init of its own PID namespace, whose exit
 //! waits for every process in it, so its keeper is forked by the jailer,
 //! outside the namespace, and the vmm finds its end of the socket in
 //! [`INHERITED_ENV`]. No keeper, or one that died, only means the teardown
@@ -129,8 +137,29 @@ pub fn start() {
             }
         },
     };
+    // The keeper waits on this for the vmm's whole exit (see above); a
+    // kernel without pidfds (before 5.3) leaves it the end of file alone.
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, libc::getpid(), 0) };
+    if let Ok(pidfd) = RawFd::try_from(pidfd) {
+        if pidfd >= 0 {
+            // SAFETY: pidfd_open just returned this descriptor; it is owned here alone.
+            let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
+            if let Err(e) = send_fd(fd.as_raw_fd(), pidfd.as_raw_fd(), PIDFD_TAG) {
+                tracing::debug!("cannot send the keeper the vmm's pidfd: {e}");
+            }
+        }
+    }
     let _ = KEEPER.set(fd);
 }
+
+/// The byte sent with the vmm's pidfd; anything else is a descriptor to hold.
+const PIDFD_TAG: u8 = b'p';
+/// The byte sent with a descriptor to hold.
+const HOLD_TAG: u8 = b'h';
+/// How long a keeper waits, after the end of file, for the vmm's exit to
+/// finish (a bound, in case a thread of it hangs in the kernel).
+const EXIT_WAIT_MS: libc::c_int = 30_000;
 
 /// Hands a copy of the VM fd to the keeper, if there is one. A keeper that
 /// is gone is logged; the VM runs on either way.
@@ -138,7 +167,7 @@ pub fn hand_over(vm_fd: RawFd) {
     let Some(sock) = KEEPER.get() else {
         return;
     };
-    if let Err(e) = send_fd(sock.as_raw_fd(), vm_fd) {
+    if let Err(e) = send_fd(sock.as_raw_fd(), vm_fd, HOLD_TAG) {
         tracing::warn!(
             "cannot hand the VM fd to its keeper ({e}); it will be torn down in the vmm's exit"
         );
@@ -156,8 +185,9 @@ fn is_socket(fd: RawFd) -> bool {
 #[repr(C, align(8))]
 struct FdCmsg([u8; 24]);
 
-fn send_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
-    let mut byte = [0u8; 1];
+/// Sends `fd` over `sock` with the one-byte `tag`.
+fn send_fd(sock: RawFd, fd: RawFd, tag: u8) -> std::io::Result<()> {
+    let mut byte = [tag];
     let mut iov = libc::iovec {
         iov_base: byte.as_mut_ptr().cast(),
         iov_len: 1,
@@ -204,6 +234,7 @@ fn keeper_main(sock: RawFd) -> ! {
         blank_command_line();
         let mut byte = [0u8; 1];
         let mut space = FdCmsg([0; 24]);
+        let mut vmm_pidfd: Option<RawFd> = None;
         loop {
             let mut iov = libc::iovec {
                 iov_base: byte.as_mut_ptr().cast(),
@@ -219,9 +250,49 @@ fn keeper_main(sock: RawFd) -> ! {
             if n == 0 || (n < 0 && *libc::__errno_location() != libc::EINTR) {
                 break;
             }
+            if n == 1 && byte[0] == PIDFD_TAG {
+                vmm_pidfd = received_fd(&msg).or(vmm_pidfd);
+            }
+        }
+        // The vmm's end closed, which happens early in its exit: wait until
+        // all of it is gone, so that this process's close of the VM fd is
+        // the last one and the VM's teardown happens here.
+        if let Some(pidfd) = vmm_pidfd {
+            let mut pfd = libc::pollfd {
+                fd: pidfd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            while libc::poll(&mut pfd, 1, EXIT_WAIT_MS) < 0
+                && *libc::__errno_location() == libc::EINTR
+            {}
         }
         libc::_exit(0)
     }
+}
+
+/// The descriptor an `SCM_RIGHTS` message received into `msg` carries.
+///
+/// # Safety
+///
+/// `msg` must be the header `recvmsg` just filled, its control buffer still alive.
+unsafe fn received_fd(msg: &libc::msghdr) -> Option<RawFd> {
+    // SAFETY: the caller's contract: CMSG_FIRSTHDR reads the header's control
+    // fields, and returns null when no control message fits.
+    let cmsg = unsafe { libc::CMSG_FIRSTHDR(msg) };
+    if cmsg.is_null() {
+        return None;
+    }
+    // SAFETY: non-null, so a whole cmsghdr lies inside the control buffer.
+    let (level, kind, len) = unsafe { ((*cmsg).cmsg_level, (*cmsg).cmsg_type, (*cmsg).cmsg_len) };
+    // SAFETY: CMSG_LEN only computes a size.
+    let one = u64::from(unsafe { libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) });
+    // (`as u64`: the length is a usize with glibc, a u32 with musl.)
+    if level != libc::SOL_SOCKET || kind != libc::SCM_RIGHTS || (len as u64) < one {
+        return None;
+    }
+    // SAFETY: the message's length covers one descriptor after the header.
+    Some(unsafe { std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>()) })
 }
 
 /// Overwrites this process's argument strings with [`NAME`] and zeros, so
@@ -317,7 +388,7 @@ mod tests {
             // SAFETY: both were just created and are owned here alone.
             unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) }
         };
-        send_fd(sock.as_raw_fd(), w.as_raw_fd()).unwrap();
+        send_fd(sock.as_raw_fd(), w.as_raw_fd(), HOLD_TAG).unwrap();
         drop(w);
         // The keeper holds the write end: no end of file yet.
         let mut pfd = libc::pollfd {
@@ -346,6 +417,69 @@ mod tests {
 }
 
 #[cfg(test)]
+mod pidfd_tests {
+    use super::*;
+
+    fn pipe() -> (OwnedFd, OwnedFd) {
+        let (r, w) = std::io::pipe().unwrap();
+        (r.into(), w.into())
+    }
+
+    /// Whether `fd` has its end of file (or an error) within `ms`.
+    fn hung_up(fd: &OwnedFd, ms: libc::c_int) -> bool {
+        let mut pfd = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll on one valid pollfd.
+        unsafe { libc::poll(&mut pfd, 1, ms) == 1 && pfd.revents & libc::POLLHUP != 0 }
+    }
+
+    #[test]
+    fn after_the_end_of_file_a_keeper_waits_for_the_process_of_its_pidfd() {
+        // The process standing for the vmm: a child that waits on a pipe.
+        let (release_r, release_w) = pipe();
+        let mut stand_in = std::process::Command::new("sh")
+            .args(["-c", "read _"])
+            .stdin(std::process::Stdio::from(release_r))
+            .spawn()
+            .unwrap();
+        // SAFETY: pidfd_open of a child of this process, which it has not reaped.
+        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, stand_in.id(), 0) };
+        assert!(
+            pidfd >= 0,
+            "pidfd_open: {}",
+            std::io::Error::last_os_error()
+        );
+        // SAFETY: just returned, owned here alone.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as RawFd) };
+
+        let sock = spawn(false).unwrap();
+        let (held_r, held_w) = pipe();
+        send_fd(sock.as_raw_fd(), pidfd.as_raw_fd(), PIDFD_TAG).unwrap();
+        send_fd(sock.as_raw_fd(), held_w.as_raw_fd(), HOLD_TAG).unwrap();
+        drop((held_w, pidfd));
+        drop(sock);
+        // The end of file came, but the stand-in still runs: the keeper
+        // still holds the write end.
+        assert!(
+            !hung_up(&held_r, 300),
+            "the keeper left before the process it waits for"
+        );
+        drop(release_w);
+        stand_in.wait().unwrap();
+        assert!(
+            hung_up(&held_r, 10_000),
+            "the keeper did not leave once the process was gone"
+        );
+        // Reap the keeper (this test process's child).
+        // SAFETY: waitpid on any child, without options.
+        unsafe { libc::waitpid(-1, std::ptr::null_mut(), 0) };
+    }
+}
+
+#[cfg(test)]
 mod detached_tests {
     use super::*;
 
@@ -367,6 +501,6 @@ mod detached_tests {
         // It is there all the same, holding its end: a message goes through.
         // (Not `sock` itself: a keeper holding both ends would never let go.)
         let null = std::fs::File::open("/dev/null").unwrap();
-        send_fd(sock.as_raw_fd(), null.as_raw_fd()).unwrap();
+        send_fd(sock.as_raw_fd(), null.as_raw_fd(), HOLD_TAG).unwrap();
     }
 }

@@ -208,7 +208,18 @@ fn the_vm_is_torn_down_by_its_keeper_after_the_vmm() {
         })
         .collect();
     held.sort();
-    assert_eq!(held, ["anon_inode", "socket"], "the keeper holds more");
+    // The VM fd and the vmm's pidfd (it waits on it for the vmm's whole exit).
+    assert_eq!(
+        held,
+        ["anon_inode", "anon_inode", "socket"],
+        "the keeper holds more"
+    );
+    let pidfd = std::fs::read_dir(format!("/proc/{keeper}/fd"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .any(|l| l.to_string_lossy() == "anon_inode:[pidfd]");
+    assert!(pidfd, "the keeper has no pidfd of its vmm");
     let vm_fd = std::fs::read_dir(format!("/proc/{keeper}/fd"))
         .unwrap()
         .flatten()
