@@ -541,9 +541,9 @@ fn parse_selftest(s: &str) -> Option<(ThreadKind, seccomp::SelftestCall)> {
     ))
 }
 
-/// musl's allocator (the node's static vmm) is several times slower than
-/// glibc's at the many small allocations of start-up (the command line's
-/// parser, the snapshot's state): dlmalloc instead.
+/// musl's allocator (the node's static vmm) is slow at the many small
+/// allocations of start-up (the command line's parser, the snapshot's
+/// state): parsing the command line took 288 µs with it, 162 with dlmalloc.
 #[cfg(target_env = "musl")]
 #[global_allocator]
 static ALLOCATOR: dlmalloc::GlobalDlmalloc = dlmalloc::GlobalDlmalloc;
