@@ -195,17 +195,21 @@ fn the_vm_is_torn_down_by_its_keeper_after_the_vmm() {
         test_harness::process::children(pid)
     );
     let keeper = keepers[0];
-    let mut held: Vec<String> = std::fs::read_dir(format!("/proc/{keeper}/fd"))
+    // What each of the keeper's descriptors links to, read once.
+    let links: Vec<String> = std::fs::read_dir(format!("/proc/{keeper}/fd"))
         .unwrap()
         .flatten()
         .map(|e| {
-            let target = std::fs::read_link(e.path())
+            std::fs::read_link(e.path())
                 .unwrap()
                 .to_string_lossy()
-                .into_owned();
-            // socket:[inode] -> socket
-            target.split(':').next().unwrap_or_default().to_string()
+                .into_owned()
         })
+        .collect();
+    // socket:[inode] -> socket
+    let mut held: Vec<&str> = links
+        .iter()
+        .map(|l| l.split(':').next().unwrap_or_default())
         .collect();
     held.sort();
     // The VM fd and the vmm's pidfd (it waits on it for the vmm's whole exit).
@@ -214,18 +218,12 @@ fn the_vm_is_torn_down_by_its_keeper_after_the_vmm() {
         ["anon_inode", "anon_inode", "socket"],
         "the keeper holds more"
     );
-    let pidfd = std::fs::read_dir(format!("/proc/{keeper}/fd"))
-        .unwrap()
-        .flatten()
-        .filter_map(|e| std::fs::read_link(e.path()).ok())
-        .any(|l| l.to_string_lossy() == "anon_inode:[pidfd]");
-    assert!(pidfd, "the keeper has no pidfd of its vmm");
-    let vm_fd = std::fs::read_dir(format!("/proc/{keeper}/fd"))
-        .unwrap()
-        .flatten()
-        .filter_map(|e| std::fs::read_link(e.path()).ok())
-        .any(|l| l.to_string_lossy() == "anon_inode:kvm-vm");
-    assert!(vm_fd, "the keeper has no VM fd");
+    let holds = |target: &str| links.iter().any(|l| l == target);
+    assert!(
+        holds("anon_inode:[pidfd]"),
+        "the keeper has no pidfd of its vmm"
+    );
+    assert!(holds("anon_inode:kvm-vm"), "the keeper has no VM fd");
     let cmdline = std::fs::read(format!("/proc/{keeper}/cmdline")).unwrap();
     let shown = String::from_utf8_lossy(&cmdline).replace('\0', " ");
     assert_eq!(shown.trim(), vmm::keeper::NAME, "the keeper's command line");
