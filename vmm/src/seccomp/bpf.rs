@@ -13,9 +13,17 @@
 //! programs through a BPF interpreter over every system call number and the
 //! argument values around each allowed one.
 //!
-//! Layout: the architecture check, then a compare per system call (those
-//! with argument checks jump to a block of their own), the two returns, then
-//! the argument blocks, each ending in its own pair of returns.
+//! Layout: the architecture check, then a binary search over the sorted
+//! system call numbers (a JGE per inner node) down to leaves of at most
+//! [`LEAF`] calls, each leaf a compare per call followed by its own pair of
+//! returns and the argument blocks of its checked calls. The search is for
+//! the kernel's sake more than the filter's: when a filter is installed,
+//! the kernel emulates it once for every system call number of both x86
+//! ABIs to find the calls it may allow without running it (the seccomp
+//! action cache), and with one long compare chain that walk was most of the
+//! install time. A search walks a few instructions per number instead: the
+//! main thread's filter step in perf cold-boot's breakdown went from
+//! 131-141 µs to 72-75 µs, and a cold boot's VMM CPU time by about 0.2 ms.
 
 use std::collections::BTreeMap;
 
@@ -62,6 +70,7 @@ pub const RET_ALLOW: u32 = 0x7fff_0000;
 const LD_W_ABS: u16 = 0x20;
 const JMP_JA: u16 = 0x05;
 const JMP_JEQ_K: u16 = 0x15;
+const JMP_JGE_K: u16 = 0x35;
 const ALU_AND_K: u16 = 0x54;
 const RET_K: u16 = 0x06;
 
@@ -72,11 +81,13 @@ const ARGS_OFFSET: u32 = 16;
 
 /// The longest conditional jump a classic BPF instruction can encode.
 const MAX_JUMP: usize = u8::MAX as usize;
+/// The most calls a leaf of the search compares in a chain.
+const LEAF: usize = 16;
 
 /// Why a list cannot be compiled.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CompileError {
-    /// More entries in one compare chain than a conditional jump reaches over.
+    /// More values in one argument check than a conditional jump reaches over.
     TooLong {
         /// What the chain is.
         what: String,
@@ -214,36 +225,85 @@ pub fn compile(
             }
         }
     }
-    let (checked, plain): (Vec<_>, Vec<_>) = list.iter().partition(|(_, c)| **c != ArgCheck::Any);
-    check_chain(
-        || "the list of calls allowed with any arguments".into(),
-        plain.len(),
-    )?;
-
+    let entries: Vec<(u32, &ArgCheck)> = list.iter().map(|(nr, c)| (*nr as u32, c)).collect();
     let mut out = vec![
         stmt(LD_W_ABS, ARCH_OFFSET),
         jeq(AUDIT_ARCH_X86_64, 1, 0),
         stmt(RET_K, RET_KILL_PROCESS),
         stmt(LD_W_ABS, NR_OFFSET),
     ];
-    // Checked calls: a compare and a jump each, the jump's target patched
-    // once the blocks' places are known.
+    out.extend(search(&entries, matched, mismatch)?);
+    Ok(out)
+}
+
+/// The binary search over `entries` (sorted by number, the accumulator
+/// holding the call's number): a JGE on the middle number, the lower half,
+/// then the upper half.
+fn search(
+    entries: &[(u32, &ArgCheck)],
+    matched: u32,
+    mismatch: u32,
+) -> Result<Vec<sock_filter>, CompileError> {
+    if entries.len() <= LEAF {
+        return leaf(entries, matched, mismatch);
+    }
+    let (lower, upper) = entries.split_at(entries.len() / 2);
+    let pivot = upper[0].0;
+    let lower = search(lower, matched, mismatch)?;
+    let upper = search(upper, matched, mismatch)?;
+    let mut out = Vec::with_capacity(2 + lower.len() + upper.len());
+    match u8::try_from(lower.len()) {
+        // At or above the pivot: over the lower half.
+        Ok(over) => out.push(sock_filter {
+            code: JMP_JGE_K,
+            jt: over,
+            jf: 0,
+            k: pivot,
+        }),
+        // Too far for a conditional jump: through an unconditional one.
+        Err(_) => {
+            out.push(sock_filter {
+                code: JMP_JGE_K,
+                jt: 0,
+                jf: 1,
+                k: pivot,
+            });
+            out.push(stmt(JMP_JA, lower.len() as u32));
+        }
+    }
+    out.extend(lower);
+    out.extend(upper);
+    Ok(out)
+}
+
+/// A leaf of the search: the checked calls (a compare and a jump to their
+/// block each), the plain calls (a compare each), the two returns, then the
+/// checked calls' argument blocks.
+fn leaf(
+    entries: &[(u32, &ArgCheck)],
+    matched: u32,
+    mismatch: u32,
+) -> Result<Vec<sock_filter>, CompileError> {
+    let (checked, plain): (Vec<_>, Vec<_>) =
+        entries.iter().partition(|(_, c)| **c != ArgCheck::Any);
+    let mut out = Vec::new();
+    // The jumps' targets are patched once the blocks' places are known.
     let mut patches = Vec::with_capacity(checked.len());
     for (nr, _) in &checked {
-        out.push(jeq(**nr as u32, 0, 1));
+        out.push(jeq(*nr, 0, 1));
         patches.push(out.len());
         out.push(stmt(JMP_JA, 0));
     }
     let n = plain.len();
     for (i, (nr, _)) in plain.iter().enumerate() {
-        // Over the rest of the chain and the mismatch return.
-        out.push(jeq(**nr as u32, n - i, 0));
+        // Over the rest of the chain and the mismatch return (n <= LEAF).
+        out.push(jeq(*nr, n - i, 0));
     }
     out.push(stmt(RET_K, mismatch));
     out.push(stmt(RET_K, matched));
     for ((nr, check), at) in checked.iter().zip(patches) {
         out[at].k = (out.len() - at - 1) as u32;
-        out.extend(arg_block(**nr, check, matched, mismatch)?);
+        out.extend(arg_block(i64::from(*nr), check, matched, mismatch)?);
     }
     Ok(out)
 }
@@ -283,16 +343,27 @@ pub(crate) mod interpreter {
 
     /// What `program` returns for `data`; panics on anything malformed.
     pub fn run(program: &[sock_filter], data: &Data) -> u32 {
-        let (mut pc, mut acc) = (0usize, 0u32);
+        execute(program, data).0
+    }
+
+    /// How many instructions `program` executes for `data`, its return included.
+    pub fn steps(program: &[sock_filter], data: &Data) -> usize {
+        execute(program, data).1
+    }
+
+    fn execute(program: &[sock_filter], data: &Data) -> (u32, usize) {
+        let (mut pc, mut acc, mut steps) = (0usize, 0u32, 0usize);
         loop {
             let i = &program[pc];
             pc += 1;
+            steps += 1;
             match i.code {
                 LD_W_ABS => acc = data.word(i.k),
                 ALU_AND_K => acc &= i.k,
                 JMP_JA => pc += i.k as usize,
                 JMP_JEQ_K => pc += usize::from(if acc == i.k { i.jt } else { i.jf }),
-                RET_K => return i.k,
+                JMP_JGE_K => pc += usize::from(if acc >= i.k { i.jt } else { i.jf }),
+                RET_K => return (i.k, steps),
                 code => panic!("instruction {code:#x} at {}", pc - 1),
             }
         }
@@ -301,7 +372,7 @@ pub(crate) mod interpreter {
 
 #[cfg(test)]
 mod tests {
-    use super::interpreter::{run, Data};
+    use super::interpreter::{run, steps, Data};
     use super::*;
 
     fn data(nr: u32, args: [u64; 6]) -> Data {
@@ -383,20 +454,73 @@ mod tests {
     }
 
     #[test]
-    fn one_instruction_per_plain_call_and_per_value() {
-        let plain: AllowList = (0..100).map(|nr| (nr, ArgCheck::Any)).collect();
+    fn a_long_list_is_searched_in_a_few_steps_per_number() {
+        let plain: AllowList = (0..300).map(|nr| (nr * 2, ArgCheck::Any)).collect();
         let p = compile(&plain, RET_ALLOW, RET_TRAP).unwrap();
-        // Arch check (3), nr load, 100 compares, two returns.
-        assert_eq!(p.len(), 4 + 100 + 2);
-        assert_eq!(run(&p, &data(99, [0; 6])), RET_ALLOW);
-        assert_eq!(run(&p, &data(100, [0; 6])), RET_TRAP);
+        let mut longest = 0;
+        for nr in 0..700u32 {
+            let want = if nr % 2 == 0 && nr < 600 {
+                RET_ALLOW
+            } else {
+                RET_TRAP
+            };
+            assert_eq!(run(&p, &data(nr, [0; 6])), want, "nr {nr}");
+            longest = longest.max(steps(&p, &data(nr, [0; 6])));
+        }
+        // 300 calls: 5 levels of JGE over leaves of at most 16 compares,
+        // after the arch check and the load (4) and before the return.
+        assert!(longest <= 4 + 5 + LEAF + 1, "{longest} steps");
+        // One compare per call, a JGE per inner node, two returns per leaf.
+        let leaves = 32;
+        assert_eq!(p.len(), 4 + 300 + (leaves - 1) + 2 * leaves);
+    }
+
+    #[test]
+    fn a_lower_half_too_long_for_a_jump_is_jumped_over_unconditionally() {
+        // Each call's value chain makes every leaf long: the top JGE cannot
+        // reach over its lower half.
+        let values: Vec<u64> = (0..200).collect();
+        let heavy: AllowList = (0..40)
+            .map(|nr| {
+                (
+                    nr,
+                    ArgCheck::OneOf {
+                        arg: 0,
+                        qword: false,
+                        values: values.clone(),
+                    },
+                )
+            })
+            .collect();
+        let p = compile(&heavy, RET_ALLOW, RET_TRAP).unwrap();
+        assert!(p
+            .iter()
+            .any(|i| i.code == JMP_JGE_K && i.jt == 0 && i.jf == 1));
+        for nr in 0..45u32 {
+            for v in [0u64, 199, 200] {
+                let want = if nr < 40 && v < 200 {
+                    RET_ALLOW
+                } else {
+                    RET_TRAP
+                };
+                assert_eq!(run(&p, &data(nr, [v, 0, 0, 0, 0, 0])), want, "{nr} {v}");
+            }
+        }
     }
 
     #[test]
     fn lists_too_long_for_a_jump_are_refused() {
-        let plain: AllowList = (0..300).map(|nr| (nr, ArgCheck::Any)).collect();
+        let values: Vec<u64> = (0..300).collect();
+        let long = BTreeMap::from([(
+            16,
+            ArgCheck::OneOf {
+                arg: 1,
+                qword: false,
+                values,
+            },
+        )]);
         assert!(matches!(
-            compile(&plain, RET_ALLOW, RET_TRAP),
+            compile(&long, RET_ALLOW, RET_TRAP),
             Err(CompileError::TooLong { entries: 300, .. })
         ));
         let bad_arg = BTreeMap::from([(1, ArgCheck::Lacks { arg: 6, mask: 1 })]);
