@@ -22,6 +22,7 @@ const GUESTS: &[&str] = &[
     "virtio_fs",
     "i8042_probe",
     "serial_fifo",
+    "serial_irq",
     "acpi",
     "clone_rng",
 ];

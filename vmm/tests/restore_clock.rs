@@ -71,6 +71,7 @@ fn buses() -> Buses {
     Buses {
         io: Arc::new(Bus::new()),
         mmio: Arc::new(Bus::new()),
+        coalesced: None,
     }
 }
 

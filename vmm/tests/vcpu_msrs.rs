@@ -42,6 +42,7 @@ fn new_vcpu(kvm: &KvmHandle) -> (Vm, Vcpu) {
     let buses = Buses {
         io: Arc::new(Bus::new()),
         mmio: Arc::new(Bus::new()),
+        coalesced: None,
     };
     let vcpu = Vcpu::new(vm.fd(), 0, buses).unwrap();
     (vm, vcpu)

@@ -27,7 +27,8 @@ use crate::devices::bus::{Bus, BusError};
 use crate::devices::irq::IrqLine;
 use crate::devices::legacy::i8042::persist::I8042PersistError;
 use crate::devices::legacy::i8042::{ResetTrigger, I8042, I8042_PORT_BASE, I8042_PORT_LEN};
-use crate::devices::legacy::serial::output::BufferedOutput;
+use crate::devices::legacy::serial::coalesced::CoalescedTx;
+use crate::devices::legacy::serial::output::{BufferedOutput, WriterHandle};
 use crate::devices::legacy::serial::{
     spawn_stdin_forwarder, SerialDevice, SerialOut, COM1_IRQ, COM1_PORT_BASE, COM1_PORT_LEN,
 };
@@ -243,9 +244,14 @@ struct Devices {
 /// Puts the serial console, the i8042 (its IRQ 1 and 12 registered as
 /// irqfds) and the ACPI registers (if any) on the port-I/O bus and the virtio
 /// devices on the MMIO bus.
+///
+/// The serial console's data port goes through KVM's coalesced ring where
+/// KVM has one (mapped through `first_vcpu`, none for a VM without vCPUs; see
+/// [`crate::devices::legacy::serial::coalesced`]).
 fn build_devices(
     vm: &Vm,
-    serial: SerialDevice,
+    first_vcpu: Option<&kvm_ioctls::VcpuFd>,
+    (mut serial, writer): (SerialDevice, Option<WriterHandle>),
     i8042: I8042,
     virtio_devices: Vec<PlannedDevice>,
     acpi: Option<AcpiDevices>,
@@ -256,6 +262,20 @@ fn build_devices(
             what: "the serial irqfd".into(),
             source: std::io::Error::from_raw_os_error(e.errno()),
         })?;
+    if let Some(writer) = &writer {
+        serial.set_writer(writer.clone());
+    }
+    let coalesced = first_vcpu.and_then(|vcpu| {
+        CoalescedTx::start(
+            vm.shared_fd(),
+            vcpu,
+            serial.transmit_has_side_effects(),
+            writer,
+        )
+    });
+    if let Some(tx) = &coalesced {
+        serial.attach_coalesced(tx.clone());
+    }
     let serial = Arc::new(Mutex::new(serial));
     for line in i8042.irq_lines() {
         vm.fd()
@@ -274,10 +294,15 @@ fn build_devices(
     }
     let mut mmio = Bus::new();
     let virtio = virtio_setup::attach(vm.fd(), vm.memory(), &mut mmio, virtio_devices)?;
+    let io = Arc::new(io);
+    if let Some(tx) = &coalesced {
+        tx.serve(&io);
+    }
     Ok(Devices {
         buses: Buses {
-            io: Arc::new(io),
+            io,
             mmio: Arc::new(mmio),
+            coalesced,
         },
         serial,
         i8042,
@@ -299,19 +324,24 @@ fn serial_irq() -> Result<IrqLine, StartError> {
     })
 }
 
-fn serial_output(cfg: &SerialConfig) -> Result<SerialOut, StartError> {
-    let buffered = |sink: SerialOut, direct: Option<RawFd>| -> Result<SerialOut, StartError> {
+/// Where guest output goes, and a handle to the thread writing it there
+/// (none for discarded output).
+fn serial_output(cfg: &SerialConfig) -> Result<(SerialOut, Option<WriterHandle>), StartError> {
+    let buffered = |sink: SerialOut,
+                    direct: Option<RawFd>|
+     -> Result<(SerialOut, Option<WriterHandle>), StartError> {
         let out = BufferedOutput::new(sink, direct).map_err(|source| StartError::Device {
             what: "the serial output thread".into(),
             source,
         })?;
-        Ok(Box::new(out))
+        let writer = out.handle();
+        Ok((Box::new(out), Some(writer)))
     };
     Ok(match cfg {
         // Stdout stays open for the process's life; the writer thread
         // flushes std's line buffer after every batch.
         SerialConfig::Stdout => buffered(Box::new(std::io::stdout()), Some(libc::STDOUT_FILENO))?,
-        SerialConfig::None => Box::new(std::io::sink()),
+        SerialConfig::None => (Box::new(std::io::sink()), None),
         SerialConfig::File(path) => {
             // Rotated at the log bound: a guest cannot fill the disk through it.
             let file = crate::logfile::RotatingFile::open(path, crate::logfile::max_bytes())
@@ -385,7 +415,8 @@ impl Machine {
         let vm = Vm::new(&kvm, memory, config.pit)?;
         timing::mark("vm-created");
         let coordinator = Arc::new(Coordinator::new(usize::from(config.vcpus)));
-        let serial = SerialDevice::new(serial_irq()?, serial_output(&config.serial)?);
+        let (out, writer) = serial_output(&config.serial)?;
+        let serial = SerialDevice::new(serial_irq()?, out);
         let i8042 =
             I8042::new(reset_trigger(&coordinator)).map_err(|source| StartError::Device {
                 what: "the i8042 interrupts".into(),
@@ -402,7 +433,15 @@ impl Machine {
         } else {
             None
         };
-        let devices = build_devices(&vm, serial, i8042, virtio_devices, acpi)?;
+        let vcpu_fds = restore::create_vcpu_fds(vm.fd(), usize::from(config.vcpus))?;
+        let devices = build_devices(
+            &vm,
+            vcpu_fds.first(),
+            (serial, writer),
+            i8042,
+            virtio_devices,
+            acpi,
+        )?;
         timing::mark("devices-created");
 
         let supported = kvm
@@ -410,8 +449,8 @@ impl Machine {
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(StartError::Cpuid)?;
         let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
-        for index in 0..config.vcpus {
-            let vcpu = Vcpu::new(vm.fd(), index, devices.buses.clone())?;
+        for (index, fd) in (0..config.vcpus).zip(vcpu_fds) {
+            let vcpu = Vcpu::from_fd(fd, index, devices.buses.clone());
             vcpu.configure(vm.memory(), &supported, config.vcpus, kernel.entry)?;
             vcpus.push(vcpu);
         }
@@ -523,11 +562,10 @@ impl Machine {
         for t in self.threads {
             let _ = t.join();
         }
-        self.shared
-            .serial
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .flush();
+        let mut serial = self.shared.serial.lock().unwrap_or_else(|p| p.into_inner());
+        serial.flush();
+        serial.log_transmit_summary();
+        drop(serial);
         reason
     }
 }

@@ -67,7 +67,7 @@ pub struct PreparedVm {
 }
 
 /// Creates vCPUs `0..count` of `vm`.
-fn create_vcpu_fds(vm: &VmFd, count: usize) -> Result<Vec<VcpuFd>, VcpuError> {
+pub(super) fn create_vcpu_fds(vm: &VmFd, count: usize) -> Result<Vec<VcpuFd>, VcpuError> {
     (0..count)
         .map(|index| {
             // `count` is at most KVM's max_vcpus, checked below 256 by the caller.
@@ -245,10 +245,11 @@ impl Machine {
         } else {
             Coordinator::new(count)
         });
+        let (out, writer) = serial_output(&config.serial)?;
         let serial = SerialDevice::restore(
             SerialRestoreArgs {
                 irq: serial_irq()?,
-                out: serial_output(&config.serial)?,
+                out,
             },
             &state.serial,
         )?;
@@ -279,7 +280,14 @@ impl Machine {
             }
             None => None,
         };
-        let devices = build_devices(&vm, serial, i8042, virtio_devices, acpi)?;
+        let devices = build_devices(
+            &vm,
+            vcpu_fds.first(),
+            (serial, writer),
+            i8042,
+            virtio_devices,
+            acpi,
+        )?;
         timing::mark("devices-restored");
         let mut vcpus = Vec::with_capacity(count);
         // `fits` checked one fd per saved vCPU, and `load` that the saved

@@ -80,15 +80,18 @@ pub(super) const KVM_CREATE_VM: u64 = kvm::CREATE_VM;
 mod kvm {
     use super::{io, ior, iow, iowr, KVMIO};
     use kvm_bindings::{
-        kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_dirty_log, kvm_fpu, kvm_irqchip,
-        kvm_lapic_state, kvm_mp_state, kvm_msr_list, kvm_msrs, kvm_pit_state2, kvm_regs, kvm_sregs,
-        kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+        kvm_clock_data, kvm_coalesced_mmio_zone, kvm_cpuid2, kvm_debugregs, kvm_dirty_log, kvm_fpu,
+        kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_msr_list, kvm_msrs, kvm_pit_state2,
+        kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
     };
 
     /// KVM_RUN.
     pub const RUN: u64 = io(KVMIO, 0x80);
     /// KVM_CREATE_VM: never after setup (the selftest's forbidden ioctl).
     pub const CREATE_VM: u64 = io(KVMIO, 0x01);
+    /// KVM_UNREGISTER_COALESCED_MMIO: a vCPU handling the guest's UART
+    /// interrupt-enable write takes the console's data port out of the ring.
+    pub const UNREGISTER_COALESCED: u64 = iow::<kvm_coalesced_mmio_zone>(KVMIO, 0x68);
 
     /// /dev/kvm requests a snapshot makes (the MSR list to save, capabilities).
     pub const SYSTEM: &[u64] = &[
@@ -101,13 +104,15 @@ mod kvm {
     /// VM requests after setup: snapshots (clock, interrupt controllers,
     /// timer, dirty pages) and restores into a running VM.
     pub const VM: &[u64] = &[
-        iow::<kvm_dirty_log>(KVMIO, 0x42),  // KVM_GET_DIRTY_LOG
-        iowr::<kvm_irqchip>(KVMIO, 0x62),   // KVM_GET_IRQCHIP
-        ior::<kvm_irqchip>(KVMIO, 0x63),    // KVM_SET_IRQCHIP
-        iow::<kvm_clock_data>(KVMIO, 0x7b), // KVM_SET_CLOCK
-        ior::<kvm_clock_data>(KVMIO, 0x7c), // KVM_GET_CLOCK
-        ior::<kvm_pit_state2>(KVMIO, 0x9f), // KVM_GET_PIT2
-        iow::<kvm_pit_state2>(KVMIO, 0xa0), // KVM_SET_PIT2
+        iow::<kvm_dirty_log>(KVMIO, 0x42),           // KVM_GET_DIRTY_LOG
+        iowr::<kvm_irqchip>(KVMIO, 0x62),            // KVM_GET_IRQCHIP
+        ior::<kvm_irqchip>(KVMIO, 0x63),             // KVM_SET_IRQCHIP
+        iow::<kvm_clock_data>(KVMIO, 0x7b),          // KVM_SET_CLOCK
+        ior::<kvm_clock_data>(KVMIO, 0x7c),          // KVM_GET_CLOCK
+        ior::<kvm_pit_state2>(KVMIO, 0x9f),          // KVM_GET_PIT2
+        iow::<kvm_pit_state2>(KVMIO, 0xa0),          // KVM_SET_PIT2
+        iow::<kvm_coalesced_mmio_zone>(KVMIO, 0x67), // KVM_REGISTER_COALESCED_MMIO
+        UNREGISTER_COALESCED,
     ];
 
     /// vCPU requests: running, and saving or loading a vCPU's state.
@@ -354,6 +359,7 @@ pub fn rules(kind: ThreadKind) -> AllowList {
             // requests to its backend (file descriptors travel with sendmsg).
             allow(VHOST_USER);
             ioctls.extend(kvm::VCPU);
+            ioctls.push(kvm::UNREGISTER_COALESCED);
         }
         ThreadKind::Main => {
             allow(FILES);

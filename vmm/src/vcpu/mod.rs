@@ -16,6 +16,7 @@ use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
 
 use crate::arch::x86_64::{cpuid, loader::BootEntry, msr, regs};
 use crate::devices::bus::Bus;
+use crate::devices::legacy::serial::coalesced::CoalescedTx;
 use crate::exit::ExitReason;
 use crate::memory::GuestMemoryMmap;
 use coordinator::{Coordinator, Next};
@@ -84,6 +85,9 @@ pub struct Buses {
     pub io: Arc<Bus>,
     /// MMIO.
     pub mmio: Arc<Bus>,
+    /// The serial console's writes KVM recorded instead of exiting, to hand
+    /// to the port bus before each exit is handled (`None`: every write exits).
+    pub coalesced: Option<Arc<CoalescedTx>>,
 }
 
 /// A vCPU fd shared between its thread (which holds the lock only while in
@@ -252,7 +256,11 @@ fn run_once(fd: &mut VcpuFd, index: u8, buses: &Buses) -> Ran {
         exit: None,
         io_pending: false,
     };
-    match fd.run() {
+    let ran = fd.run();
+    if let Some(tx) = &buses.coalesced {
+        tx.drain(&buses.io);
+    }
+    match ran {
         Ok(exit) => match exit {
             VcpuExit::IoIn(port, data) => {
                 if !buses.io.read(u64::from(port), data) {

@@ -9,7 +9,10 @@
 //! creating and closing VMs). The close happens in the VM's keeper now
 //! (`crate::keeper`), so the PIT stays on by default (`config::VmConfig::pit`).
 
+pub mod coalesced_ring;
 pub mod persist;
+
+use std::sync::Arc;
 
 use kvm_bindings::{
     kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
@@ -57,7 +60,7 @@ fn setup(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
 
 /// A created VM with its memory.
 pub struct Vm {
-    fd: VmFd,
+    fd: Arc<VmFd>,
     memory: GuestMemoryMmap,
     /// The anonymous reservation `memory` was mapped over (a VM prepared on
     /// standby): it owns the mappings `memory`'s regions point into and
@@ -77,7 +80,7 @@ pub struct Vm {
 /// VM prepared ahead registers its slots over a reservation that the
 /// snapshot's memory is later mapped onto (`MAP_FIXED`).
 pub struct EmptyVm {
-    fd: VmFd,
+    fd: Arc<VmFd>,
     /// Memory slots registered over this reservation (then the irqchip
     /// exists too).
     reserved: Option<GuestMemoryMmap>,
@@ -136,7 +139,10 @@ impl EmptyVm {
             unsafe { register_slots(&fd, memory)? };
             create_irqchip(&fd)?;
         }
-        Ok(EmptyVm { fd, reserved })
+        Ok(EmptyVm {
+            fd: Arc::new(fd),
+            reserved,
+        })
     }
 
     /// The VM file descriptor (to create vCPUs).
@@ -221,6 +227,12 @@ impl Vm {
     /// The VM file descriptor.
     pub fn fd(&self) -> &VmFd {
         &self.fd
+    }
+
+    /// The VM file descriptor, for a device that makes VM requests from a
+    /// vCPU thread (the serial console's coalesced transmit).
+    pub fn shared_fd(&self) -> Arc<VmFd> {
+        self.fd.clone()
     }
 
     /// Guest memory.

@@ -34,6 +34,9 @@
 //! * `virtio_hostile`: a misbehaving virtio-blk driver (bad sizes, buffers, chains).
 //! * `i8042_probe`: runs Linux's i8042 probe sequence by polling and reports what it read.
 //! * `serial_fifo`: resets the UART's receive FIFO once input arrived, then echoes the next line.
+//! * `serial_irq`: prints a line with the UART's interrupts off, then takes the
+//!   THR-empty interrupt through the IOAPIC and reports whether a THR write
+//!   raised it with no other exit after the write.
 //! * `acpi`: walks the ACPI tables from the RSDP, checks their checksums and
 //!   contents, and reports them; with `action=1` powers off through the FADT's
 //!   sleep control register, `action=2` resets through its reset register,
@@ -64,6 +67,7 @@ pub const ALL: &[&str] = &[
     "virtio_fs",
     "i8042_probe",
     "serial_fifo",
+    "serial_irq",
     "acpi",
     "clone_rng",
 ];

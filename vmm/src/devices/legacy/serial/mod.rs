@@ -2,6 +2,7 @@
 //! file or nowhere; host stdin to guest input. vm-superio ignores the FIFO
 //! control register; this wrapper honours its receive-FIFO reset.
 
+pub mod coalesced;
 pub mod output;
 pub mod persist;
 
@@ -16,6 +17,8 @@ use vm_superio::Serial;
 
 use crate::devices::bus::BusDevice;
 use crate::devices::irq::IrqLine;
+use coalesced::CoalescedTx;
+use output::WriterHandle;
 
 /// COM1's first I/O port.
 pub const COM1_PORT_BASE: u64 = 0x3f8;
@@ -28,8 +31,14 @@ pub const COM1_IRQ: u32 = 4;
 pub const RX_FIFO_SIZE: usize = 64;
 /// Register offsets and bits this wrapper handles itself.
 const DATA_OFFSET: u8 = 0;
+const IER_OFFSET: u8 = 1;
 const FCR_OFFSET: u8 = 2;
 const LCR_OFFSET: u8 = 3;
+const MCR_OFFSET: u8 = 4;
+/// IER bit 1: interrupt when the transmit holding register empties.
+const IER_THR_EMPTY: u8 = 0x02;
+/// MCR bit 4: loopback (transmitted bytes become received data).
+const MCR_LOOP: u8 = 0x10;
 /// FCR bit 1: clear the receive FIFO.
 const FCR_CLEAR_RECEIVE: u8 = 0x02;
 /// LCR bit 7: offsets 0 and 1 reach the divisor latch instead of the FIFO.
@@ -43,6 +52,10 @@ pub struct SerialDevice {
     uart: Serial<IrqLine, NoEvents, SerialOut>,
     /// Receive-FIFO resets so far: host input held back across one is dropped.
     receive_resets: u64,
+    /// The data port's writes through KVM's coalesced ring, while that is on.
+    coalesced: Option<Arc<CoalescedTx>>,
+    /// The thread writing the output, where it has one (to wait for it).
+    writer: Option<WriterHandle>,
 }
 
 fn log_write_error<E: std::fmt::Debug>(result: Result<(), E>) {
@@ -58,7 +71,29 @@ impl SerialDevice {
         SerialDevice {
             uart: Serial::new(irq, out),
             receive_resets: 0,
+            coalesced: None,
+            writer: None,
         }
+    }
+
+    /// Names the thread writing the output, so that [`SerialDevice::flush`]
+    /// waits for it.
+    pub fn set_writer(&mut self, writer: WriterHandle) {
+        self.writer = Some(writer);
+    }
+
+    /// Whether a THR write does more than output a byte now: raise the
+    /// THR-empty interrupt, or (loopback) become received data. Such writes
+    /// must exit at once, so they cannot go through KVM's coalesced ring.
+    pub fn transmit_has_side_effects(&self) -> bool {
+        let state = self.uart.state();
+        state.interrupt_enable & IER_THR_EMPTY != 0 || state.modem_control & MCR_LOOP != 0
+    }
+
+    /// Hands the UART the coalesced transmit routing its data port, to stop
+    /// it when the guest turns on a THR side effect.
+    pub fn attach_coalesced(&mut self, tx: Arc<CoalescedTx>) {
+        self.coalesced = Some(tx);
     }
 
     /// The interrupt line, to register with KVM.
@@ -114,25 +149,61 @@ impl SerialDevice {
         }
     }
 
-    /// Flushes buffered guest output.
+    /// Flushes buffered guest output: waits (bounded) until the writer
+    /// thread, if any, has written what is queued.
     pub fn flush(&mut self) {
-        let _ = self.uart.writer_mut().flush();
+        match &self.writer {
+            Some(writer) => writer.wait_written(),
+            None => {
+                let _ = self.uart.writer_mut().flush();
+            }
+        }
+    }
+
+    /// Logs (info) how the guest's output left: the bytes that went through
+    /// KVM's coalesced ring, and whether the data port is still in it.
+    pub fn log_transmit_summary(&self) {
+        match &self.coalesced {
+            Some(tx) => tracing::info!(
+                coalesced_bytes = tx.bytes(),
+                coalescing = tx.registered(),
+                "serial transmit summary"
+            ),
+            None => tracing::info!(
+                coalesced_bytes = 0,
+                coalescing = false,
+                "serial transmit summary"
+            ),
+        }
     }
 }
 
 impl BusDevice for SerialDevice {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if let Some(tx) = &self.coalesced {
+            tx.touch();
+        }
         if let (Some(first), Ok(off)) = (data.first_mut(), u8::try_from(offset)) {
             *first = self.uart.read(off);
         }
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
+        if let Some(tx) = &self.coalesced {
+            tx.touch();
+        }
         if let (Some(value), Ok(off)) = (data.first(), u8::try_from(offset)) {
             if off == FCR_OFFSET && value & FCR_CLEAR_RECEIVE != 0 {
                 self.reset_receive_fifo();
             }
             log_write_error(self.uart.write(off, *value));
+            if matches!(off, IER_OFFSET | MCR_OFFSET) {
+                if let Some(tx) = &self.coalesced {
+                    if tx.registered() && self.transmit_has_side_effects() {
+                        tx.stop();
+                    }
+                }
+            }
         }
     }
 }
@@ -356,6 +427,28 @@ mod tests {
         let mut dev = serial.lock().unwrap();
         let read: Vec<u8> = (0..line.len()).map(|_| read_byte(&mut dev, 0)).collect();
         assert_eq!(read, line);
+    }
+
+    #[test]
+    fn transmit_side_effects_are_the_thr_empty_interrupt_and_loopback() {
+        let mut dev = SerialDevice::new(IrqLine::new(4).unwrap(), Box::new(std::io::sink()));
+        assert!(!dev.transmit_has_side_effects());
+        // Received-data and line-status interrupts leave THR writes alone.
+        dev.write(1, &[0x05]);
+        assert!(!dev.transmit_has_side_effects());
+        // Offset 1 with the divisor latch open is the divisor, not IER.
+        dev.write(3, &[0x80]);
+        dev.write(1, &[0x02]);
+        assert!(!dev.transmit_has_side_effects());
+        dev.write(3, &[0x03]);
+        dev.write(1, &[0x02]);
+        assert!(dev.transmit_has_side_effects());
+        dev.write(1, &[0x00]);
+        assert!(!dev.transmit_has_side_effects());
+        dev.write(4, &[0x10]);
+        assert!(dev.transmit_has_side_effects(), "loopback");
+        dev.write(4, &[0x03]);
+        assert!(!dev.transmit_has_side_effects());
     }
 
     #[test]

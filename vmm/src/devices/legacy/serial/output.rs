@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 /// Bytes held for the writer thread at most.
 pub const OUTPUT_BUFFER: usize = 64 * 1024;
-/// How long `flush` waits for the writer (at VM exit).
+/// How long [`WriterHandle::wait_written`] waits for the writer (at VM exit).
 const FLUSH_WAIT: Duration = Duration::from_secs(2);
 /// The most bytes the vCPU writes directly in one call: a descriptor that
 /// `poll` reports writable takes this many without blocking (a pipe with a
@@ -26,13 +26,26 @@ const FLUSH_WAIT: Duration = Duration::from_secs(2);
 /// 256 bytes of room). The UART writes one byte per call.
 const DIRECT_MAX: usize = 64;
 
+/// Work the writer thread does between batches, when a period passes
+/// without output: emptying KVM's coalesced ring of console writes a guest
+/// made without exiting since ([`super::coalesced`]).
+pub trait IdleWork: Send + Sync {
+    /// How long the writer may wait for output before it calls `run` (`None`:
+    /// until output arrives). Asked again after every wait.
+    fn period(&self) -> Option<Duration>;
+    /// Called on the writer thread, without any lock of the output held.
+    fn run(&self);
+}
+
 #[derive(Default)]
 struct State {
     buf: VecDeque<u8>,
     dropped: u64,
     writing: bool,
-    /// Callers waiting in `flush` (the writer wakes them after each batch).
+    /// Callers waiting in `wait_written` (the writer wakes them after each batch).
     flushers: u32,
+    /// What the writer does while no output comes.
+    idle: Option<Arc<dyn IdleWork>>,
 }
 
 #[derive(Default)]
@@ -76,10 +89,27 @@ impl BufferedOutput {
                     {
                         let mut st = thread_shared.lock();
                         while st.buf.is_empty() {
-                            st = thread_shared
+                            let idle = st.idle.clone();
+                            let Some(period) = idle.as_ref().and_then(|w| w.period()) else {
+                                st = thread_shared
+                                    .changed
+                                    .wait(st)
+                                    .unwrap_or_else(|p| p.into_inner());
+                                continue;
+                            };
+                            let (guard, waited) = thread_shared
                                 .changed
-                                .wait(st)
+                                .wait_timeout(st, period)
                                 .unwrap_or_else(|p| p.into_inner());
+                            st = guard;
+                            if let (true, Some(work)) = (waited.timed_out(), idle) {
+                                if st.buf.is_empty() {
+                                    // The work may write output (and so take this lock).
+                                    drop(st);
+                                    work.run();
+                                    st = thread_shared.lock();
+                                }
+                            }
                         }
                         chunk.clear();
                         chunk.extend(st.buf.drain(..));
@@ -100,9 +130,55 @@ impl BufferedOutput {
         Ok(BufferedOutput { shared, direct })
     }
 
+    /// A handle to the writer thread: to wait until it has written what
+    /// is queued, and to give it work for its idle periods.
+    pub fn handle(&self) -> WriterHandle {
+        WriterHandle {
+            shared: self.shared.clone(),
+        }
+    }
+
     /// Bytes lost because the output could not keep up.
     pub fn dropped(&self) -> u64 {
         self.shared.lock().dropped
+    }
+}
+
+/// A [`BufferedOutput`]'s writer thread, seen from elsewhere: the UART
+/// holds the output itself (as its `Write`), the VM's teardown and the
+/// coalesced transmit hold this.
+#[derive(Clone)]
+pub struct WriterHandle {
+    shared: Arc<Shared>,
+}
+
+impl WriterHandle {
+    /// Waits (bounded) until the writer thread has written everything
+    /// queued: at VM exit, and before the console is read back.
+    pub fn wait_written(&self) {
+        let deadline = Instant::now() + FLUSH_WAIT;
+        let mut st = self.shared.lock();
+        st.flushers += 1;
+        while !st.buf.is_empty() || st.writing {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            st = self
+                .shared
+                .changed
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        st.flushers -= 1;
+    }
+
+    /// Installs `work` (replacing any before) and wakes the writer to wait
+    /// by its period.
+    pub fn set(&self, work: Arc<dyn IdleWork>) {
+        self.shared.lock().idle = Some(work);
+        self.shared.changed.notify_all();
     }
 }
 
@@ -160,24 +236,11 @@ impl Write for BufferedOutput {
         Ok(asked)
     }
 
-    /// Waits (bounded) until the writer thread has written everything queued.
+    /// Returns at once: the writer thread flushes after every batch. The
+    /// UART flushes after every byte, and a vCPU must never wait here for a
+    /// slow reader (bytes that do not fit are dropped, counted); waiting
+    /// for the queue is [`WriterHandle::wait_written`].
     fn flush(&mut self) -> std::io::Result<()> {
-        let deadline = Instant::now() + FLUSH_WAIT;
-        let mut st = self.shared.lock();
-        st.flushers += 1;
-        while !st.buf.is_empty() || st.writing {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            st = self
-                .shared
-                .changed
-                .wait_timeout(st, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        st.flushers -= 1;
         Ok(())
     }
 }
@@ -216,13 +279,13 @@ mod tests {
     }
 
     #[test]
-    fn everything_arrives_in_order_and_flush_waits_for_it() {
+    fn everything_arrives_in_order_and_wait_written_waits_for_it() {
         let sink = Collect::default();
         let mut out = BufferedOutput::new(Box::new(sink.clone()), None).unwrap();
         for i in 0..1000u32 {
             out.write_all(format!("{i}\n").as_bytes()).unwrap();
         }
-        out.flush().unwrap();
+        out.handle().wait_written();
         let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
         assert_eq!(text.lines().count(), 1000);
         assert_eq!(text.lines().last(), Some("999"));
@@ -304,7 +367,7 @@ mod tests {
             let n = std::io::Read::read(&mut &r, &mut buf).unwrap();
             got.extend_from_slice(&buf[..n]);
         }
-        out.flush().unwrap();
+        out.handle().wait_written();
         assert_eq!(&got[filled..], b"abc");
         assert_eq!(
             *through_thread.lock().unwrap(),
@@ -325,8 +388,53 @@ mod tests {
         let sink = Counted(w.try_clone().unwrap(), Arc::new(Mutex::new(0)));
         let mut out = BufferedOutput::new(Box::new(sink), Some(w.as_raw_fd())).unwrap();
         assert_eq!(out.write(b"x").unwrap(), 1);
-        out.flush().unwrap();
+        out.handle().wait_written();
         assert_eq!(out.dropped(), 1);
+    }
+
+    /// Idle work that counts its runs and asks for `period` until woken.
+    struct Ticks {
+        runs: Mutex<u32>,
+        period: Mutex<Option<Duration>>,
+    }
+
+    impl IdleWork for Ticks {
+        fn period(&self) -> Option<Duration> {
+            *self.period.lock().unwrap()
+        }
+        fn run(&self) {
+            *self.runs.lock().unwrap() += 1;
+        }
+    }
+
+    /// Waits (10 s at most) until `work` has run `n` times.
+    fn wait_runs(work: &Ticks, n: u32) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while *work.runs.lock().unwrap() < n {
+            assert!(
+                Instant::now() < deadline,
+                "idle work ran fewer than {n} times"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn the_writer_runs_idle_work_by_its_period() {
+        let sink = Collect::default();
+        let mut out = BufferedOutput::new(Box::new(sink.clone()), None).unwrap();
+        let work = Arc::new(Ticks {
+            runs: Mutex::new(0),
+            period: Mutex::new(Some(Duration::from_millis(1))),
+        });
+        out.handle().set(work.clone());
+        wait_runs(&work, 3);
+        // Output in between is written, and the polls go on after it.
+        out.write_all(b"x").unwrap();
+        out.handle().wait_written();
+        assert_eq!(*sink.0.lock().unwrap(), b"x");
+        let runs = *work.runs.lock().unwrap();
+        wait_runs(&work, runs + 3);
     }
 
     #[test]

@@ -89,6 +89,8 @@ impl Persist for SerialDevice {
         Ok(SerialDevice {
             uart,
             receive_resets: 0,
+            coalesced: None,
+            writer: None,
         })
     }
 }
