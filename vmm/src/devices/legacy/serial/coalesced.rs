@@ -61,6 +61,9 @@ pub struct CoalescedTx {
     drain: Mutex<()>,
     /// The port is registered (writes go to the ring).
     registered: AtomicBool,
+    /// The ring could not be read (an index or entry KVM never writes): it
+    /// is left alone from then on.
+    unreadable: AtomicBool,
     /// Bytes that reached the UART through the ring.
     bytes: AtomicU64,
     /// The serial writer thread, which polls the ring.
@@ -113,6 +116,7 @@ impl CoalescedTx {
             ring,
             drain: Mutex::new(()),
             registered: AtomicBool::new(true),
+            unreadable: AtomicBool::new(false),
             bytes: AtomicU64::new(0),
             idle,
             activity: AtomicBool::new(false),
@@ -155,7 +159,7 @@ impl CoalescedTx {
     /// How long the writer may wait before polling (`None`: no need, the
     /// port left the ring and nothing is left in it).
     fn period(&self) -> Option<Duration> {
-        if !self.registered() && self.ring.is_empty() {
+        if self.unreadable.load(Ordering::Relaxed) || (!self.registered() && self.ring.is_empty()) {
             return None;
         }
         Some(if self.fast.load(Ordering::Relaxed) {
@@ -168,7 +172,9 @@ impl CoalescedTx {
     /// Hands the recorded writes to `io`, oldest first. A vCPU thread calls
     /// this after every KVM_RUN, before it handles the exit.
     pub fn drain(&self, io: &Bus) {
-        if !self.registered.load(Ordering::Acquire) && self.ring.is_empty() {
+        if self.unreadable.load(Ordering::Relaxed)
+            || (!self.registered.load(Ordering::Acquire) && self.ring.is_empty())
+        {
             return;
         }
         let _consumer = self.drain.lock().unwrap_or_else(|p| p.into_inner());
@@ -186,6 +192,7 @@ impl CoalescedTx {
                 Err(e) => {
                     // Nothing sane can be read from the page any more: stop
                     // routing output there, so the rest exits as usual.
+                    self.unreadable.store(true, Ordering::Relaxed);
                     tracing::error!(error = %e, "serial transmit leaves KVM's coalesced ring");
                     self.stop();
                     return;
