@@ -518,9 +518,9 @@ fn serve(
     vmm::timing::mark("main-filtered");
     machine.run().map_err(|e| (e.exit_code(), e.to_string()))?;
     signals::watch_until_ended(&blocked, &machine.coordinator());
-    let reason = machine.wait_before_exit();
-    // What remains is the process's exit: in the kernel, tearing down its
-    // memory (the keeper holds the VM itself) before the parent sees it.
+    let reason = machine.wait();
+    // What remains is the process's exit: dropping the VM and, in the
+    // kernel, tearing down its memory and KVM state before the parent sees it.
     vmm::timing::mark("vm-ended");
     let code = reason.exit_code();
     if code == 0 {

@@ -550,20 +550,6 @@ impl Machine {
 
     /// Waits until the VM ends and returns why.
     pub fn wait(mut self) -> ExitReason {
-        self.wait_ended()
-    }
-
-    /// Waits until the VM ends and returns why, and leaves the VM (its
-    /// memory, KVM descriptors, device threads) to the process's exit, which
-    /// must follow. An unmap of guest memory while KVM still watches it
-    /// makes KVM walk its maps over the whole range; the process's exit
-    /// releases KVM's watch first and skips that walk, and the keeper holds
-    /// the VM itself (see [`crate::keeper`]).
-    pub fn wait_before_exit(self) -> ExitReason {
-        std::mem::ManuallyDrop::new(self).wait_ended()
-    }
-
-    fn wait_ended(&mut self) -> ExitReason {
         // vCPUs not yet handed out (the caller gave up before `run`) are
         // handed out now: they see the exit request and leave at once.
         if let Err(e) = self.run() {
@@ -573,7 +559,7 @@ impl Machine {
             };
         }
         let reason = self.shared.coordinator.wait_for_exit();
-        for t in std::mem::take(&mut self.threads) {
+        for t in self.threads {
             let _ = t.join();
         }
         let mut serial = self.shared.serial.lock().unwrap_or_else(|p| p.into_inner());
