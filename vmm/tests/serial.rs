@@ -100,13 +100,20 @@ fn transmit_summary(stderr: &str) -> Option<(u64, bool)> {
     ))
 }
 
-#[test]
-fn console_output_with_the_uarts_interrupts_off_goes_through_kvms_coalesced_ring() {
-    let g = guest("hello");
+/// Boots test guest `name` with the serial device's log on and checks
+/// that the VM ended cleanly.
+fn run_logged(name: &str) -> std::process::Output {
+    let g = guest(name);
     let mut args = SERIAL_LOG.to_vec();
     args.extend(["run", "--kernel", g.to_str().unwrap()]);
     let out = run_vmm(&args);
     assert_eq!(out.status.code(), Some(0), "stderr: {}", stderr(&out));
+    out
+}
+
+#[test]
+fn console_output_with_the_uarts_interrupts_off_goes_through_kvms_coalesced_ring() {
+    let out = run_logged("hello");
     assert_eq!(stdout(&out), "Hello from the hello test guest!\n");
     match transmit_summary(&stderr(&out)) {
         // Every byte of the line, and the port stays in the ring.
@@ -117,11 +124,7 @@ fn console_output_with_the_uarts_interrupts_off_goes_through_kvms_coalesced_ring
 
 #[test]
 fn the_thr_empty_interrupt_arrives_without_waiting_for_another_exit() {
-    let g = guest("serial_irq");
-    let mut args = SERIAL_LOG.to_vec();
-    args.extend(["run", "--kernel", g.to_str().unwrap()]);
-    let out = run_vmm(&args);
-    assert_eq!(out.status.code(), Some(0), "stderr: {}", stderr(&out));
+    let out = run_logged("serial_irq");
     let text = stdout(&out);
     assert!(text.starts_with("serial_irq: polled line\n"), "{text}");
     // One interrupt when the guest enabled it (THR is empty), one for its

@@ -6,10 +6,10 @@
 //! machine, and every vmm thread installs one on the way to the guest's first
 //! instruction. seccompiler spends five instructions on each allowed system
 //! call and on each allowed argument value (a compare, two jumps and a pair
-//! of returns); this compiler spends one, jumping to a shared return, so a
-//! thread kind's program is about a quarter of the size (main: 161
-//! instructions against 602) and installs in 40 % of the time (main: 105-130
-//! µs against 265-300). The verdicts are the same: the tests run both
+//! of returns); this compiler spends one, jumping to returns shared by a
+//! leaf of its search (below), so a thread kind's program is about a third
+//! of the size (main: 192 instructions against 602). The verdicts are the
+//! same: the tests run both
 //! programs through a BPF interpreter over every system call number and the
 //! argument values around each allowed one.
 //!

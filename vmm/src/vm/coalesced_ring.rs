@@ -163,13 +163,12 @@ impl CoalescedRing {
         if first == last {
             return Ok(None);
         }
-        let offset = HEADER + first as usize * ENTRY;
+        let at = self.base().wrapping_add(HEADER + first as usize * ENTRY);
         // SAFETY: first < CAPACITY, so the entry lies inside the page
         // (HEADER + CAPACITY * ENTRY <= PAGE_SIZE), 8-aligned (HEADER and
         // ENTRY are multiples of 8); KVM finished writing it before it
         // published `last` past it.
-        let raw: kvm_coalesced_mmio =
-            unsafe { std::ptr::read_volatile(self.base().add(offset).cast()) };
+        let raw = unsafe { std::ptr::read_volatile(at.cast::<kvm_coalesced_mmio>()) };
         self.index(0)
             .store((first + 1) % CAPACITY, Ordering::Release);
         let len = raw.len;

@@ -163,18 +163,15 @@ impl SerialDevice {
     /// Logs (info) how the guest's output left: the bytes that went through
     /// KVM's coalesced ring, and whether the data port is still in it.
     pub fn log_transmit_summary(&self) {
-        match &self.coalesced {
-            Some(tx) => tracing::info!(
-                coalesced_bytes = tx.bytes(),
-                coalescing = tx.registered(),
-                "serial transmit summary"
-            ),
-            None => tracing::info!(
-                coalesced_bytes = 0,
-                coalescing = false,
-                "serial transmit summary"
-            ),
-        }
+        let (bytes, on) = self
+            .coalesced
+            .as_ref()
+            .map_or((0, false), |tx| (tx.bytes(), tx.registered()));
+        tracing::info!(
+            coalesced_bytes = bytes,
+            coalescing = on,
+            "serial transmit summary"
+        );
     }
 }
 
