@@ -8,6 +8,7 @@ use serde::Deserialize;
 use vmm_api::command::{DiskSpec, FsSpec, NetSpec};
 use vmm_api::rate_limit::{IoLimit, NetLimits, SpecError};
 
+use crate::arch::x86_64::cpuid_cache;
 use crate::arch::x86_64::layout::MAX_DEVICES;
 use crate::arch::x86_64::mptable::MAX_CPUS;
 pub use crate::memory::MemoryMode;
@@ -298,6 +299,9 @@ pub enum ConfigError {
     /// The PIT setting is not `on` or `off`.
     #[error("invalid PIT setting {0:?}: expected on or off")]
     Pit(String),
+    /// The CPUID cache setting is empty.
+    #[error("invalid CPUID cache setting \"\": expected a file path or none")]
+    CpuidCache,
     /// The config file cannot be read.
     #[error("cannot read config file {path}: {source}")]
     FileUnreadable {
@@ -354,6 +358,9 @@ pub struct ConfigFile {
     pub acpi: Option<bool>,
     /// An in-kernel i8254 PIT (default true).
     pub pit: Option<bool>,
+    /// Where the host's supported CPUID is cached between vmm processes, or
+    /// `none` (default: /run/agentvm/kvm-supported-cpuid).
+    pub cpuid_cache: Option<String>,
 }
 
 impl ConfigFile {
@@ -387,6 +394,7 @@ impl ConfigFile {
             memory: overrides.memory.or(self.memory),
             acpi: overrides.acpi.or(self.acpi),
             pit: overrides.pit.or(self.pit),
+            cpuid_cache: overrides.cpuid_cache.or(self.cpuid_cache),
         }
     }
 }
@@ -422,6 +430,9 @@ pub struct VmConfig {
     /// without one boots with no timer). Off is not the default: it did not
     /// make the vmm faster (see `vm`), and guests have always had one.
     pub pit: bool,
+    /// The file caching KVM_GET_SUPPORTED_CPUID between vmm processes
+    /// (`arch::x86_64::cpuid_cache`), None to ask KVM every time.
+    pub cpuid_cache: Option<PathBuf>,
 }
 
 /// Parses the CLI form of the ACPI setting: `on` or `off`.
@@ -473,6 +484,12 @@ impl TryFrom<ConfigFile> for VmConfig {
             .transpose()
             .map_err(ConfigError::Memory)?;
         let memory = devices.memory_mode(requested)?;
+        let cpuid_cache = match f.cpuid_cache.as_deref() {
+            None => Some(PathBuf::from(cpuid_cache::DEFAULT_PATH)),
+            Some("") => return Err(ConfigError::CpuidCache),
+            Some("none") => None,
+            Some(path) => Some(PathBuf::from(path)),
+        };
         Ok(VmConfig {
             kernel,
             initrd: f.initrd,
@@ -485,6 +502,7 @@ impl TryFrom<ConfigFile> for VmConfig {
             devices,
             acpi: f.acpi.unwrap_or(true),
             pit: f.pit.unwrap_or(true),
+            cpuid_cache,
         })
     }
 }

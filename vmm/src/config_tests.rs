@@ -228,3 +228,31 @@ fn bad_values_are_refused() {
         )
     );
 }
+
+#[test]
+fn the_cpuid_cache_defaults_to_run_and_none_turns_it_off() {
+    let parse = |json: &str| VmConfig::try_from(serde_json::from_str::<ConfigFile>(json).unwrap());
+    assert_eq!(
+        parse(r#"{"kernel":"/k"}"#).unwrap().cpuid_cache,
+        Some(PathBuf::from("/run/agentvm/kvm-supported-cpuid"))
+    );
+    assert_eq!(
+        parse(r#"{"kernel":"/k","cpuid_cache":"none"}"#)
+            .unwrap()
+            .cpuid_cache,
+        None
+    );
+    let file: ConfigFile = serde_json::from_str(r#"{"kernel":"/k","cpuid_cache":"/a"}"#).unwrap();
+    let flags = ConfigFile {
+        cpuid_cache: Some("/b".into()),
+        ..Default::default()
+    };
+    let cfg = VmConfig::try_from(file.overridden_by(flags)).unwrap();
+    assert_eq!(cfg.cpuid_cache, Some(PathBuf::from("/b")));
+    assert_eq!(
+        parse(r#"{"kernel":"/k","cpuid_cache":""}"#)
+            .unwrap_err()
+            .to_string(),
+        "invalid CPUID cache setting \"\": expected a file path or none"
+    );
+}

@@ -248,6 +248,12 @@ struct RunArgs {
     /// needs one. Restores follow the snapshot (a VM that had a PIT gets one back).
     #[arg(long, value_name = "on|off")]
     pit: Option<String>,
+    /// File that keeps the host's supported CPUID (KVM_GET_SUPPORTED_CPUID, the
+    /// costliest step of a boot on a nested host) between vmm processes, reused while
+    /// the boot, the KVM modules and the host CPU's feature flags are unchanged; `none`
+    /// asks KVM every time [default: /run/agentvm/kvm-supported-cpuid].
+    #[arg(long, value_name = "PATH|none")]
+    cpuid_cache: Option<String>,
 }
 
 /// Installs the stderr logger. The filter is `target=level` directives
@@ -315,6 +321,7 @@ fn run(args: RunArgs) -> Result<i32, (i32, String)> {
             .map(parse_pit)
             .transpose()
             .map_err(|e| bad(&e))?,
+        cpuid_cache: args.cpuid_cache,
     };
     let config = VmConfig::try_from(file.overridden_by(flags)).map_err(|e| bad(&e))?;
     let blocked = block_signals()?;

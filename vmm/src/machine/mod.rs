@@ -15,11 +15,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
-
 use crate::acpi::AcpiError;
 use crate::arch::x86_64::layout::ACPI_VMGENID_START;
-use crate::arch::x86_64::{loader, mptable};
+use crate::arch::x86_64::{cpuid_cache, loader, mptable};
 use crate::config::{SerialConfig, VmConfig};
 use crate::devices::acpi::vmgenid::VmGenIdError;
 use crate::devices::acpi::{AcpiDeviceError, AcpiDevices};
@@ -444,10 +442,10 @@ impl Machine {
         )?;
         timing::mark("devices-created");
 
-        let supported = kvm
-            .kvm()
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(StartError::Cpuid)?;
+        let (supported, source) =
+            cpuid_cache::supported_cpuid(kvm.kvm(), config.cpuid_cache.as_deref())
+                .map_err(StartError::Cpuid)?;
+        tracing::info!(target: "vmm::cpuid", source = ?source, "host CPUID");
         let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
         for (index, fd) in (0..config.vcpus).zip(vcpu_fds) {
             let vcpu = Vcpu::from_fd(fd, index, devices.buses.clone());

@@ -1,5 +1,6 @@
 /* Reports what the vmm gave it: zero-page fields, the command line, the
- * e820 map, CPUID identity and the MP table signature; then resets. */
+ * e820 map, CPUID identity and feature flags (leaves 1 and 7) and the MP
+ * table signature; then resets. */
 #include "guest.h"
 
 static void kv_hex(const char *k, u64 v) { puts(k); putc('='); put_hex(v); putc('\n'); }
@@ -46,6 +47,12 @@ void guest_main(const u8 *zp) {
     kv_dec("cpuid.hypervisor", (c >> 31) & 1);
     kv_dec("cpuid.apic_id", b >> 24);
     kv_dec("cpuid.logical_count", (b >> 16) & 0xff);
+    kv_hex("cpuid.1.ecx", c);
+    kv_hex("cpuid.1.edx", d);
+    cpuid(7, 0, &a, &b, &c, &d);
+    kv_hex("cpuid.7.ebx", b);
+    kv_hex("cpuid.7.ecx", c);
+    kv_hex("cpuid.7.edx", d);
     cpuid(0x40000000, 0, &a, &b, &c, &d);
     puts("cpuid.hv_signature=");
     put_reg_chars(b); put_reg_chars(c); put_reg_chars(d);

@@ -1,6 +1,7 @@
 //! x86_64 boot: memory map, kernel loading, boot structures and vCPU registers.
 
 pub mod cpuid;
+pub mod cpuid_cache;
 pub mod e820;
 pub mod gdt;
 pub mod layout;
