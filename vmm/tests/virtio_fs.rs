@@ -33,7 +33,8 @@ const PATIENCE: Duration = Duration::from_secs(60);
 /// virtiofsd: $AGENTVM_VIRTIOFSD, then `virtiofsd` on PATH, then
 /// ~/.cache/agentvm/virtiofsd-1.14.0/bin/virtiofsd; or why there is none.
 fn virtiofsd_binary() -> Result<PathBuf, String> {
-    if let Some(path) = std::env::var_os("AGENTVM_VIRTIOFSD") {
+    // Empty counts as unset, as host-agent reads it.
+    if let Some(path) = std::env::var_os("AGENTVM_VIRTIOFSD").filter(|p| !p.is_empty()) {
         let path = PathBuf::from(path);
         return if path.is_file() {
             Ok(path)

@@ -21,7 +21,8 @@ const ENV: &str = "AGENTVM_VIRTIOFSD";
 
 /// The virtiofsd to run, installed first if need be; checked to start.
 pub fn ensure() -> Result<PathBuf> {
-    if let Some(path) = std::env::var_os(ENV) {
+    // Empty counts as unset, as host-agent reads it.
+    if let Some(path) = std::env::var_os(ENV).filter(|p| !p.is_empty()) {
         let path = PathBuf::from(path);
         if !path.is_file() {
             return Err(PrepareError::Missing(format!(
