@@ -39,7 +39,7 @@ use serde::{Deserialize, Serialize};
 pub const DEFAULT_PATH: &str = "/run/agentvm/kvm-supported-cpuid";
 
 /// First bytes of a cache file; the digit is the format version.
-const MAGIC: [u8; 8] = *b"AVMCPUI1";
+const MAGIC: [u8; 8] = *b"AVMCPUI2";
 /// A cache file is a few KiB; anything larger is not one.
 const MAX_FILE_BYTES: u64 = 64 * 1024;
 /// The KVM modules whose reload changes what KVM supports.
@@ -63,23 +63,12 @@ pub struct HostKey {
     xcomp_guest_perm: Option<u64>,
 }
 
-/// One CPUID entry as stored (kvm_cpuid_entry2 without its padding).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-struct Entry {
-    function: u32,
-    index: u32,
-    flags: u32,
-    eax: u32,
-    ebx: u32,
-    ecx: u32,
-    edx: u32,
-}
-
-/// The file's contents after [`MAGIC`].
+/// The file's contents after [`MAGIC`]: the entries as kvm-bindings
+/// serializes them (as in a snapshot's vCPU state).
 #[derive(Debug, Serialize, Deserialize)]
 struct CacheFile {
     key: HostKey,
-    entries: Vec<Entry>,
+    entries: Vec<kvm_cpuid_entry2>,
 }
 
 /// Why a cache file was not used.
@@ -280,9 +269,7 @@ pub fn load(path: &Path, key: &HostKey) -> Result<Option<CpuId>, CacheError> {
         tracing::debug!(path = %path.display(), "CPUID cache written for another boot, module load or CPU state");
         return Ok(None);
     }
-    let entries: Vec<kvm_cpuid_entry2> =
-        cached.entries.iter().copied().map(Entry::to_kvm).collect();
-    CpuId::from_entries(&entries)
+    CpuId::from_entries(&cached.entries)
         .map(Some)
         .map_err(|e| malformed(format!("{e:?}")))
 }
@@ -295,20 +282,19 @@ pub fn store(path: &Path, key: &HostKey, cpuid: &CpuId) -> Result<(), CacheError
     };
     let bytes = encode(&CacheFile {
         key: key.clone(),
-        entries: cpuid.as_slice().iter().map(Entry::from_kvm).collect(),
+        entries: cpuid.as_slice().to_vec(),
     })
     .map_err(|e| write(io::Error::other(e)))?;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    if !dir.exists() {
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(write)?;
-    }
+    // Succeeds when the directory exists; a new one is private.
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(write)?;
     let mut tmp_name: OsString = path.file_name().unwrap_or_default().to_owned();
     tmp_name.push(format!(".tmp.{}", std::process::id()));
     let tmp = dir.join(tmp_name);
@@ -360,33 +346,6 @@ fn decode(bytes: &[u8]) -> Result<CacheFile, String> {
 fn effective_uid() -> u32 {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() }
-}
-
-impl Entry {
-    fn from_kvm(e: &kvm_cpuid_entry2) -> Self {
-        Entry {
-            function: e.function,
-            index: e.index,
-            flags: e.flags,
-            eax: e.eax,
-            ebx: e.ebx,
-            ecx: e.ecx,
-            edx: e.edx,
-        }
-    }
-
-    fn to_kvm(self) -> kvm_cpuid_entry2 {
-        kvm_cpuid_entry2 {
-            function: self.function,
-            index: self.index,
-            flags: self.flags,
-            eax: self.eax,
-            ebx: self.ebx,
-            ecx: self.ecx,
-            edx: self.edx,
-            ..Default::default()
-        }
-    }
 }
 
 #[cfg(test)]

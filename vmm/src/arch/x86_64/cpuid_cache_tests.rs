@@ -32,8 +32,8 @@ fn cache_path() -> (tempfile::TempDir, PathBuf) {
     (dir, path)
 }
 
-fn entries(cpuid: &CpuId) -> Vec<Entry> {
-    cpuid.as_slice().iter().map(Entry::from_kvm).collect()
+fn entries(cpuid: &CpuId) -> Vec<kvm_cpuid_entry2> {
+    cpuid.as_slice().to_vec()
 }
 
 #[test]
@@ -93,7 +93,7 @@ fn malformed_files_are_refused() {
     let good = fs::read(&path).unwrap();
     let too_many = encode(&CacheFile {
         key: sample_key(),
-        entries: vec![Entry::from_kvm(&entry(0, 0)); KVM_MAX_CPUID_ENTRIES + 1],
+        entries: vec![entry(0, 0); KVM_MAX_CPUID_ENTRIES + 1],
     })
     .unwrap();
     let no_entries = encode(&CacheFile {
@@ -105,11 +105,11 @@ fn malformed_files_are_refused() {
     short_key.leaves.pop();
     let other_shape = encode(&CacheFile {
         key: short_key,
-        entries: vec![Entry::from_kvm(&entry(0, 0))],
+        entries: vec![entry(0, 0)],
     })
     .unwrap();
     let mut wrong_version = good.clone();
-    wrong_version[7] = b'2';
+    wrong_version[7] = b'1';
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("empty", Vec::new()),
         ("wrong version", wrong_version),
