@@ -52,8 +52,10 @@ fn or_into(acc: &mut Vec<Vec<u64>>, new: &[Vec<u64>]) {
 }
 
 impl MachineShared {
-    fn save_state(&self, virtio: VirtioState) -> Result<MachineState, SnapshotRequestError> {
-        let state_err = |e: &dyn std::fmt::Display| SnapshotRequestError::State(e.to_string());
+    /// The machine's state for a snapshot; errors are what the snapshot's
+    /// "cannot save VM state" reports.
+    fn save_state(&self, virtio: VirtioState) -> Result<MachineState, String> {
+        let state_err = |e: &dyn std::fmt::Display| e.to_string();
         let msr_indices = vcpu_persist::msrs_to_save(self.kvm.kvm()).map_err(|e| state_err(&e))?;
         let mut vcpus = Vec::with_capacity(self.vcpus.len());
         for (i, fd) in self.vcpus.iter().enumerate() {
@@ -104,13 +106,13 @@ impl MachineShared {
         let mut maybe_nonzero = lock(&self.maybe_nonzero);
         or_into(&mut maybe_nonzero, &newly_dirty);
 
-        let virtio = devices
-            .save()
-            .map_err(|e| SnapshotRequestError::State(e.to_string()))?;
-        let state = self.save_state(virtio)?;
-        let state_bytes = state
-            .encode()
-            .map_err(|e| SnapshotRequestError::State(e.to_string()))?;
+        // Runs while guest memory is being written; it only reads guest
+        // memory (the vCPUs are parked, the devices quiesced).
+        let state_bytes = || -> Result<Vec<u8>, String> {
+            let virtio = devices.save().map_err(|e| e.to_string())?;
+            let state = self.save_state(virtio)?;
+            state.encode().map_err(|e| e.to_string())
+        };
         let content = match (kind, parent) {
             (SnapshotKind::Full, _) => MemoryContent::Full {
                 candidates: Some(&maybe_nonzero),
@@ -121,7 +123,7 @@ impl MachineShared {
             },
             (SnapshotKind::Diff, None) => return Err(SnapshotRequestError::NoParent),
         };
-        let manifest = write_snapshot(dir, &state_bytes, self.vm.memory(), content)?;
+        let manifest = write_snapshot(dir, state_bytes, self.vm.memory(), content)?;
         drop(devices);
         pending.clear();
         if kind == SnapshotKind::Full {

@@ -4,12 +4,12 @@
 //! wrote in the manifest.
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 use super::manifest::{Extent, RegionLayout};
+use super::page_sink::PageSink;
 use crate::memory::{GuestMemoryMmap, PAGE_SIZE};
 
 /// Bytes copied out of guest memory per write.
@@ -193,82 +193,21 @@ pub fn dirty_runs(bits: &[u64], pages: u64) -> Vec<(u64, u64)> {
     runs
 }
 
-/// Starts write-back of what a snapshot writes every `WRITEBACK_KICK`
-/// bytes, so the device is busy while the rest is still being copied and the
-/// final fsync waits for less.
-const WRITEBACK_KICK: u64 = 4 << 20;
-
-/// Asks the kernel to start writing `[offset, offset + len)` of `file` back
-/// (`SYNC_FILE_RANGE_WRITE`: queue it, do not wait). Only a hint: the
-/// snapshot's fsync is what makes it durable, so an error here is ignored.
-fn start_writeback(file: &File, offset: u64, len: u64) {
-    // SAFETY: sync_file_range only reads its scalar arguments; an invalid
-    // range or fd yields an error return, not undefined behaviour.
-    unsafe {
-        libc::sync_file_range(
-            file.as_raw_fd(),
-            offset as libc::off64_t,
-            len as libc::off64_t,
-            libc::SYNC_FILE_RANGE_WRITE,
-        );
-    }
-}
-
-/// Writes `len` bytes of guest memory, starting at host address `src`, into
-/// `file` at `offset` with `pwrite`, straight from the guest's pages.
+/// Writes the pages set in `dirty` (one bitmap per region, bit i = page i)
+/// through `sink` into the memory file.
 ///
-/// # Safety
-///
-/// `src..src + len` must lie inside one mapped guest memory region that stays
-/// mapped for the call. The bytes are only read, by the kernel; no Rust
-/// reference to them is made, so a concurrent write by a device backend is a
-/// torn page in the snapshot, not undefined behaviour.
-unsafe fn pwrite_guest(
-    file: &File,
-    src: *const u8,
-    len: usize,
-    offset: u64,
-) -> std::io::Result<()> {
-    let mut done = 0usize;
-    while done < len {
-        // SAFETY: `src + done .. src + len` is inside the mapped region (caller's contract).
-        let n = unsafe {
-            libc::pwrite(
-                file.as_raw_fd(),
-                src.add(done).cast(),
-                len - done,
-                (offset + done as u64) as libc::off64_t,
-            )
-        };
-        match n {
-            n if n > 0 => done += n as usize,
-            0 => return Err(std::io::ErrorKind::WriteZero.into()),
-            _ => {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Writes the pages set in `dirty` (one bitmap per region, bit i = page i) into `file`.
-///
-/// Each run of dirty pages is one `pwrite` straight from guest memory (no
-/// bounce buffer), and write-back starts while later runs are still written.
+/// Each run of dirty pages is one write straight from guest memory (no
+/// bounce buffer); see [`PageSink`] for which runs bypass the page cache.
 pub fn write_diff(
     mem: &GuestMemoryMmap,
     file: &File,
+    sink: &mut PageSink<'_>,
     dirty: &[Vec<u64>],
 ) -> std::io::Result<Vec<Extent>> {
     let regions = layout(mem);
     let total: u64 = regions.iter().map(|r| r.size).sum();
     file.set_len(total)?;
     let mut extents = Vec::new();
-    let mut kicked_to = 0u64;
-    let mut written = 0u64;
     for ((region, r), bits) in mem.iter().zip(&regions).zip(dirty) {
         let host = region.as_ptr();
         for (first, count) in dirty_runs(bits, r.size / PAGE_SIZE) {
@@ -277,20 +216,8 @@ pub fn write_diff(
             // SAFETY: `dirty_runs` keeps every run below `r.size / PAGE_SIZE`
             // pages, so `at + len <= region.len()`: the run lies in this
             // region's mapping, which `mem` keeps mapped.
-            unsafe {
-                pwrite_guest(
-                    file,
-                    host.add(at as usize),
-                    len as usize,
-                    r.file_offset + at,
-                )?
-            };
+            unsafe { sink.write(host.add(at as usize), len as usize, r.file_offset + at)? };
             push_extent(&mut extents, r.file_offset + at, len);
-            written += len;
-            if written - kicked_to >= WRITEBACK_KICK {
-                start_writeback(file, 0, 0);
-                kicked_to = written;
-            }
         }
     }
     Ok(extents)
@@ -381,7 +308,7 @@ mod tests {
         m.write_obj(0x11u8, GuestAddress(7 * PAGE_SIZE)).unwrap();
         let f = tempfile::tempfile().unwrap();
         let dirty = vec![vec![(1u64 << 7) | (1 << 8) | (1 << 20)]];
-        let extents = write_diff(&m, &f, &dirty).unwrap();
+        let extents = write_diff(&m, &f, &mut PageSink::open(&f, None), &dirty).unwrap();
         assert_eq!(
             extents,
             vec![
@@ -506,7 +433,7 @@ mod tests {
                 .unwrap();
         }
         let f = tempfile::tempfile().unwrap();
-        let extents = write_diff(&m, &f, &[bits.clone()]).unwrap();
+        let extents = write_diff(&m, &f, &mut PageSink::open(&f, None), &[bits.clone()]).unwrap();
         let written: u64 = extents.iter().map(|e| e.len).sum();
         let expected = (0..512u64)
             .filter(|p| bits[(p / 64) as usize] & (1 << (p % 64)) != 0)

@@ -6,6 +6,7 @@
 pub mod format;
 pub mod manifest;
 pub mod memory_file;
+mod page_sink;
 mod pages;
 pub mod restore_memory;
 pub mod state;

@@ -12,6 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use super::format::{FORMAT_MAJOR, FORMAT_MINOR};
 use super::manifest::{Manifest, SnapshotKind, MANIFEST_FILE, MEMORY_FILE, STATE_FILE};
 use super::memory_file;
+use super::page_sink::PageSink;
 use crate::memory::GuestMemoryMmap;
 
 /// Errors writing a snapshot.
@@ -26,6 +27,9 @@ pub enum WriteError {
         /// The target.
         path: PathBuf,
     },
+    /// Saving the VM's state (vCPUs, devices) failed.
+    #[error("cannot save VM state: {0}")]
+    State(String),
     /// An I/O step failed (ENOSPC included).
     #[error("writing snapshot {path} failed while {step}: {source}")]
     Io {
@@ -74,21 +78,27 @@ fn sync_dir(path: &Path) -> std::io::Result<()> {
     File::open(path)?.sync_all()
 }
 
-/// The result of a sync run on a scoped thread; a thread that panicked is an I/O error.
-fn joined(handle: std::thread::ScopedJoinHandle<'_, std::io::Result<()>>) -> std::io::Result<()> {
+/// The result of I/O run on a scoped thread; a thread that panicked is an I/O error.
+fn joined<T>(handle: std::thread::ScopedJoinHandle<'_, std::io::Result<T>>) -> std::io::Result<T> {
     handle
         .join()
-        .unwrap_or_else(|_| Err(std::io::Error::other("the sync thread panicked")))
+        .unwrap_or_else(|_| Err(std::io::Error::other("the I/O thread panicked")))
 }
 
 fn create_file(path: &Path) -> std::io::Result<File> {
     OpenOptions::new().write(true).create_new(true).open(path)
 }
 
-/// Writes the snapshot `target` from `state` (a complete state file) and `mem`.
+/// Writes the snapshot `target` of `mem`, with the state file that `state`
+/// returns.
+///
+/// Guest memory is written on another thread while `state` runs on this one,
+/// so saving the vCPUs' and devices' state adds no time of its own. `state`
+/// must therefore not write guest memory (the VM is paused and its devices
+/// quiesced, so saving their state only reads).
 pub fn write_snapshot(
     target: &Path,
-    state: &[u8],
+    state: impl FnOnce() -> Result<Vec<u8>, String>,
     mem: &GuestMemoryMmap,
     content: MemoryContent<'_>,
 ) -> Result<Manifest, WriteError> {
@@ -128,33 +138,40 @@ pub fn write_snapshot(
         keep: false,
     };
 
-    let memory =
-        create_file(&tmp_path.join(MEMORY_FILE)).map_err(io("creating the memory file"))?;
-    let (kind, parent, extents) = match content {
-        MemoryContent::Full { candidates } => (
-            SnapshotKind::Full,
-            None,
-            memory_file::write_full(mem, &memory, candidates)
-                .map_err(io("writing guest memory"))?,
-        ),
-        MemoryContent::Diff { dirty, parent } => (
+    let memory_path = tmp_path.join(MEMORY_FILE);
+    let memory = create_file(&memory_path).map_err(io("creating the memory file"))?;
+    let (kind, parent, step) = match &content {
+        MemoryContent::Full { .. } => (SnapshotKind::Full, None, "writing guest memory"),
+        MemoryContent::Diff { parent, .. } => (
             SnapshotKind::Diff,
-            Some(parent),
-            memory_file::write_diff(mem, &memory, dirty).map_err(io("writing dirty pages"))?,
+            Some(parent.clone()),
+            "writing dirty pages",
         ),
     };
-    // The memory file's fsync (the device write of every page) runs while the
-    // small files are written; then the small files and the directory are
-    // synced at once, so the filesystem can commit them together instead of
-    // one journal commit after another.
+    // Then the memory file's fsync (the device write of every buffered page)
+    // runs while the manifest is written, and the small files and the
+    // directory are synced at once, so the filesystem can commit them
+    // together instead of one journal commit after another.
     let manifest = std::thread::scope(|scope| -> Result<Manifest, WriteError> {
-        let memory_synced = scope.spawn(|| memory.sync_all());
+        let memory_written = scope.spawn(|| match content {
+            MemoryContent::Full { candidates } => memory_file::write_full(mem, &memory, candidates),
+            MemoryContent::Diff { dirty, .. } => memory_file::write_diff(
+                mem,
+                &memory,
+                &mut PageSink::open(&memory, Some(&memory_path)),
+                dirty,
+            ),
+        });
 
+        let state = state().map_err(WriteError::State)?;
         let mut state_file =
             create_file(&tmp_path.join(STATE_FILE)).map_err(io("creating the state file"))?;
         state_file
-            .write_all(state)
+            .write_all(&state)
             .map_err(io("writing the state file"))?;
+
+        let extents = joined(memory_written).map_err(io(step))?;
+        let memory_synced = scope.spawn(|| memory.sync_all());
         let state_synced = scope.spawn(move || state_file.sync_all());
 
         let manifest = Manifest {
@@ -206,7 +223,7 @@ mod tests {
         let target = t.path().join("snap");
         let m = write_snapshot(
             &target,
-            b"state",
+            || Ok(b"state".to_vec()),
             &mem,
             MemoryContent::Full { candidates: None },
         )
@@ -219,7 +236,7 @@ mod tests {
         assert!(matches!(
             write_snapshot(
                 &target,
-                b"state",
+                || Ok(b"state".to_vec()),
                 &mem,
                 MemoryContent::Full { candidates: None }
             ),
@@ -234,11 +251,78 @@ mod tests {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let err = write_snapshot(
             Path::new("/nonexistent/x/snap"),
-            b"s",
+            || Ok(b"s".to_vec()),
             &mem,
             MemoryContent::Full { candidates: None },
         )
         .unwrap_err();
         assert!(matches!(err, WriteError::NoParentDir { .. }));
+    }
+
+    #[test]
+    fn a_state_that_cannot_be_saved_leaves_nothing_behind() {
+        let t = tempfile::tempdir().unwrap();
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 4 << 20)]).unwrap();
+        mem.write_slice(&[0x5a; 1 << 20], GuestAddress(1 << 20))
+            .unwrap();
+        let target = t.path().join("snap");
+        let err = write_snapshot(
+            &target,
+            || Err("KVM_GET_REGS: Bad file descriptor".into()),
+            &mem,
+            MemoryContent::Diff {
+                dirty: &[vec![u64::MAX; 16]],
+                parent: t.path().join("base"),
+            },
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "cannot save VM state: KVM_GET_REGS: Bad file descriptor"
+        );
+        assert_eq!(
+            std::fs::read_dir(t.path()).unwrap().count(),
+            0,
+            "neither the snapshot nor its temporary directory is left"
+        );
+    }
+
+    #[test]
+    fn a_diff_holds_the_dirty_pages_however_they_were_written() {
+        // Pages 256-511 (1 MiB, written with O_DIRECT where the filesystem
+        // allows it) and every other page of 0-63 (buffered).
+        let t = tempfile::tempdir().unwrap();
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 4 << 20)]).unwrap();
+        for page in 0..1024u64 {
+            mem.write_obj(page + 1, GuestAddress(page * 4096 + 64))
+                .unwrap();
+        }
+        let mut dirty = vec![0u64; 16];
+        dirty[0] = 0x5555_5555_5555_5555;
+        for w in &mut dirty[4..8] {
+            *w = u64::MAX;
+        }
+        let target = t.path().join("snap");
+        let m = write_snapshot(
+            &target,
+            || Ok(b"state".to_vec()),
+            &mem,
+            MemoryContent::Diff {
+                dirty: &[dirty.clone()],
+                parent: t.path().join("base"),
+            },
+        )
+        .unwrap();
+        assert_eq!(m.kind, SnapshotKind::Diff);
+        let file = File::open(target.join(MEMORY_FILE)).unwrap();
+        for page in 0..1024u64 {
+            let mut b = [0u8; 8];
+            std::os::unix::fs::FileExt::read_exact_at(&file, &mut b, page * 4096 + 64).unwrap();
+            let is_dirty = dirty[(page / 64) as usize] & (1 << (page % 64)) != 0;
+            let want = if is_dirty { page + 1 } else { 0 };
+            assert_eq!(u64::from_le_bytes(b), want, "page {page}");
+        }
+        let written: u64 = m.extents.iter().map(|e| e.len).sum();
+        assert_eq!(written, (32 + 256) * 4096);
     }
 }
