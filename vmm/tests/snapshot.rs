@@ -50,6 +50,22 @@ fn ten_concurrent_restores_of_one_snapshot_all_continue() {
     }
 }
 
+/// Restores each layer `(snapshot dir, memory checksum taken when it was
+/// written)` paused, with both memory backends, and checks its memory.
+fn assert_every_layer_restores_to(dir: &Path, layers: &[(std::path::PathBuf, String)]) {
+    for backend in ["file", "uffd"] {
+        for (i, (snap, expected)) in layers.iter().enumerate() {
+            let mut r = restore(dir, &format!("{backend}{i}"), snap, backend, true);
+            assert_eq!(
+                &checksum(&mut r.ctl),
+                expected,
+                "layer {i} restored with {backend} differs"
+            );
+            stop(r.ctl, r.child);
+        }
+    }
+}
+
 fn allocated_bytes(path: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(path).unwrap().blocks() * 512
@@ -105,17 +121,11 @@ fn full_plus_three_diffs_restore_to_identical_memory_on_both_backends() {
         "full snapshot of a mostly empty guest is sparse"
     );
 
-    for backend in ["file", "uffd"] {
-        for (i, (dir, expected, _)) in layers.iter().enumerate() {
-            let mut r = restore(t.path(), &format!("{backend}{i}"), dir, backend, true);
-            assert_eq!(
-                &checksum(&mut r.ctl),
-                expected,
-                "layer {i} restored with {backend} differs"
-            );
-            stop(r.ctl, r.child);
-        }
-    }
+    let chain: Vec<_> = layers
+        .iter()
+        .map(|(d, c, _)| (d.clone(), c.clone()))
+        .collect();
+    assert_every_layer_restores_to(t.path(), &chain);
 
     // The top of the chain also runs on from where it was.
     let top = &layers[3].0;
@@ -578,15 +588,5 @@ fn diffs_of_long_dirty_runs_restore_to_identical_memory() {
         layers.push((dir, checksum(&mut vm.ctl)));
     }
     stop(vm.ctl, vm.child);
-    for backend in ["file", "uffd"] {
-        for (i, (dir, expected)) in layers.iter().enumerate() {
-            let mut r = restore(t.path(), &format!("{backend}{i}"), dir, backend, true);
-            assert_eq!(
-                &checksum(&mut r.ctl),
-                expected,
-                "layer {i} restored with {backend} differs"
-            );
-            stop(r.ctl, r.child);
-        }
-    }
+    assert_every_layer_restores_to(t.path(), &layers);
 }

@@ -190,8 +190,10 @@ mod tests {
         out
     }
 
-    fn sink_in(dir: &Path) -> (File, std::path::PathBuf) {
-        let path = dir.join("memory");
+    /// A 64 MiB memory file in a new directory under the temporary directory.
+    fn memory_file() -> (tempfile::TempDir, File, std::path::PathBuf) {
+        let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+        let path = dir.path().join("memory");
         let f = OpenOptions::new()
             .read(true)
             .write(true)
@@ -199,13 +201,12 @@ mod tests {
             .open(&path)
             .unwrap();
         f.set_len(64 << 20).unwrap();
-        (f, path)
+        (dir, f, path)
     }
 
     #[test]
     fn long_runs_go_direct_and_short_runs_buffered_with_the_same_bytes() {
-        let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
-        let (f, path) = sink_in(dir.path());
+        let (dir, f, path) = memory_file();
         let mut sink = PageSink::open(&f, Some(&path));
         if !sink.is_direct() {
             eprintln!(
@@ -237,8 +238,7 @@ mod tests {
 
     #[test]
     fn a_direct_write_the_filesystem_refuses_is_written_buffered() {
-        let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
-        let (f, path) = sink_in(dir.path());
+        let (dir, f, path) = memory_file();
         let mut sink = PageSink::open(&f, Some(&path));
         if !sink.is_direct() {
             eprintln!(
