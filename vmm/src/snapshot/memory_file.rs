@@ -5,6 +5,7 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
+use std::path::Path;
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
@@ -194,19 +195,21 @@ pub fn dirty_runs(bits: &[u64], pages: u64) -> Vec<(u64, u64)> {
 }
 
 /// Writes the pages set in `dirty` (one bitmap per region, bit i = page i)
-/// through `sink` into the memory file.
+/// into `file`, which was opened from `path`.
 ///
 /// Each run of dirty pages is one write straight from guest memory (no
-/// bounce buffer); see [`PageSink`] for which runs bypass the page cache.
+/// bounce buffer); with `path`, long runs go through a second, `O_DIRECT`
+/// handle and bypass the page cache (see the `page_sink` module).
 pub fn write_diff(
     mem: &GuestMemoryMmap,
     file: &File,
-    sink: &mut PageSink<'_>,
+    path: Option<&Path>,
     dirty: &[Vec<u64>],
 ) -> std::io::Result<Vec<Extent>> {
     let regions = layout(mem);
     let total: u64 = regions.iter().map(|r| r.size).sum();
     file.set_len(total)?;
+    let mut sink = PageSink::open(file, path);
     let mut extents = Vec::new();
     for ((region, r), bits) in mem.iter().zip(&regions).zip(dirty) {
         let host = region.as_ptr();
@@ -308,7 +311,7 @@ mod tests {
         m.write_obj(0x11u8, GuestAddress(7 * PAGE_SIZE)).unwrap();
         let f = tempfile::tempfile().unwrap();
         let dirty = vec![vec![(1u64 << 7) | (1 << 8) | (1 << 20)]];
-        let extents = write_diff(&m, &f, &mut PageSink::open(&f, None), &dirty).unwrap();
+        let extents = write_diff(&m, &f, None, &dirty).unwrap();
         assert_eq!(
             extents,
             vec![
@@ -433,7 +436,7 @@ mod tests {
                 .unwrap();
         }
         let f = tempfile::tempfile().unwrap();
-        let extents = write_diff(&m, &f, &mut PageSink::open(&f, None), &[bits.clone()]).unwrap();
+        let extents = write_diff(&m, &f, None, &[bits.clone()]).unwrap();
         let written: u64 = extents.iter().map(|e| e.len).sum();
         let expected = (0..512u64)
             .filter(|p| bits[(p / 64) as usize] & (1 << (p % 64)) != 0)

@@ -63,6 +63,7 @@ impl<'a> PageSink<'a> {
     }
 
     /// Whether long runs currently go through an `O_DIRECT` handle.
+    #[cfg(test)]
     pub fn is_direct(&self) -> bool {
         self.direct.is_some()
     }
@@ -204,16 +205,28 @@ mod tests {
         (dir, f, path)
     }
 
+    /// Whether `sink` writes long runs directly; where the directory's
+    /// filesystem refuses O_DIRECT, says what is skipped.
+    fn direct_or_say_why(sink: &PageSink<'_>, dir: &tempfile::TempDir, skipped: &str) -> bool {
+        let direct = sink.is_direct();
+        if !direct {
+            eprintln!(
+                "skipped {skipped}: {} refuses O_DIRECT",
+                dir.path().display()
+            );
+        }
+        direct
+    }
+
     #[test]
     fn long_runs_go_direct_and_short_runs_buffered_with_the_same_bytes() {
         let (dir, f, path) = memory_file();
         let mut sink = PageSink::open(&f, Some(&path));
-        if !sink.is_direct() {
-            eprintln!(
-                "skipped the direct half: {} refuses O_DIRECT; checking buffered writes only",
-                dir.path().display()
-            );
-        }
+        direct_or_say_why(
+            &sink,
+            &dir,
+            "the direct half; checking buffered writes only",
+        );
         let long = Pattern::new(DIRECT_MIN_RUN * 2);
         let short = Pattern::new(8 * 4096);
         // SAFETY: both mappings are `len` bytes long and live for the calls.
@@ -240,11 +253,7 @@ mod tests {
     fn a_direct_write_the_filesystem_refuses_is_written_buffered() {
         let (dir, f, path) = memory_file();
         let mut sink = PageSink::open(&f, Some(&path));
-        if !sink.is_direct() {
-            eprintln!(
-                "skipped: {} refuses O_DIRECT, so no direct write can be refused",
-                dir.path().display()
-            );
+        if !direct_or_say_why(&sink, &dir, "no direct write can be refused") {
             return;
         }
         // A source one byte past a page boundary: O_DIRECT refuses it (EINVAL).

@@ -12,7 +12,6 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use super::format::{FORMAT_MAJOR, FORMAT_MINOR};
 use super::manifest::{Manifest, SnapshotKind, MANIFEST_FILE, MEMORY_FILE, STATE_FILE};
 use super::memory_file;
-use super::page_sink::PageSink;
 use crate::memory::GuestMemoryMmap;
 
 /// Errors writing a snapshot.
@@ -148,19 +147,17 @@ pub fn write_snapshot(
             "writing dirty pages",
         ),
     };
-    // Then the memory file's fsync (the device write of every buffered page)
-    // runs while the manifest is written, and the small files and the
-    // directory are synced at once, so the filesystem can commit them
-    // together instead of one journal commit after another.
+    // Guest memory is written on one thread while the state is saved and
+    // written on this one. Then the memory file's fsync (the device write of
+    // every buffered page) runs while the manifest is written, and the small
+    // files and the directory are synced at once, so the filesystem can
+    // commit them together instead of one journal commit after another.
     let manifest = std::thread::scope(|scope| -> Result<Manifest, WriteError> {
         let memory_written = scope.spawn(|| match content {
             MemoryContent::Full { candidates } => memory_file::write_full(mem, &memory, candidates),
-            MemoryContent::Diff { dirty, .. } => memory_file::write_diff(
-                mem,
-                &memory,
-                &mut PageSink::open(&memory, Some(&memory_path)),
-                dirty,
-            ),
+            MemoryContent::Diff { dirty, .. } => {
+                memory_file::write_diff(mem, &memory, Some(&memory_path), dirty)
+            }
         });
 
         let state = state().map_err(WriteError::State)?;
