@@ -194,8 +194,38 @@ pub fn dirty_runs(bits: &[u64], pages: u64) -> Vec<(u64, u64)> {
     runs
 }
 
+/// The runs of pages set in `dirty` (one bitmap per region, bit i = page i),
+/// in file order, as `(region index, byte offset in the region, length)`.
+/// Regions past the last bitmap have no dirty pages.
+fn diff_runs<'a>(
+    regions: &'a [RegionLayout],
+    dirty: &'a [Vec<u64>],
+) -> impl Iterator<Item = (usize, u64, u64)> + 'a {
+    regions
+        .iter()
+        .zip(dirty)
+        .enumerate()
+        .flat_map(|(index, (r, bits))| {
+            dirty_runs(bits, r.size / PAGE_SIZE)
+                .into_iter()
+                .map(move |(first, count)| (index, first * PAGE_SIZE, count * PAGE_SIZE))
+        })
+}
+
+/// The memory-file extents that [`write_diff`] writes for `dirty`, known
+/// before it writes them (so the manifest can be written meanwhile).
+pub fn diff_extents(mem: &GuestMemoryMmap, dirty: &[Vec<u64>]) -> Vec<Extent> {
+    let regions = layout(mem);
+    let mut extents = Vec::new();
+    for (index, at, len) in diff_runs(&regions, dirty) {
+        push_extent(&mut extents, regions[index].file_offset + at, len);
+    }
+    extents
+}
+
 /// Writes the pages set in `dirty` (one bitmap per region, bit i = page i)
-/// into `file`, which was opened from `path`.
+/// into `file`, which was opened from `path`: exactly the extents that
+/// [`diff_extents`] gives.
 ///
 /// Each run of dirty pages is one write straight from guest memory (no
 /// bounce buffer); with `path`, long runs go through a second, `O_DIRECT`
@@ -205,25 +235,21 @@ pub fn write_diff(
     file: &File,
     path: Option<&Path>,
     dirty: &[Vec<u64>],
-) -> std::io::Result<Vec<Extent>> {
+) -> std::io::Result<()> {
     let regions = layout(mem);
     let total: u64 = regions.iter().map(|r| r.size).sum();
     file.set_len(total)?;
+    let hosts: Vec<*mut u8> = mem.iter().map(|region| region.as_ptr()).collect();
     let mut sink = PageSink::open(file, path);
-    let mut extents = Vec::new();
-    for ((region, r), bits) in mem.iter().zip(&regions).zip(dirty) {
-        let host = region.as_ptr();
-        for (first, count) in dirty_runs(bits, r.size / PAGE_SIZE) {
-            let at = first * PAGE_SIZE;
-            let len = count * PAGE_SIZE;
-            // SAFETY: `dirty_runs` keeps every run below `r.size / PAGE_SIZE`
-            // pages, so `at + len <= region.len()`: the run lies in this
-            // region's mapping, which `mem` keeps mapped.
-            unsafe { sink.write(host.add(at as usize), len as usize, r.file_offset + at)? };
-            push_extent(&mut extents, r.file_offset + at, len);
-        }
+    for (index, at, len) in diff_runs(&regions, dirty) {
+        let (host, offset) = (hosts[index], regions[index].file_offset + at);
+        // SAFETY: `layout` has one entry per region of `mem`, in the same
+        // order, so `host` maps region `index`, of `regions[index].size`
+        // bytes; `dirty_runs` keeps every run below that size in pages, so
+        // `at + len` lies in the mapping, which `mem` keeps mapped.
+        unsafe { sink.write(host.add(at as usize), len as usize, offset)? };
     }
-    Ok(extents)
+    Ok(())
 }
 
 /// The guest address of memory-file offset `offset`.
@@ -311,7 +337,8 @@ mod tests {
         m.write_obj(0x11u8, GuestAddress(7 * PAGE_SIZE)).unwrap();
         let f = tempfile::tempfile().unwrap();
         let dirty = vec![vec![(1u64 << 7) | (1 << 8) | (1 << 20)]];
-        let extents = write_diff(&m, &f, None, &dirty).unwrap();
+        write_diff(&m, &f, None, &dirty).unwrap();
+        let extents = diff_extents(&m, &dirty);
         assert_eq!(
             extents,
             vec![
@@ -436,7 +463,8 @@ mod tests {
                 .unwrap();
         }
         let f = tempfile::tempfile().unwrap();
-        let extents = write_diff(&m, &f, None, &[bits.clone()]).unwrap();
+        write_diff(&m, &f, None, &[bits.clone()]).unwrap();
+        let extents = diff_extents(&m, &[bits.clone()]);
         let written: u64 = extents.iter().map(|e| e.len).sum();
         let expected = (0..512u64)
             .filter(|p| bits[(p / 64) as usize] & (1 << (p % 64)) != 0)
