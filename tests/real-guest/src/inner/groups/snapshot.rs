@@ -26,10 +26,77 @@ pub struct TickSnapshot {
     dir: PathBuf,
     /// The disk as the snapshotted guest left it.
     disk: PathBuf,
-    /// Memory checksum of the paused guest before the snapshot.
+    /// Memory checksum of the paused guest, the same before and after the
+    /// snapshot was written.
     checksum: String,
     /// Last complete tick printed before the pause: (number, uptime).
     last: (u64, f64),
+    /// Snapshots taken again because memory changed while one was written.
+    retaken: u32,
+}
+
+/// Attempts at a snapshot during which the paused guest's memory held still.
+const STILL_TRIES: u32 = 3;
+
+/// A snapshot written while the paused guest's memory held still.
+struct StillSnapshot {
+    dir: PathBuf,
+    /// The memory's checksum, the same before and after the write.
+    checksum: String,
+    /// Snapshots taken before it whose memory moved (left on disk: a later
+    /// diff may descend from them).
+    retaken: u32,
+}
+
+/// Pauses `g` and writes a `kind` snapshot into `dir`, checksumming guest
+/// memory before and after. A paused guest's memory can still change (a
+/// device completing a request made before the pause, a frame arriving for
+/// it), and only when both checksums agree is it known which memory the
+/// snapshot must restore to; otherwise the guest runs to its next tick and
+/// the snapshot is taken again, into `dir` with `-N` appended. The guest is
+/// left paused. A snapshot that restores to other memory than it held
+/// still fails its check as before.
+fn snapshot_held_still(
+    g: &mut Guest,
+    dir: &Path,
+    kind: SnapshotKind,
+) -> Result<StillSnapshot, String> {
+    let mut moved = Vec::new();
+    for attempt in 0..STILL_TRIES {
+        if attempt > 0 {
+            g.resume()?;
+            let from = g.lines().len();
+            g.wait_from(from, "RG-TICK ", LIMIT)?;
+        }
+        g.pause()?;
+        let before = g.checksum()?;
+        let target = match attempt {
+            0 => dir.to_path_buf(),
+            n => PathBuf::from(format!("{}-{n}", dir.display())),
+        };
+        g.snapshot(&target, kind)?;
+        let after = g.checksum()?;
+        if before == after {
+            return Ok(StillSnapshot {
+                dir: target,
+                checksum: before,
+                retaken: attempt,
+            });
+        }
+        moved.push(format!("{before} -> {after}"));
+    }
+    Err(format!(
+        "the paused guest's memory changed while each of {STILL_TRIES} snapshots was written ({})",
+        moved.join(", ")
+    ))
+}
+
+/// " (N snapshot(s) retaken: memory moved while paused)" when N > 0.
+fn retaken_note(retaken: u32) -> String {
+    match retaken {
+        0 => String::new(),
+        n => format!(" ({n} snapshot(s) retaken: memory moved while paused)"),
+    }
 }
 
 /// `RG-TICK <n> uptime=<s> ...` fields.
@@ -98,10 +165,8 @@ fn tick_snapshot(ctx: &mut Ctx) -> Result<&TickSnapshot, String> {
         let args = tick_args(ctx, &disk, &uds)?;
         let mut g = Guest::start(ctx, "tick", args)?;
         g.wait_for("RG-TICK 3 ", LIMIT)?;
-        g.pause()?;
-        let checksum = g.checksum()?;
-        let dir = ctx.scratch.join("tick-snap");
-        g.snapshot(&dir, SnapshotKind::Full)?;
+        let still =
+            snapshot_held_still(&mut g, &ctx.scratch.join("tick-snap"), SnapshotKind::Full)?;
         g.stop()?;
         g.expect_clean_exit(Duration::from_secs(60))?;
         let lines = g.lines();
@@ -115,10 +180,11 @@ fn tick_snapshot(ctx: &mut Ctx) -> Result<&TickSnapshot, String> {
         let kept = ctx.scratch.join("tick-snap.ext4");
         copy(&disk, &kept)?;
         ctx.fixtures.tick = Some(TickSnapshot {
-            dir,
+            dir: still.dir,
             disk: kept,
-            checksum,
+            checksum: still.checksum,
             last,
+            retaken: still.retaken,
         });
     }
     ctx.fixtures
@@ -133,11 +199,12 @@ fn tick_snapshot(ctx: &mut Ctx) -> Result<&TickSnapshot, String> {
 /// kernel warnings, a clean file system afterwards.
 pub fn restore(ctx: &mut Ctx, name: &str, backend: &str) -> Check {
     let snap = tick_snapshot(ctx)?;
-    let (dir, kept, checksum, (last_n, last_up)) = (
+    let (dir, kept, checksum, (last_n, last_up), retaken) = (
         snap.dir.clone(),
         snap.disk.clone(),
         snap.checksum.clone(),
         snap.last,
+        snap.retaken,
     );
     let disk = ctx.scratch.join(format!("{name}.ext4"));
     copy(&kept, &disk)?;
@@ -227,9 +294,10 @@ pub fn restore(ctx: &mut Ctx, name: &str, backend: &str) -> Check {
     }
     if problems.is_empty() {
         Ok(format!(
-            "memory identical until resumed; ticks {}..{} after {last_n}; disk, rng, TCP, vsock work",
+            "memory identical until resumed; ticks {}..{} after {last_n}; disk, rng, TCP, vsock work{}",
             first.0,
-            last_n + 10
+            last_n + 10,
+            retaken_note(retaken)
         ))
     } else {
         Err(problems.join("; "))
@@ -251,18 +319,17 @@ pub fn diff_chain(ctx: &mut Ctx, _name: &str) -> Check {
         restore_args(&base, "file", &disk, &uds, false),
     )?;
     let mut layers = Vec::new();
+    let mut retaken = 0;
     let mut next = last_n + 2;
     for (i, kind) in [SnapshotKind::Full, SnapshotKind::Diff, SnapshotKind::Diff]
         .into_iter()
         .enumerate()
     {
         g.wait_for(&format!("RG-TICK {next} "), LIMIT)?;
-        g.pause()?;
-        let sum = g.checksum()?;
-        let dir = ctx.scratch.join(format!("chain-{i}"));
-        g.snapshot(&dir, kind)?;
+        let still = snapshot_held_still(&mut g, &ctx.scratch.join(format!("chain-{i}")), kind)?;
         g.resume()?;
-        layers.push((dir, sum, kind));
+        retaken += still.retaken;
+        layers.push((still.dir, still.checksum, kind));
         next += 2;
     }
     g.stop()?;
@@ -296,7 +363,10 @@ pub fn diff_chain(ctx: &mut Ctx, _name: &str) -> Check {
             checked += 1;
         }
     }
-    Ok(format!("full + 2 diffs; {checked} restores byte-identical"))
+    Ok(format!(
+        "full + 2 diffs; {checked} restores byte-identical{}",
+        retaken_note(retaken)
+    ))
 }
 
 /// Two VMs restored from one snapshot of a guest that reads /dev/urandom
