@@ -194,60 +194,85 @@ pub fn dirty_runs(bits: &[u64], pages: u64) -> Vec<(u64, u64)> {
     runs
 }
 
-/// The runs of pages set in `dirty` (one bitmap per region, bit i = page i),
-/// in file order, as `(region index, byte offset in the region, length)`.
-/// Regions past the last bitmap have no dirty pages.
-fn diff_runs<'a>(
-    regions: &'a [RegionLayout],
-    dirty: &'a [Vec<u64>],
-) -> impl Iterator<Item = (usize, u64, u64)> + 'a {
-    regions
-        .iter()
-        .zip(dirty)
-        .enumerate()
-        .flat_map(|(index, (r, bits))| {
-            dirty_runs(bits, r.size / PAGE_SIZE)
-                .into_iter()
-                .map(move |(first, count)| (index, first * PAGE_SIZE, count * PAGE_SIZE))
-        })
+/// One run of dirty pages: where it lies in guest memory and in the file.
+struct DirtyRun {
+    /// Index of its region in the memory's region list.
+    region: usize,
+    /// Byte offset in that region.
+    at: u64,
+    /// Length in bytes (whole pages).
+    len: u64,
+    /// Offset in the memory file.
+    file_offset: u64,
 }
 
-/// The memory-file extents that [`write_diff`] writes for `dirty`, known
-/// before it writes them (so the manifest can be written meanwhile).
-pub fn diff_extents(mem: &GuestMemoryMmap, dirty: &[Vec<u64>]) -> Vec<Extent> {
-    let regions = layout(mem);
-    let mut extents = Vec::new();
-    for (index, at, len) in diff_runs(&regions, dirty) {
-        push_extent(&mut extents, regions[index].file_offset + at, len);
+/// The runs of dirty pages a diff writes, found once from its dirty bitmaps:
+/// [`write_diff`] writes them, [`DiffRuns::extents`] lists them for the
+/// manifest, which can so be written before the pages are.
+pub struct DiffRuns(Vec<DirtyRun>);
+
+impl DiffRuns {
+    /// The runs of pages set in `dirty` (one bitmap per region of `mem`,
+    /// bit i = page i), in file order. Regions past the last bitmap have no
+    /// dirty pages; bits past a region's end are ignored.
+    pub fn new(mem: &GuestMemoryMmap, dirty: &[Vec<u64>]) -> Self {
+        let mut runs = Vec::new();
+        for (region, (r, bits)) in layout(mem).iter().zip(dirty).enumerate() {
+            for (first, count) in dirty_runs(bits, r.size / PAGE_SIZE) {
+                let at = first * PAGE_SIZE;
+                runs.push(DirtyRun {
+                    region,
+                    at,
+                    len: count * PAGE_SIZE,
+                    file_offset: r.file_offset + at,
+                });
+            }
+        }
+        DiffRuns(runs)
     }
-    extents
+
+    /// The memory-file extents the runs cover (adjacent ones merged).
+    pub fn extents(&self) -> Vec<Extent> {
+        let mut extents = Vec::new();
+        for run in &self.0 {
+            push_extent(&mut extents, run.file_offset, run.len);
+        }
+        extents
+    }
 }
 
-/// Writes the pages set in `dirty` (one bitmap per region, bit i = page i)
-/// into `file`, which was opened from `path`: exactly the extents that
-/// [`diff_extents`] gives.
+/// Writes the dirty pages of `runs` (made from `mem`) into `file`, which was
+/// opened from `path`.
 ///
 /// Each run of dirty pages is one write straight from guest memory (no
 /// bounce buffer); with `path`, long runs go through a second, `O_DIRECT`
-/// handle and bypass the page cache (see the `page_sink` module).
+/// handle and bypass the page cache (see the `page_sink` module). A run
+/// outside `mem` (runs made from other memory) is refused, never read.
 pub fn write_diff(
     mem: &GuestMemoryMmap,
     file: &File,
     path: Option<&Path>,
-    dirty: &[Vec<u64>],
+    runs: &DiffRuns,
 ) -> std::io::Result<()> {
-    let regions = layout(mem);
-    let total: u64 = regions.iter().map(|r| r.size).sum();
+    let total: u64 = mem.iter().map(|r| r.len()).sum();
     file.set_len(total)?;
-    let hosts: Vec<*mut u8> = mem.iter().map(|region| region.as_ptr()).collect();
+    let hosts: Vec<(*mut u8, u64)> = mem.iter().map(|r| (r.as_ptr(), r.len())).collect();
     let mut sink = PageSink::open(file, path);
-    for (index, at, len) in diff_runs(&regions, dirty) {
-        let (host, offset) = (hosts[index], regions[index].file_offset + at);
-        // SAFETY: `layout` has one entry per region of `mem`, in the same
-        // order, so `host` maps region `index`, of `regions[index].size`
-        // bytes; `dirty_runs` keeps every run below that size in pages, so
-        // `at + len` lies in the mapping, which `mem` keeps mapped.
-        unsafe { sink.write(host.add(at as usize), len as usize, offset)? };
+    for run in &runs.0 {
+        let host = match hosts.get(run.region) {
+            Some(&(host, size)) if run.at.checked_add(run.len).is_some_and(|end| end <= size) => {
+                host
+            }
+            _ => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "a dirty run lies outside guest memory",
+                ))
+            }
+        };
+        // SAFETY: `host` maps region `run.region` of `mem`, which `mem` keeps
+        // mapped; the run was checked above to lie inside that region.
+        unsafe { sink.write(host.add(run.at as usize), run.len as usize, run.file_offset)? };
     }
     Ok(())
 }
@@ -337,8 +362,9 @@ mod tests {
         m.write_obj(0x11u8, GuestAddress(7 * PAGE_SIZE)).unwrap();
         let f = tempfile::tempfile().unwrap();
         let dirty = vec![vec![(1u64 << 7) | (1 << 8) | (1 << 20)]];
-        write_diff(&m, &f, None, &dirty).unwrap();
-        let extents = diff_extents(&m, &dirty);
+        let runs = DiffRuns::new(&m, &dirty);
+        write_diff(&m, &f, None, &runs).unwrap();
+        let extents = runs.extents();
         assert_eq!(
             extents,
             vec![
@@ -463,8 +489,9 @@ mod tests {
                 .unwrap();
         }
         let f = tempfile::tempfile().unwrap();
-        write_diff(&m, &f, None, &[bits.clone()]).unwrap();
-        let extents = diff_extents(&m, &[bits.clone()]);
+        let runs = DiffRuns::new(&m, &[bits.clone()]);
+        write_diff(&m, &f, None, &runs).unwrap();
+        let extents = runs.extents();
         let written: u64 = extents.iter().map(|e| e.len).sum();
         let expected = (0..512u64)
             .filter(|p| bits[(p / 64) as usize] & (1 << (p % 64)) != 0)
@@ -477,6 +504,20 @@ mod tests {
             let want = if dirty { page ^ 0x5a5a } else { 0 };
             assert_eq!(u64::from_le_bytes(b), want, "page {page}");
         }
+    }
+
+    #[test]
+    fn runs_of_other_memory_are_refused_not_read() {
+        // Runs found in 512 pages, written against memory of 64: the run
+        // past the smaller memory's end must not be read.
+        let big =
+            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 512 * PAGE_SIZE as usize)]).unwrap();
+        let mut bits = vec![0u64; 8];
+        bits[7] = 1 << 3;
+        let runs = DiffRuns::new(&big, &[bits]);
+        assert_eq!(runs.extents().len(), 1);
+        let err = write_diff(&mem(), &tempfile::tempfile().unwrap(), None, &runs).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
     }
 
     #[test]

@@ -166,14 +166,16 @@ pub fn write_snapshot(
     // A diff's extents follow from its dirty bitmaps alone, so its manifest
     // is written while its pages are; a full snapshot's depend on which
     // pages turn out to be zero, so its manifest waits for the memory write.
-    let (kind, parent, planned) = match &content {
-        MemoryContent::Full { .. } => (SnapshotKind::Full, None, None),
+    let (kind, parent, candidates, diff_runs) = match content {
+        MemoryContent::Full { candidates } => (SnapshotKind::Full, None, candidates, None),
         MemoryContent::Diff { parent, dirty } => (
             SnapshotKind::Diff,
-            Some(parent.clone()),
-            Some(memory_file::diff_extents(mem, dirty)),
+            Some(parent),
+            None,
+            Some(memory_file::DiffRuns::new(mem, dirty)),
         ),
     };
+    let planned = diff_runs.as_ref().map(memory_file::DiffRuns::extents);
     // One thread writes guest memory and syncs its file. Meanwhile this one
     // saves the state, writes the state file and the manifest, and syncs
     // them and the directory (two more threads, so the syncs run at once
@@ -187,16 +189,14 @@ pub fn write_snapshot(
     let manifest = std::thread::scope(|scope| -> Result<Manifest, WriteError> {
         let (extents_tx, extents_rx) = std::sync::mpsc::sync_channel(1);
         let memory_done = scope.spawn(move || -> Result<(), StepError> {
-            match content {
-                MemoryContent::Full { candidates } => {
+            match diff_runs {
+                Some(runs) => memory_file::write_diff(mem, &memory, Some(&memory_path), &runs)
+                    .map_err(|e| ("writing dirty pages", e))?,
+                None => {
                     let extents = memory_file::write_full(mem, &memory, candidates)
                         .map_err(|e| ("writing guest memory", e))?;
                     // The receiver is gone only if the state failed.
                     let _ = extents_tx.send(extents);
-                }
-                MemoryContent::Diff { dirty, .. } => {
-                    memory_file::write_diff(mem, &memory, Some(&memory_path), dirty)
-                        .map_err(|e| ("writing dirty pages", e))?;
                 }
             }
             memory
