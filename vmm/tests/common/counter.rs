@@ -120,6 +120,19 @@ pub fn spawn_logged(
 }
 
 pub fn restore(dir: &Path, name: &str, snap: &Path, backend: &str, paused: bool) -> Vm {
+    restore_with(dir, name, snap, backend, paused, &[])
+}
+
+/// Restores `snap` on `backend` (`--paused` or not) with the `devices` the
+/// snapshotted VM had, its log and socket named after `name` in `dir`.
+pub fn restore_with(
+    dir: &Path,
+    name: &str,
+    snap: &Path,
+    backend: &str,
+    paused: bool,
+    devices: &[&str],
+) -> Vm {
     let args = [
         "restore",
         "--snapshot",
@@ -127,8 +140,9 @@ pub fn restore(dir: &Path, name: &str, snap: &Path, backend: &str, paused: bool)
         "--memory-backend",
         backend,
     ];
-    let extra: &[&str] = if paused { &["--paused"] } else { &[] };
-    let (child, ctl, log, _) = spawn_logged(dir, name, &args, extra);
+    let mut extra: Vec<&str> = if paused { vec!["--paused"] } else { vec![] };
+    extra.extend_from_slice(devices);
+    let (child, ctl, log, _) = spawn_logged(dir, name, &args, &extra);
     Vm { child, ctl, log }
 }
 

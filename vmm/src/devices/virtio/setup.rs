@@ -11,7 +11,7 @@ use vmm_api::protocol::{BlkCounters, NetCounters};
 
 use super::block::persist::{BlockConstructorArgs, BlockState};
 use super::block::{Block, BlockError};
-use super::event_loop::{EventLoop, EventLoopError, Subscriber};
+use super::event_loop::{EventGate, EventLoop, EventLoopError, Subscriber};
 use super::fs::persist::{FsConstructorArgs, FsState};
 use super::fs::{Fs, FsError};
 use super::io_counters::{BlkIoCounters, NetIoCounters};
@@ -437,7 +437,7 @@ pub struct VirtioRuntime {
     net_counters: Option<Arc<NetIoCounters>>,
     /// Each disk's counters, in device order.
     blk_counters: Vec<Arc<BlkIoCounters>>,
-    _event_loop: Option<EventLoop>,
+    event_loop: Option<EventLoop>,
 }
 
 impl VirtioRuntime {
@@ -457,10 +457,14 @@ impl VirtioRuntime {
     /// the real-guest snapshot scenarios). Devices that owe the guest an event
     /// for having been restored then deliver it (the vsock transport reset),
     /// and an interrupt the driver has not acknowledged is raised again
-    /// (`Interrupt::resend_pending`).
-    /// Called when the VM first runs, not at restore, so that until then its
-    /// memory is the snapshot's.
+    /// (`Interrupt::resend_pending`). Before all that, the event thread,
+    /// held since the restore, starts serving the devices and their backends
+    /// (frames that reached the tap meanwhile; host vsock connections, which
+    /// the device holds until the guest has taken its reset). Called when the
+    /// VM first runs, not at restore, so that until then its memory is the
+    /// snapshot's.
     pub fn first_run_work(&self) -> Result<impl FnOnce() + Send + 'static, SetupError> {
+        let gate: Option<EventGate> = self.event_loop.as_ref().map(EventLoop::gate);
         let mut kickers = Vec::new();
         let mut interrupts: Vec<Arc<Interrupt>> = Vec::new();
         let mut vsocks: Vec<Arc<Mutex<Vsock>>> = Vec::new();
@@ -482,6 +486,9 @@ impl VirtioRuntime {
             }
         }
         Ok(move || {
+            if let Some(gate) = gate {
+                gate.open();
+            }
             for (addr, evt) in kickers {
                 if let Err(e) = evt.write(1) {
                     tracing::warn!(device = addr, error = %e, "cannot kick a restored queue");
@@ -592,6 +599,7 @@ pub fn attach(
     mmio: &mut Bus,
     devices: Vec<PlannedDevice>,
 ) -> Result<VirtioRuntime, SetupError> {
+    let restored = devices.iter().any(|d| d.transport_state.is_some());
     let mut attached = Vec::with_capacity(devices.len());
     let mut subscribers = Vec::with_capacity(devices.len());
     let mut net_counters = None;
@@ -647,8 +655,12 @@ pub fn attach(
             transport,
         });
     }
+    // A restored VM's devices serve their backends only once it first runs
+    // (`first_run_work`), so that until then its memory is the snapshot's.
     let event_loop = if subscribers.is_empty() {
         None
+    } else if restored {
+        Some(EventLoop::start_held(subscribers)?)
     } else {
         Some(EventLoop::start(subscribers)?)
     };
@@ -656,7 +668,7 @@ pub fn attach(
         devices: attached,
         net_counters,
         blk_counters,
-        _event_loop: event_loop,
+        event_loop,
     })
 }
 

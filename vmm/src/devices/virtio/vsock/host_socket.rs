@@ -111,11 +111,16 @@ impl Vsock {
 
     /// Sends the guest a REQUEST for every host connection whose CONNECT
     /// line is complete, once the device is started and no restore reset
-    /// holds connections back.
+    /// holds connections back: neither one still owed (the restored VM has
+    /// not run yet) nor one the guest has not taken.
     pub(super) fn admit_waiting_hosts(&mut self, ops: &mut EventOps) {
         // Runs after every event: nothing to do on the data path's usual
         // case, no host waiting.
-        if self.pending_hosts.is_empty() || !self.is_activated() || self.reset_hold.holding() {
+        if self.pending_hosts.is_empty()
+            || !self.is_activated()
+            || self.reset_event_owed
+            || self.reset_hold.holding()
+        {
             return;
         }
         let ready: Vec<RawFd> = self

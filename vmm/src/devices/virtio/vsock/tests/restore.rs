@@ -53,6 +53,18 @@ fn a_restored_device_sends_the_transport_reset_event_once_the_vm_runs_and_checks
     let _ = std::fs::remove_file(&uds);
 }
 
+/// The guest handled the reset and posts a new event buffer (the third,
+/// in slot 2): the held connection to port 52 reaches it.
+fn guest_takes_the_reset_and_gets_the_request(h: &mut Harness) {
+    add_chain(&h.ev, 2, &[(0x30_0000, 4, true)]);
+    h.dev.lock().unwrap().common.queue_evts[EVENT_QUEUE]
+        .write(1)
+        .unwrap();
+    h.pump();
+    let (req, _) = h.recv().expect("the held connection reaches the guest");
+    assert_eq!((req.op, req.dst_port), (OP_REQUEST, 52));
+}
+
 #[test]
 fn host_connections_wait_until_a_restored_guest_has_taken_its_transport_reset() {
     let mut h = Harness::new();
@@ -93,12 +105,35 @@ fn host_connections_wait_until_a_restored_guest_has_taken_its_transport_reset() 
         h.recv().is_none(),
         "still held after a notification without a buffer"
     );
-    // The guest handled it and posts a new event buffer.
-    add_chain(&h.ev, 2, &[(0x30_0000, 4, true)]);
-    h.dev.lock().unwrap().common.queue_evts[EVENT_QUEUE]
-        .write(1)
-        .unwrap();
+    guest_takes_the_reset_and_gets_the_request(&mut h);
+}
+
+#[test]
+fn a_host_connection_made_before_a_restored_vm_first_runs_waits_for_the_reset() {
+    let mut h = Harness::new();
+    h.post_rx(NRX);
+    add_chain(&h.ev, 0, &[(0x30_0000, 4, true)]);
+    add_chain(&h.ev, 1, &[(0x30_0010, 4, true)]);
+    // As restored: the reset is owed, the VM has not run. host-agent
+    // connects as soon as the restore answers (a real guest's fork reset
+    // that connection with the old ones: its Hello never arrived).
+    h.dev.lock().unwrap().reset_event_owed = true;
+    let mut host = UnixStream::connect(&h.uds).unwrap();
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    host.write_all(b"CONNECT 52\n").unwrap();
     h.pump();
-    let (req, _) = h.recv().expect("the held connection reaches the guest");
-    assert_eq!((req.op, req.dst_port), (OP_REQUEST, 52));
+    assert!(
+        h.recv().is_none(),
+        "no REQUEST before the restored VM has run and taken its reset"
+    );
+    assert_eq!(used_idx(&h.ev), 0, "guest memory untouched before the run");
+    // The VM runs: the reset goes out, the connection still waits.
+    h.dev.lock().unwrap().announce_restore();
+    h.pump();
+    assert_eq!(used_idx(&h.ev), 1, "the reset event is delivered");
+    assert!(
+        h.recv().is_none(),
+        "held until the guest has taken the reset"
+    );
+    guest_takes_the_reset_and_gets_the_request(&mut h);
 }
