@@ -96,8 +96,9 @@ pub struct Fs {
     /// This device's own descriptor of the memory-ready eventfd, which every
     /// fs device of the VM watches (one epoll takes a descriptor only once).
     memory_ready_watch: Option<EventFd>,
-    /// The backend's state to load before its vrings start (a restore).
-    state_to_load: Option<Vec<u8>>,
+    /// The state a restore loaded into the backend, kept for a snapshot
+    /// taken before the backend starts (waiting for the memory).
+    restored_state: Option<Vec<u8>>,
     /// The backend's state saved by the last `stop_for_snapshot`.
     saved_state: Option<Result<Vec<u8>, String>>,
 }
@@ -135,7 +136,7 @@ impl Fs {
             watching_kicks: false,
             memory_ready: MemoryReady::now(),
             memory_ready_watch: None,
-            state_to_load: None,
+            restored_state: None,
             saved_state: None,
         })
     }
@@ -167,9 +168,7 @@ impl Fs {
             return Ok(());
         };
         backend.set_up(self.common.acked_features, &mem)?;
-        if let Some(state) = self.state_to_load.take() {
-            backend.load_state(&state)?;
-        }
+        self.restored_state = None;
         self.start_vrings()
     }
 

@@ -69,7 +69,7 @@ impl Persist for Fs {
             }
             // Restored, and the backend not started yet: its state is still
             // the one the restore brought.
-            (Rings::WaitingForMemory, _) => self.state_to_load.clone(),
+            (Rings::WaitingForMemory, _) => self.restored_state.clone(),
             _ => None,
         };
         Ok(FsState {
@@ -117,7 +117,17 @@ impl Persist for Fs {
                     args.socket.display()
                 )));
             }
-            fs.state_to_load = state.backend_state.clone();
+            // The state goes in now, whatever the memory: it needs none (the
+            // backend opens the guest's files by path), so a backend that
+            // cannot take it fails the restore on every memory backend, not
+            // only where the memory is complete before the devices.
+            // (A failed device has no backend.)
+            if let (Some(backend), Some(saved)) = (&fs.backend, &state.backend_state) {
+                backend
+                    .load_state(saved)
+                    .map_err(|e| VirtioPersistError::Mismatch(e.to_string()))?;
+            }
+            fs.restored_state = state.backend_state.clone();
             fs.common.activate(args.mem, args.interrupt)?;
             if fs.rings == Rings::Failed {
                 super::failed::take_over(&mut fs.common);
@@ -125,7 +135,6 @@ impl Persist for Fs {
             } else if !fs.memory_ready.is_ready() {
                 fs.rings = Rings::WaitingForMemory;
             } else {
-                // A backend that cannot take the snapshot's state fails the restore.
                 fs.start_backend()
                     .map_err(|e| VirtioPersistError::Mismatch(e.to_string()))?;
             }

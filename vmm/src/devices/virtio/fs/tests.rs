@@ -382,7 +382,7 @@ fn a_restored_device_waiting_for_memory_saves_the_state_it_was_given() {
     let mut fs = Fs::new("cache", &path, 1).unwrap();
     let (ready, _signal) = MemoryReady::pending().unwrap();
     fs.memory_ready = ready;
-    fs.state_to_load = Some(vec![1, 2, 3]);
+    fs.restored_state = Some(vec![1, 2, 3]);
     let mem = shared_memory();
     let _mocks = activate_fs(&mut fs, &mem);
     assert_eq!(
