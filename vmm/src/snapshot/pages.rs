@@ -29,6 +29,7 @@ pub enum RestoreMemoryError {
 }
 
 /// Where the newest copy of a memory-file page lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum PageSource {
     /// In layer `i`'s memory file, at the same offset.
     Layer(usize),
