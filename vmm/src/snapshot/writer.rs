@@ -407,10 +407,8 @@ mod tests {
         let host = mem.get_host_address(GuestAddress(2 << 20)).unwrap();
         // SAFETY: one page inside the 4 MiB mapping that `mem` owns; nothing
         // else touches it, and `mem` unmaps it whatever its protection.
-        assert_eq!(
-            unsafe { libc::mprotect(host.cast(), 4096, libc::PROT_NONE) },
-            0
-        );
+        let rc = unsafe { libc::mprotect(host.cast(), 4096, libc::PROT_NONE) };
+        assert_eq!(rc, 0);
         let mut dirty = vec![0u64; 16];
         dirty[0] = 1;
         dirty[8] = u64::MAX; // pages 512-575: 2 MiB on, the unreadable page first
@@ -475,10 +473,8 @@ mod tests {
             rlim_max: 0,
         };
         // SAFETY: getrlimit writes into `limit`, which outlives the call.
-        assert_eq!(
-            unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut limit) },
-            0
-        );
+        let rc = unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut limit) };
+        assert_eq!(rc, 0);
         assert_eq!(limit.rlim_cur, CHILD_FSIZE, "run only by its parent test");
         // 1 MiB of memory does not fit a 64 KiB file: sizing the memory file
         // fails (EFBIG) before the memory thread has extents to hand over.

@@ -11,6 +11,18 @@ use kvm_ioctls::VcpuFd;
 /// The most data words KVM reports with an internal error (`kvm_run.internal.data`).
 const INTERNAL_DATA_MAX: usize = 16;
 
+/// Where an x86 CPU starts after a reset: `rip` and the code segment's base.
+const RESET_RIP: u64 = 0xfff0;
+const RESET_CS_BASE: u64 = 0xffff_0000;
+
+/// Said after a state that is the CPU's reset state: KVM on AMD (SVM)
+/// reinitialises a vCPU when it intercepts a shutdown (the triple fault), so
+/// what is read afterwards is not the state at the fault. Without this a
+/// reader takes `rip=0xfff0` for where the guest died.
+const RESET_STATE_NOTE: &str = " (the reset state: KVM on AMD reinitialises a vCPU \
+     at a triple fault, so the state at the fault itself is lost; the console \
+     is what is left of it)";
+
 /// Reads the vCPU's registers and pending events and describes them; a
 /// register set KVM would not give is named as missing rather than failing
 /// the report.
@@ -83,6 +95,11 @@ pub fn describe(
         }
         None => out.push_str(" system registers unavailable"),
     }
+    if let (Some(r), Some(s)) = (regs, sregs) {
+        if r.rip == RESET_RIP && s.cs.base == RESET_CS_BASE {
+            out.push_str(RESET_STATE_NOTE);
+        }
+    }
     if let Some(e) = events {
         let x = &e.exception;
         if x.injected != 0 || x.pending != 0 {
@@ -152,5 +169,34 @@ mod tests {
         let quiet = kvm_vcpu_events::default();
         let none = describe(None, None, Some(&quiet));
         assert_eq!(none, "registers unavailable system registers unavailable");
+        assert!(!line.contains("reset state"), "{line}");
+    }
+
+    #[test]
+    fn a_vcpu_read_back_in_its_reset_state_is_said_to_be_one() {
+        // What the vmm read after a real guest's triple fault under nested
+        // SVM: rip=0xfff0, cs base 0xffff0000, cr0 with only ET.
+        let regs = kvm_regs {
+            rip: RESET_RIP,
+            rflags: 0x2,
+            rdx: 0x663,
+            ..Default::default()
+        };
+        let mut sregs = kvm_sregs {
+            cr0: 0x10,
+            ..Default::default()
+        };
+        sregs.cs.selector = 0xf000;
+        sregs.cs.base = RESET_CS_BASE;
+        let line = describe(Some(&regs), Some(&sregs), None);
+        assert!(line.contains("rip=0xfff0"), "{line}");
+        assert!(
+            line.ends_with(RESET_STATE_NOTE) && line.contains("state at the fault itself is lost"),
+            "{line}"
+        );
+        // The same rip in another segment is a guest's own code.
+        sregs.cs.base = 0x1_0000;
+        let line = describe(Some(&regs), Some(&sregs), None);
+        assert!(!line.contains("reset state"), "{line}");
     }
 }
