@@ -240,7 +240,9 @@ mod tests {
             })))
             .await
             .unwrap();
-        let conn = GuestConn::open(host, "s", None).await.unwrap();
+        let conn = GuestConn::open(host, "s", None, Duration::from_secs(30))
+            .await
+            .unwrap();
         let mut call = conn
             .file_call(Op::Read(FileRead {
                 path: b"f".to_vec(),

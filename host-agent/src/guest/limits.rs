@@ -26,3 +26,9 @@ pub const BUNDLE_TIMEOUT: Duration = Duration::from_secs(600);
 /// How long a message to the guest may wait for room in its channel: a
 /// guest that stops reading cannot hold a call (a Stop) forever.
 pub const SEND_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one connection waits for the guest's Hello before it is taken
+/// for dead and a new one is opened (guest-init lets a new connection
+/// supersede an old one). A connection the guest dropped without telling
+/// the host (a vsock connection reset on the guest's side sends nothing)
+/// would otherwise hold the caller for its whole timeout.
+pub const HELLO_ATTEMPT: Duration = Duration::from_secs(10);

@@ -92,6 +92,43 @@ pub async fn connect_retry(
     }
 }
 
+/// Opens a guest channel within `timeout` through `once(left, hello)`, one
+/// connection that may take `left` to connect and `hello` for the guest's
+/// Hello. A connection that timed out waiting for the Hello, or that the
+/// guest closed before it, is given up for a new one (each waits
+/// `hello_attempt`; one that would leave less than another attempt's time
+/// waits to the deadline) until `timeout` has passed; other errors end at
+/// once.
+pub async fn open_retrying<F, Fut>(
+    timeout: Duration,
+    hello_attempt: Duration,
+    mut once: F,
+) -> Result<GuestConn>
+where
+    F: FnMut(Duration, Duration) -> Fut,
+    Fut: std::future::Future<Output = Result<GuestConn>>,
+{
+    const PAUSE: Duration = Duration::from_millis(100);
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let hello = if left < 2 * hello_attempt + PAUSE {
+            left
+        } else {
+            hello_attempt
+        };
+        match once(left, hello).await {
+            Err(e @ (Error::Timeout(_) | Error::GuestGone(_)))
+                if tokio::time::Instant::now() + PAUSE < deadline =>
+            {
+                tracing::warn!(error = %e, "no Hello from the guest on this connection; opening another");
+                tokio::time::sleep(PAUSE).await;
+            }
+            r => return r,
+        }
+    }
+}
+
 /// A pending approval.
 #[derive(Debug, Clone)]
 pub struct PendingAsk {
@@ -168,12 +205,15 @@ fn kind(m: In) -> HostMessage {
 }
 
 impl GuestConn {
-    /// Exchanges Hello on `stream` and starts the reader and writer tasks.
-    /// Audit events of `session_id` are stored, chained, through `audit`.
+    /// Exchanges Hello on `stream` and starts the reader and writer tasks;
+    /// fails with [`Error::Timeout`] when the guest's Hello has not come in
+    /// `hello_timeout`. Audit events of `session_id` are stored, chained,
+    /// through `audit`.
     pub async fn open(
         stream: UnixStream,
         session_id: &str,
         audit: Option<AuditSink>,
+        hello_timeout: Duration,
     ) -> Result<GuestConn> {
         let (r, mut w) = stream.into_split();
         let hello = proto::hello::host_hello(format!("host-agent {}", env!("CARGO_PKG_VERSION")));
@@ -222,7 +262,7 @@ impl GuestConn {
             control: tokio::sync::Mutex::new(ctl_rx),
             notices: Mutex::new(Some(notice_rx)),
         };
-        let first = conn.next_control(Duration::from_secs(30)).await?;
+        let first = conn.next_control(hello_timeout).await?;
         proto::hello::accept_guest_hello(first).map_err(|e| Error::Guest(e.to_string()))?;
         Ok(conn)
     }

@@ -56,3 +56,102 @@ fn audit_over_the_volume_is_refused_and_recorded() {
     assert_eq!(again.last_seq, 2);
     assert!(again.stored_bytes > 10);
 }
+
+/// A guest end whose Hello is `hello` (None: it never answers), kept open
+/// in `kept` for the test's length.
+async fn guest_end(
+    hello: Option<Out>,
+    kept: &Arc<Mutex<Vec<UnixStream>>>,
+    wait: Duration,
+) -> Result<GuestConn> {
+    let (host, mut guest) = UnixStream::pair().unwrap();
+    if let Some(kind) = hello {
+        let frame = encode_frame(&GuestMessage { kind: Some(kind) }, DEFAULT_MAX_FRAME).unwrap();
+        guest.write_all(&frame).await.unwrap();
+    }
+    kept.lock().unwrap().push(guest);
+    GuestConn::open(host, "s", None, wait).await
+}
+
+fn good_hello() -> Out {
+    Out::Hello(proto::guest::Hello {
+        protocol_version: proto::guest::PROTOCOL_VERSION,
+        software: "fake".into(),
+    })
+}
+
+#[tokio::test]
+async fn a_connection_whose_hello_never_comes_is_given_up_for_a_new_one() {
+    // A real guest's fork: its first connection was reset on the guest's
+    // side, which tells the host nothing, and host-agent waited for a Hello
+    // until the fork failed.
+    let kept = Arc::new(Mutex::new(Vec::new()));
+    let tries = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let waits = Arc::new(Mutex::new(Vec::new()));
+    let conn = open_retrying(
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+        |_, wait| {
+            let n = tries.fetch_add(1, Ordering::SeqCst);
+            waits.lock().unwrap().push(wait);
+            let kept = kept.clone();
+            async move {
+                let hello = (n >= 2).then(good_hello);
+                guest_end(hello, &kept, wait).await
+            }
+        },
+    )
+    .await
+    .expect("the third connection answers");
+    assert!(!conn.is_closed());
+    assert_eq!(tries.load(Ordering::SeqCst), 3);
+    assert!(
+        waits
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|w| *w == Duration::from_millis(200)),
+        "each connection waits one attempt's time"
+    );
+}
+
+#[tokio::test]
+async fn a_guest_that_never_says_hello_fails_at_the_timeout_and_a_bad_hello_at_once() {
+    let kept = Arc::new(Mutex::new(Vec::new()));
+    let tries = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let started = std::time::Instant::now();
+    let r = open_retrying(
+        Duration::from_millis(700),
+        Duration::from_millis(200),
+        |left, wait| {
+            tries.fetch_add(1, Ordering::SeqCst);
+            assert!(wait <= left && left <= Duration::from_millis(700));
+            let kept = kept.clone();
+            async move { guest_end(None, &kept, wait).await }
+        },
+    )
+    .await;
+    assert!(matches!(r, Err(Error::Timeout(_))), "{:?}", r.err());
+    assert!(tries.load(Ordering::SeqCst) >= 2);
+    assert!(started.elapsed() >= Duration::from_millis(700));
+    // A guest of another protocol is not asked again.
+    let tries = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let r = open_retrying(
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+        |_, wait| {
+            tries.fetch_add(1, Ordering::SeqCst);
+            let kept = kept.clone();
+            async move {
+                let wrong = Out::Hello(proto::guest::Hello {
+                    protocol_version: proto::guest::PROTOCOL_VERSION + 1,
+                    software: "other".into(),
+                });
+                guest_end(Some(wrong), &kept, wait).await
+            }
+        },
+    )
+    .await;
+    assert!(matches!(r, Err(Error::Guest(_))), "{:?}", r.err());
+    assert_eq!(tries.load(Ordering::SeqCst), 1);
+}

@@ -5,11 +5,30 @@
 use super::*;
 
 impl Manager {
-    /// Connects to the session's guest-init over vsock and exchanges Hello.
+    /// Connects to the session's guest-init over vsock and exchanges Hello,
+    /// within `timeout`. A connection whose Hello has not come in
+    /// [`guest::limits::HELLO_ATTEMPT`] is given up for a new one: the guest
+    /// may have dropped it without a word (a vsock reset on the guest's side
+    /// tells the host nothing), and guest-init takes a new connection over
+    /// from an old one.
     pub(super) async fn connect_guest(
         &self,
         sess: &Session,
         timeout: Duration,
+    ) -> Result<GuestConn> {
+        guest::open_retrying(timeout, guest::limits::HELLO_ATTEMPT, |left, hello| {
+            self.connect_guest_once(sess, left, hello)
+        })
+        .await
+    }
+
+    /// One connection to the session's guest-init: connecting retries for
+    /// up to `timeout`, the guest's Hello is awaited for `hello_timeout`.
+    async fn connect_guest_once(
+        &self,
+        sess: &Session,
+        timeout: Duration,
+        hello_timeout: Duration,
     ) -> Result<GuestConn> {
         // A socket of the vmm's own vsock device must be served by that vmm.
         // Without that process (exited, not started yet) nothing is connected to.
@@ -34,7 +53,7 @@ impl Manager {
             store: self.store.clone(),
             max_bytes: self.cfg.max_audit_bytes_per_session,
         };
-        let conn = GuestConn::open(stream, &sess.id, Some(audit)).await?;
+        let conn = GuestConn::open(stream, &sess.id, Some(audit), hello_timeout).await?;
         if let Some(notices) = conn.take_ask_notices() {
             self.record_asks(sess, notices);
         }

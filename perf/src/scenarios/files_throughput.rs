@@ -207,7 +207,7 @@ async fn start(sock: &Path, bundle: &Path, timeout: Duration) -> Result<GuestCon
             Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     };
-    let conn = GuestConn::open(stream, "perf-files", None)
+    let conn = GuestConn::open(stream, "perf-files", None, Duration::from_secs(30))
         .await
         .map_err(fail)?;
     let bytes = std::fs::read(bundle).map_err(|e| fail(format!("reading the bundle: {e}")))?;
