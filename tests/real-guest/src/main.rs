@@ -44,6 +44,10 @@ enum Cmd {
         /// Scenarios to leave out (comma-separated; finished in an earlier attempt).
         #[arg(long, default_value = "")]
         skip: String,
+        /// Which of the group's attempts this is: each keeps its own logs, so
+        /// a rerun does not overwrite what the failed attempt left.
+        #[arg(long, default_value_t = 1)]
+        attempt: u32,
     },
 }
 
@@ -200,7 +204,12 @@ fn main() -> ExitCode {
             }
             0
         }
-        Cmd::Inner { env, group, skip } => {
+        Cmd::Inner {
+            env,
+            group,
+            skip,
+            attempt,
+        } => {
             let env = match env::InnerEnv::load(&env) {
                 Ok(e) => e,
                 Err(e) => {
@@ -217,7 +226,7 @@ fn main() -> ExitCode {
                 .filter(|s| !s.is_empty())
                 .map(String::from)
                 .collect();
-            inner::run(env, group, &skip)
+            inner::run(env, group, &skip, attempt)
         }
     };
     ExitCode::from(u8::try_from(code).unwrap_or(1))

@@ -8,7 +8,12 @@
 //! RGH START <scenario>
 //! RGH RESULT <scenario> PASS|FAIL|INFRA <seconds> <detail or reason>
 //! RGH INFO <scenario> <text>
+//! RGH ABANDON <reason>
 //! ```
+//!
+//! `ABANDON` is the runner's watchdog giving up on the outer VM (see
+//! `inner::watchdog`): the runner may not be able to exit, so the harness
+//! ends the outer VM at once and retries the group in a fresh one.
 
 use std::fmt;
 
@@ -81,6 +86,13 @@ pub enum Line {
     Result(Outcome),
     /// A note from a scenario.
     Info(String, String),
+    /// The runner gave up on the outer VM, for this reason.
+    Abandon(String),
+}
+
+/// The `RGH ABANDON` line.
+pub fn abandon_line(reason: &str) -> String {
+    format!("{PREFIX}ABANDON {}", one_line(reason))
 }
 
 /// The `RGH START` line for `name`.
@@ -138,6 +150,7 @@ pub fn parse(line: &str) -> Option<Line> {
     let (kind, rest) = rest.split_once(' ')?;
     match kind {
         "START" => Some(Line::Start(rest.trim().to_string())),
+        "ABANDON" => Some(Line::Abandon(rest.trim().to_string())),
         "INFO" => {
             let (name, text) = rest.split_once(' ').unwrap_or((rest, ""));
             Some(Line::Info(name.to_string(), text.to_string()))
@@ -225,6 +238,10 @@ mod tests {
         assert_eq!(parse("RGH RESULT x MAYBE 1.0 y"), None);
         assert_eq!(parse("RGH RESULT x PASS notanumber"), None);
         assert_eq!(parse("RGH START a"), Some(Line::Start("a".into())));
+        assert_eq!(
+            parse(&abandon_line("9p\nstuck")),
+            Some(Line::Abandon("9p | stuck".into()))
+        );
         let Some(Line::Result(o)) = parse("RGH RESULT virtio-net INFRA 61.0 stalled") else {
             panic!("an INFRA result is a result");
         };

@@ -5,6 +5,7 @@
 
 use std::fmt::Write as _;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// KVM debugfs counters worth comparing.
@@ -33,6 +34,98 @@ pub fn report(pid: u32) -> String {
 
 fn read(path: impl AsRef<Path>) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// Process `root` and every process under it, `root` first.
+fn tree_pids(root: u32) -> Vec<u32> {
+    let mut parents: Vec<(u32, u32)> = Vec::new();
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for e in dir.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            let stat = read(e.path().join("stat"));
+            // The parent is the second field after the parenthesised name.
+            if let Some(ppid) = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok())
+            {
+                parents.push((pid, ppid));
+            }
+        }
+    }
+    let mut tree = vec![root];
+    let mut i = 0;
+    while let Some(&p) = tree.get(i) {
+        tree.extend(parents.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
+        i += 1;
+    }
+    tree
+}
+
+/// Each thread of process `root` and of every process under it: state,
+/// wait channel and kernel stack (what a runner stuck in a scenario and its
+/// vmm are doing), read from /proc only.
+pub fn process_tree(root: u32) -> String {
+    let mut out = String::new();
+    for pid in tree_pids(root) {
+        let cmd = read(format!("/proc/{pid}/cmdline")).replace('\0', " ");
+        let cmd: String = cmd.trim().chars().take(160).collect();
+        let _ = writeln!(out, "process {pid}: {cmd}");
+        threads(pid, &mut out);
+    }
+    out
+}
+
+/// A thread waiting on the outer VM's 9p share (its kernel stack is in the
+/// 9p client's request wait).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NinePWait {
+    /// Thread id.
+    pub tid: u32,
+    /// `pid/comm` of its process and thread name, for the report.
+    pub who: String,
+    /// Its time on a CPU so far (ns, from schedstat; 0 if unknown): a
+    /// thread that waits for good never runs.
+    pub ran_ns: u64,
+}
+
+/// Whether a kernel stack (as /proc/<tid>/stack prints it) or wait channel
+/// is in the 9p client's request path.
+pub fn in_9p(stack: &str, wchan: &str) -> bool {
+    wchan.starts_with("p9_")
+        || stack.contains("p9_client_rpc")
+        || stack.contains("p9_client_zc_rpc")
+}
+
+/// The threads of `root`'s process tree waiting on 9p now.
+pub fn waiting_on_9p(root: u32) -> Vec<NinePWait> {
+    let mut out = Vec::new();
+    for pid in tree_pids(root) {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            let p = t.path();
+            let Some(tid) = t.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            if !in_9p(&read(p.join("stack")), read(p.join("wchan")).trim()) {
+                continue;
+            }
+            out.push(NinePWait {
+                tid,
+                who: format!("{pid}/{}", read(p.join("comm")).trim()),
+                ran_ns: read(p.join("schedstat"))
+                    .split_whitespace()
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0),
+            });
+        }
+    }
+    out
 }
 
 fn threads(pid: u32, out: &mut String) {
@@ -100,8 +193,52 @@ fn kvm_counters(pid: u32, out: &mut String) {
 /// faults which guest-physical addresses.
 const TRACEPOINTS: &[&str] = &["kvm_exit", "kvm_page_fault"];
 
-/// The text of `points` traced for `secs`, or `None` without tracefs.
-fn trace(points: &[&str], secs: u64) -> Option<String> {
+/// Set once a tracefs write has not come back: tracing is not tried again.
+static TRACE_STUCK: AtomicBool = AtomicBool::new(false);
+
+/// Longest [`trace`] may take beyond its sampling time before the wait is
+/// given up (its thread is left behind).
+const TRACE_SLACK: Duration = Duration::from_secs(20);
+
+/// The text of `points` traced for `secs`, or `None` without tracefs or
+/// when tracing did not come back in time. Run in a thread of its own: a
+/// write to tracefs that never returns (enabling a tracepoint patches the
+/// kernel's text and waits on every CPU) must not hang the runner, whose
+/// own timeouts are what bound a scenario.
+fn trace(points: &'static [&'static str], secs: u64) -> Option<String> {
+    if TRACE_STUCK.load(Ordering::Relaxed) {
+        return None;
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name("rg-trace".into())
+        .spawn(move || {
+            let _ = tx.send(trace_now(points, secs));
+        });
+    if spawned.is_err() {
+        return None;
+    }
+    match rx.recv_timeout(Duration::from_secs(secs) + TRACE_SLACK) {
+        Ok(t) => t,
+        Err(_) => {
+            TRACE_STUCK.store(true, Ordering::Relaxed);
+            println!(
+                "{}",
+                crate::report::info_line(
+                    "runner",
+                    &format!(
+                        "tracing {points:?} did not come back in {} s; not traced again",
+                        (Duration::from_secs(secs) + TRACE_SLACK).as_secs()
+                    )
+                )
+            );
+            None
+        }
+    }
+}
+
+/// [`trace`]'s work, in the calling thread.
+fn trace_now(points: &[&str], secs: u64) -> Option<String> {
     let root = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"]
         .into_iter()
         .map(Path::new)
@@ -222,6 +359,49 @@ mod tests {
             " vcpu{vcpu}-231 [001] d.... 412.3: kvm_page_fault: vcpu {vcpu} \
              rip 0xffffffffc06ae20c address 0x{addr:016x} error_code 0x{code:x}\n"
         )
+    }
+
+    #[test]
+    fn the_process_tree_names_the_runners_children_and_their_threads() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        // `spawn` returns once the child's exec has begun (its close-on-exec
+        // pipe closed), which is before the kernel has laid out the new
+        // program's arguments: until then /proc/<pid>/cmdline reads empty.
+        let cmdline = format!("/proc/{}/cmdline", child.id());
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while read(&cmdline).is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let tree = process_tree(std::process::id());
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(
+            tree.contains(&format!("process {}: sleep 30", child.id())),
+            "{tree}"
+        );
+        assert!(
+            tree.starts_with(&format!("process {}:", std::process::id())),
+            "{tree}"
+        );
+        // The child's one thread, with its state and stack.
+        assert!(tree.contains("thread sleep state="), "{tree}");
+        assert!(tree.contains(" stack: "), "{tree}");
+    }
+
+    #[test]
+    fn a_9p_request_wait_is_recognised() {
+        let stuck = "[<0>] p9_client_rpc+0x1a2/0x3c0 [9pnet]\n[<0>] p9_client_read_once+0x9f/0x1b0 [9pnet]\n[<0>] v9fs_issue_read+0x41/0xa0 [9p]\n[<0>] netfs_read_folio+0x14a/0x1d0";
+        assert!(in_9p(stuck, "0"));
+        assert!(in_9p("", "p9_client_rpc"));
+        assert!(!in_9p(
+            "[<0>] pipe_read+0x3df/0x470\n[<0>] vfs_read+0x2db/0x310",
+            "pipe_read"
+        ));
+        // Nothing under a process that waits on nothing of 9p.
+        assert!(waiting_on_9p(std::process::id()).is_empty());
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod net;
 pub mod virtiofsd;
 pub mod vm;
 pub mod vsock;
+mod watchdog;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -44,9 +45,16 @@ impl Ctx {
     }
 }
 
-/// Runs `group`'s scenarios except `skip`; returns 0 when all passed.
-pub fn run(env: InnerEnv, group: &Group, skip: &[String]) -> i32 {
-    let out = env.work.join("logs").join(group.name);
+/// The folder under the work directory's `logs/` where `group`'s `attempt`
+/// keeps its guests' consoles, vmm logs and hang reports.
+pub fn logs_dir(group: &str, attempt: u32) -> String {
+    format!("{group}-{attempt}")
+}
+
+/// Runs `group`'s scenarios except `skip` as the group's `attempt`; returns
+/// 0 when all passed.
+pub fn run(env: InnerEnv, group: &Group, skip: &[String], attempt: u32) -> i32 {
+    let out = env.work.join("logs").join(logs_dir(group.name, attempt));
     let scratch = PathBuf::from("/run/real-guest").join(group.name);
     let _ = std::fs::remove_dir_all(&scratch);
     if let Err(e) = std::fs::create_dir_all(&out).and_then(|_| std::fs::create_dir_all(&scratch)) {
@@ -60,13 +68,16 @@ pub fn run(env: InnerEnv, group: &Group, skip: &[String]) -> i32 {
         fixtures: groups::Fixtures::default(),
     };
     let mut failed = 0;
+    let running = watchdog::start(group);
     for name in group.scenarios {
         if skip.iter().any(|s| s == name) {
             continue;
         }
         println!("{}", report::start_line(name));
         let t0 = Instant::now();
+        running.set(Some(name));
         let result = groups::run(&mut ctx, name);
+        running.set(None);
         let outcome = Outcome {
             name: name.to_string(),
             status: match &result {

@@ -295,11 +295,15 @@ fn session(
         .copied()
         .filter(|s| filed.results.contains_key(*s) || !group.scenarios.contains(s))
         .collect();
+    // The runner runs from the outer VM's memory (its /run is a tmpfs), not
+    // from the host's tree over 9p: its watchdog must still run, paging in
+    // code it has not run yet, when the 9p share stops answering.
     std::fs::write(
         &script,
         format!(
             "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root\n\
-             exec {} inner --env {} --group {} --skip '{}'\n",
+             cp {} /run/rg-runner || exit 1\n\
+             exec /run/rg-runner inner --env {} --group {} --skip '{}' --attempt {attempt}\n",
             opts.runner.display(),
             opts.work.join("env.json").display(),
             group.name,
@@ -308,6 +312,11 @@ fn session(
     )?;
     let log = logs.join(format!("l1-{}-{attempt}.log", group.name));
     println!("   outer VM console: {}", log.display());
+    println!(
+        "   guests' logs: {}",
+        logs.join(crate::inner::logs_dir(group.name, attempt))
+            .display()
+    );
     let mut l1 = L1::start(
         &opts.l1,
         &opts.kernel,
@@ -357,6 +366,9 @@ fn session(
                         current = Some(name);
                     }
                     Some(Line::Info(name, text)) => println!("   {name}: {text}"),
+                    Some(Line::Abandon(why)) => {
+                        break End::Infrastructure(format!("the runner gave up on it: {why}"));
+                    }
                     Some(Line::Result(o)) => {
                         println!("{o}");
                         current = None;
