@@ -106,6 +106,26 @@ fn triple_fault_is_a_vm_failure_with_exit_code_one() {
     assert!(state.contains(" idt=0x0+0x0"), "{state}");
     assert!(state.contains("64-bit"), "{state}");
     assert!(state.contains(" rip=0x"), "{state}");
+    // The pending interrupt state, read from KVM and the in-kernel LAPIC.
+    assert!(state.contains("; interrupt: "), "{state}");
+    assert!(state.contains("; nmi: "), "{state}");
+    assert!(state.contains("; lapic: irr "), "{state}");
+    // The exits before the fault: the guest polled the serial line status
+    // register (port 0x3fd) while printing, so the fault did not come on
+    // the first entry after the vmm wrote the vCPU's state.
+    assert!(state.contains("; last exits: "), "{state}");
+    assert!(state.contains("io_in 0x3fd"), "{state}");
+    let exits: u64 = state
+        .split("; exits since the vmm set this vCPU's state: ")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no exit count in {state}"));
+    assert!(exits > 0, "{state}");
+    assert!(
+        !state.contains("on the first entry after the vmm wrote its state"),
+        "{state}"
+    );
 }
 
 #[test]

@@ -3,6 +3,7 @@
 
 pub mod coordinator;
 pub mod crash;
+pub mod exit_log;
 pub mod kick;
 pub mod persist;
 pub mod threads;
@@ -20,6 +21,7 @@ use crate::devices::legacy::serial::coalesced::CoalescedTx;
 use crate::exit::ExitReason;
 use crate::memory::GuestMemoryMmap;
 use coordinator::{Coordinator, Next};
+use exit_log::{Exit, ExitLog};
 
 /// Errors creating or configuring a vCPU.
 #[derive(Debug, thiserror::Error)]
@@ -196,6 +198,10 @@ impl Vcpu {
         coordinator.register_current_thread();
         let mut io_pending = false;
         let mut first_run = self.index == 0;
+        // The vmm wrote this vCPU's state (`configure`, `persist::restore`)
+        // before handing it to this thread, and writes none while it runs:
+        // the log starts with the state.
+        let mut exits = ExitLog::new();
         loop {
             let ran = match coordinator.next_after(io_pending) {
                 Next::Exit => break,
@@ -204,7 +210,7 @@ impl Vcpu {
                         crate::timing::mark("first-run");
                     }
                     let mut fd = lock_fd(&self.fd);
-                    run_once(&mut fd, self.index, &self.buses)
+                    run_once(&mut fd, self.index, &self.buses, &mut exits)
                 }
                 Next::CompleteIo => {
                     let mut fd = lock_fd(&self.fd);
@@ -212,7 +218,7 @@ impl Vcpu {
                     // immediate_exit and returns EINTR without running the
                     // guest (or one more I/O exit for a split access).
                     fd.set_kvm_immediate_exit(1);
-                    run_once(&mut fd, self.index, &self.buses)
+                    run_once(&mut fd, self.index, &self.buses, &mut exits)
                 }
             };
             io_pending = ran.io_pending;
@@ -226,10 +232,13 @@ impl Vcpu {
     }
 }
 
-/// Logs the vCPU's registers when the guest failed at the CPU level, with
-/// `extra` (the internal error's data) after them.
-fn log_crash(fd: &VcpuFd, index: usize, extra: &str) {
-    tracing::error!("vCPU {index} at the failure: {}{extra}", crash::state(fd));
+/// Logs the vCPU's state and last exits when the guest failed at the CPU
+/// level, with `extra` (the internal error's data) after them.
+fn log_crash(fd: &VcpuFd, index: usize, exits: &ExitLog, extra: &str) {
+    tracing::error!(
+        "vCPU {index} at the failure: {}{extra}",
+        crash::state(fd, exits)
+    );
 }
 
 /// What one KVM_RUN led to.
@@ -241,8 +250,9 @@ struct Ran {
     io_pending: bool,
 }
 
-/// Runs the guest until one exit and handles it.
-fn run_once(fd: &mut VcpuFd, index: u8, buses: &Buses) -> Ran {
+/// Runs the guest until one exit, handles it, and records it in `exits`
+/// (after handling: a crash report lists the exits before the failing one).
+fn run_once(fd: &mut VcpuFd, index: u8, buses: &Buses, exits: &mut ExitLog) -> Ran {
     let index = usize::from(index);
     let io = Ran {
         exit: None,
@@ -257,10 +267,11 @@ fn run_once(fd: &mut VcpuFd, index: u8, buses: &Buses) -> Ran {
         io_pending: false,
     };
     let ran = fd.run();
+    let exit = Exit::of(&ran);
     if let Some(tx) = &buses.coalesced {
         tx.drain(&buses.io);
     }
-    match ran {
+    let handled = match ran {
         Ok(exit) => match exit {
             VcpuExit::IoIn(port, data) => {
                 if !buses.io.read(u64::from(port), data) {
@@ -285,7 +296,7 @@ fn run_once(fd: &mut VcpuFd, index: u8, buses: &Buses) -> Ran {
             // Only seen without an in-kernel LAPIC: the vCPU stopped for good.
             VcpuExit::Hlt => ends(ExitReason::GuestHalted { vcpu: index }),
             VcpuExit::Shutdown => {
-                log_crash(fd, index, "");
+                log_crash(fd, index, exits, "");
                 ends(ExitReason::TripleFault { vcpu: index })
             }
             VcpuExit::SystemEvent(kind, _) => ends(match kind {
@@ -305,14 +316,14 @@ fn run_once(fd: &mut VcpuFd, index: u8, buses: &Buses) -> Ran {
                 // active union member.
                 let suberror = unsafe { fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
                 let data = crash::internal_error_data(fd);
-                log_crash(fd, index, &format!(" data=[{data}]"));
+                log_crash(fd, index, exits, &format!("; data=[{data}]"));
                 ends(ExitReason::KvmInternalError {
                     vcpu: index,
                     suberror,
                 })
             }
             VcpuExit::FailEntry(reason, _) => {
-                log_crash(fd, index, "");
+                log_crash(fd, index, exits, "");
                 ends(ExitReason::FailEntry {
                     vcpu: index,
                     reason,
@@ -332,5 +343,7 @@ fn run_once(fd: &mut VcpuFd, index: u8, buses: &Buses) -> Ran {
             vcpu: Some(index),
             message: format!("KVM_RUN failed: {e}"),
         }),
-    }
+    };
+    exits.record(exit);
+    handled
 }
