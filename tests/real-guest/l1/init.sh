@@ -3,7 +3,7 @@
 # software emulation. Loads KVM and 9p, mounts the host's / read-only and the
 # harness's work directory read-write (both over 9p), and runs the command
 # the harness left in that directory, chrooted into the host's tree, so the
-# host's binaries run unchanged. A heartbeat line every 10 s tells the
+# host's binaries run unchanged, with its output on the second serial port. A heartbeat line every 10 s tells the
 # harness L1 is alive, whatever the scenarios are doing.
 export PATH=/bin
 mount -t proc proc /proc
@@ -47,12 +47,19 @@ mount -t cgroup2 cgroup2 $H/sys/fs/cgroup 2>/dev/null
 mount -t debugfs debugfs $H/sys/kernel/debug 2>/dev/null
 mount -t tracefs tracefs $H/sys/kernel/tracing 2>/dev/null
 ip link set lo up 2>/dev/null
-(while :; do echo "L1-HEARTBEAT $(cut -d' ' -f1 /proc/uptime)"; sleep 10; done) &
+# Each heartbeat carries what the harness records of L1 when it gives up on
+# it: free memory and the load.
+(while :; do
+	echo "L1-HEARTBEAT $(cut -d' ' -f1 /proc/uptime) mem_avail_kib=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo) load=$(cut -d' ' -f1-3 /proc/loadavg | tr ' ' ,)"
+	sleep 10
+done) &
 hb=$!
 if [ -c /dev/kvm ]; then kvm=yes; else kvm=no; fi
 echo "L1: ready, uptime $(cut -d' ' -f1 /proc/uptime)s, kvm=$kvm"
 if [ -n "$cmd" ]; then
-	chroot $H /bin/bash "$cmd"
+	# The runner's output goes to the second serial port, apart from this
+	# kernel's console: nothing a scenario relays is read as L1's own.
+	chroot $H /bin/bash "$cmd" </dev/null >/dev/ttyS1 2>&1
 	echo "L1-DONE rc=$?"
 else
 	sh

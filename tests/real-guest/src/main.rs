@@ -141,6 +141,7 @@ fn run(args: RunArgs) -> Result<i32, String> {
     let cache = args.cache.unwrap_or_else(default_cache);
     std::fs::create_dir_all(&cache).map_err(|e| format!("{}: {e}", cache.display()))?;
     let mut keep = vec![root.clone(), bin_dir.clone(), cache.clone()];
+    let crash_history = cache.join("crash-history.json");
     let prepared = prepare::prepare(&prepare::PrepareOptions {
         cache,
         bin_dir,
@@ -173,6 +174,7 @@ fn run(args: RunArgs) -> Result<i32, String> {
         work,
         keep,
         runner,
+        crash_history: Some(crash_history),
     };
     let summary = outer::run(&opts, &groups);
     Ok(outer::print_summary(&summary))

@@ -55,6 +55,17 @@ pub fn guest_cpu_crash(detail: &str) -> bool {
     detail.contains("triple-faulted") || detail.contains("KVM internal error on vCPU")
 }
 
+/// What the vmm's crash report says when a vCPU faulted on its first entry
+/// after the vmm wrote its state (at boot or at a restore): the state that
+/// faulted is the vmm's, not anything the guest did since.
+pub const VMM_WROTE_STATE: &str = "on the first entry after the vmm wrote its state";
+
+/// Whether a guest CPU crash's report shows state the vmm wrote: such a
+/// crash is the product's, and is not rerun.
+pub fn crash_on_state_the_vmm_wrote(detail: &str) -> bool {
+    guest_cpu_crash(detail) && detail.contains(VMM_WROTE_STATE)
+}
+
 /// Where the harness files a scenario's result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Filing {
@@ -72,7 +83,13 @@ pub enum Filing {
 pub fn filing(o: &Outcome, crashed_before: bool) -> Filing {
     match o.status {
         Status::Infra => Filing::Stalled,
-        Status::Fail if guest_cpu_crash(&o.detail) && !crashed_before => Filing::CrashRerun,
+        Status::Fail
+            if guest_cpu_crash(&o.detail)
+                && !crash_on_state_the_vmm_wrote(&o.detail)
+                && !crashed_before =>
+        {
+            Filing::CrashRerun
+        }
         Status::Fail | Status::Pass => Filing::Final,
     }
 }
@@ -230,6 +247,15 @@ mod tests {
         assert_eq!(filing(&with(Status::Pass, "1 CPU"), false), Filing::Final);
         let stall = with(Status::Infra, "stalled");
         assert_eq!(filing(&stall, true), Filing::Stalled);
+        // A crash on state the vmm wrote is the product's: no rerun.
+        let vmm_state = with(
+            Status::Fail,
+            &format!(
+                "vmm stderr: vmm: VM failed: vCPU 1 triple-faulted | vCPU 1 at the failure: \
+                 rip=0x... exits since the vmm set this vCPU's state: 0 ({VMM_WROTE_STATE})"
+            ),
+        );
+        assert_eq!(filing(&vmm_state, false), Filing::Final);
     }
 
     #[test]
