@@ -82,6 +82,85 @@ fn refuses_pid1_mode_outside_pid1_and_bad_addresses() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("must be unix:PATH or vsock:PORT"));
 }
 
+/// `CAP_NET_BIND_SERVICE`, the bit in /proc/self/status's `CapEff` mask.
+const CAP_NET_BIND_SERVICE: u32 = 10;
+
+/// Whether this process may bind ports below 1024: `CAP_NET_BIND_SERVICE`
+/// in its effective set (where /proc/self/status cannot be read, root counts
+/// as having it).
+fn has_net_bind_service() -> bool {
+    let effective = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let mask = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+            u64::from_str_radix(mask.trim(), 16).ok()
+        });
+    match effective {
+        Some(mask) => mask & (1 << CAP_NET_BIND_SERVICE) != 0,
+        None => {
+            // SAFETY: geteuid has no preconditions and cannot fail.
+            let euid = unsafe { libc::geteuid() };
+            euid == 0
+        }
+    }
+}
+
+/// Why this host cannot listen on vsock, where `e` (from
+/// `VsockTransport::bind` of a port below 1024) says exactly that:
+/// EAFNOSUPPORT (this kernel has no AF_VSOCK), or EACCES without
+/// `CAP_NET_BIND_SERVICE` (`bind_service` false: the kernel's own rule for
+/// ports below 1024). The bind is on `VMADDR_CID_ANY`, so the kernel's "no
+/// such local CID" (EADDRNOTAVAIL) cannot be the host's lack and is not a
+/// skip. `None` for every other error, a test failure: the product's own
+/// refusals (not OS errors, whatever their `ErrorKind`), EADDRINUSE, EINVAL,
+/// EACCES with the capability...
+fn vsock_unavailable(e: &std::io::Error, bind_service: bool) -> Option<String> {
+    match e.raw_os_error()? {
+        libc::EAFNOSUPPORT => Some(format!("no AF_VSOCK in this kernel ({e})")),
+        libc::EACCES if !bind_service => Some(format!(
+            "no CAP_NET_BIND_SERVICE to listen on vsock port {} ({e})",
+            proto::guest::DEFAULT_VSOCK_PORT
+        )),
+        _ => None,
+    }
+}
+
+#[test]
+fn only_a_kernel_without_vsock_or_a_missing_capability_skips() {
+    use std::io::{Error, ErrorKind};
+    let os = Error::from_raw_os_error;
+    for (e, bind_service) in [(os(libc::EAFNOSUPPORT), true), (os(libc::EACCES), false)] {
+        let why = vsock_unavailable(&e, bind_service).unwrap_or_else(|| panic!("{e} is a skip"));
+        assert!(why.contains("(os error "), "{why}");
+    }
+    for (e, bind_service) in [
+        (os(libc::EACCES), true),
+        (os(libc::EADDRNOTAVAIL), false),
+        (os(libc::EADDRINUSE), false),
+        (os(libc::EINVAL), false),
+        (os(libc::EPERM), false),
+        (
+            Error::new(ErrorKind::InvalidInput, "vsock port 2048 is not below 1024"),
+            false,
+        ),
+        (Error::new(ErrorKind::Unsupported, "refused"), false),
+    ] {
+        assert_eq!(
+            vsock_unavailable(&e, bind_service),
+            None,
+            "{e} must fail the test"
+        );
+    }
+    // The product's refusal of an unprivileged port is one of those failures.
+    let Err(refused) = guest_init::channel::vsock::VsockTransport::bind(
+        guest_init::channel::vsock::FIRST_UNPRIVILEGED_PORT,
+    ) else {
+        panic!("an unprivileged vsock port was bound");
+    };
+    assert_eq!(refused.kind(), ErrorKind::InvalidInput, "{refused}");
+    assert_eq!(vsock_unavailable(&refused, false), None, "{refused}");
+}
+
 #[tokio::test]
 async fn vsock_transport_binds_where_the_kernel_has_vsock() {
     match guest_init::channel::vsock::VsockTransport::bind(proto::guest::DEFAULT_VSOCK_PORT) {
@@ -92,9 +171,13 @@ async fn vsock_transport_binds_where_the_kernel_has_vsock() {
                 format!("vsock:{}", proto::guest::DEFAULT_VSOCK_PORT)
             );
         }
-        Err(e) => println!(
-            "SKIPPED vsock_transport_binds_where_the_kernel_has_vsock: no AF_VSOCK here: {e}"
-        ),
+        Err(e) => match vsock_unavailable(&e, has_net_bind_service()) {
+            Some(why) => println!("skipped: {why}"),
+            None => panic!(
+                "cannot listen on vsock port {}: {e}",
+                proto::guest::DEFAULT_VSOCK_PORT
+            ),
+        },
     }
 }
 

@@ -7,15 +7,129 @@ use crate::devices::virtio::test_utils::{
 };
 use crate::persist::Persist;
 
-/// A tap device for the test, or `None` (with the reason printed) without CAP_NET_ADMIN.
+/// `CAP_NET_ADMIN`, the bit in /proc/self/status's `CapEff` mask.
+const CAP_NET_ADMIN: u32 = 12;
+
+/// Whether this process may create taps: `CAP_NET_ADMIN` in its effective
+/// set (read from /proc/self/status; where that cannot be read, root counts
+/// as having it).
+fn has_net_admin() -> bool {
+    let effective = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let mask = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+            u64::from_str_radix(mask.trim(), 16).ok()
+        });
+    match effective {
+        Some(mask) => mask & (1 << CAP_NET_ADMIN) != 0,
+        None => {
+            // SAFETY: geteuid has no preconditions and cannot fail.
+            let euid = unsafe { libc::geteuid() };
+            euid == 0
+        }
+    }
+}
+
+/// Why a tap cannot be made on this host, where `e` says exactly that: no
+/// /dev/net/tun (ENOENT or ENODEV opening it), or EPERM / EACCES opening it
+/// or attaching (TUNSETIFF) while this process lacks `CAP_NET_ADMIN`
+/// (`net_admin` false). `None` for every other error, a test failure: an
+/// invalid name, EINVAL, EBUSY, EPERM with the capability, a later step
+/// (the virtio-net header size, eventfds, timers), or an error that is not
+/// an OS error (whatever its `ErrorKind`).
+fn tap_unavailable(e: &NetError, net_admin: bool) -> Option<String> {
+    let NetError::Tap(tap) = e else {
+        return None;
+    };
+    let (step, source) = match tap {
+        TapError::OpenTun(source) => ("opening /dev/net/tun".to_string(), source),
+        TapError::SetIff { name, source } => (format!("TUNSETIFF {name}"), source),
+        TapError::Configure { .. } | TapError::VnetHdr { .. } => return None,
+    };
+    let opening = matches!(tap, TapError::OpenTun(_));
+    match source.raw_os_error()? {
+        libc::ENOENT | libc::ENODEV if opening => {
+            Some(format!("no tun device on this host ({step}: {source})"))
+        }
+        libc::EPERM | libc::EACCES if !net_admin => Some(format!(
+            "no CAP_NET_ADMIN to create a tap ({step}: {source})"
+        )),
+        _ => None,
+    }
+}
+
+/// A tap device for the test, or `None` (with `skipped: <why>` printed) where
+/// this host cannot make one (see [`tap_unavailable`]); any other error fails
+/// the test.
 fn net(name: &str, mac: Option<[u8; 6]>) -> Option<Net> {
     let name = format!("{name}{}", std::process::id() % 10_000);
     match Net::new(&name, mac) {
         Ok(n) => Some(n),
-        Err(e) => {
-            println!("SKIPPED: cannot create tap {name}: {e}");
-            None
-        }
+        Err(e) => match tap_unavailable(&e, has_net_admin()) {
+            Some(why) => {
+                println!("skipped: cannot create tap {name}: {why}");
+                None
+            }
+            None => panic!("cannot create tap {name}: {e}"),
+        },
+    }
+}
+
+#[test]
+fn only_a_missing_tun_device_or_capability_skips() {
+    use std::io::{Error, ErrorKind};
+    let os = Error::from_raw_os_error;
+    let open = |errno| NetError::Tap(TapError::OpenTun(os(errno)));
+    let attach = |errno| {
+        NetError::Tap(TapError::SetIff {
+            name: "vnx1".into(),
+            source: os(errno),
+        })
+    };
+    // The host lacks the device or the capability: a skip, errno printed.
+    for (e, net_admin) in [
+        (open(libc::ENOENT), true),
+        (open(libc::ENODEV), false),
+        (open(libc::EACCES), false),
+        (attach(libc::EPERM), false),
+        (attach(libc::EACCES), false),
+    ] {
+        let why = tap_unavailable(&e, net_admin).unwrap_or_else(|| panic!("{e} is a skip"));
+        assert!(why.contains("(os error "), "{why}");
+    }
+    assert!(tap_unavailable(&attach(libc::EPERM), false)
+        .unwrap()
+        .contains("CAP_NET_ADMIN"));
+    // Anything else is a failure.
+    for (e, net_admin) in [
+        (attach(libc::EPERM), true),
+        (open(libc::EPERM), true),
+        (attach(libc::EINVAL), false),
+        (attach(libc::EBUSY), false),
+        (attach(libc::ENOENT), false),
+        (open(libc::EMFILE), false),
+        (
+            NetError::Tap(TapError::VnetHdr {
+                name: "vnx1".into(),
+                source: os(libc::EPERM),
+            }),
+            false,
+        ),
+        (
+            NetError::Tap(TapError::SetIff {
+                name: "vnx1".into(),
+                source: Error::new(ErrorKind::PermissionDenied, "refused by the product"),
+            }),
+            false,
+        ),
+        (NetError::Eventfd(os(libc::ENODEV)), false),
+        (NetError::Timer(os(libc::EPERM)), false),
+    ] {
+        assert_eq!(
+            tap_unavailable(&e, net_admin),
+            None,
+            "{e} must fail the test"
+        );
     }
 }
 
