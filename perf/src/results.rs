@@ -142,6 +142,11 @@ pub struct Metric {
     pub samples: Vec<f64>,
     /// Summary of `samples`; absent when there are none.
     pub summary: Option<Summary>,
+    /// Why the vmm's and Firecracker's figures of this metric must not be
+    /// divided (the two do different work outside the clock); absent for a
+    /// like-for-like metric.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_like_for_like: Option<String>,
 }
 
 impl Metric {
@@ -162,12 +167,20 @@ impl Metric {
             warmup: Vec::new(),
             samples: Vec::new(),
             summary: None,
+            not_like_for_like: None,
         }
     }
 
     /// Adds a parameter.
     pub fn param(mut self, key: &str, value: impl Into<serde_json::Value>) -> Self {
         self.params.insert(key.into(), value.into());
+        self
+    }
+
+    /// Marks the metric as not like for like between the VMMs, for `why`:
+    /// reported beside Firecracker's figure, never as a ratio.
+    pub fn not_like_for_like(mut self, why: impl Into<String>) -> Self {
+        self.not_like_for_like = Some(why.into());
         self
     }
 
@@ -208,13 +221,19 @@ pub struct Comparison {
     pub firecracker_median: f64,
     /// `vmm_median / firecracker_median`: below 1 means the vmm is smaller
     /// (faster, leaner) — better for latencies and memory, worse for rates.
-    /// Absent when Firecracker's median is zero.
+    /// Absent when Firecracker's median is zero, and when the metric is not
+    /// like for like (`not_like_for_like`).
     pub ratio: Option<f64>,
     /// Whether smaller is better for this metric.
     pub lower_is_better: bool,
+    /// Why the two medians are not divided (see [`Metric::not_like_for_like`]);
+    /// absent for a like-for-like metric.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_like_for_like: Option<String>,
 }
 
-/// Pairs every vmm metric with the Firecracker metric of the same id.
+/// Pairs every vmm metric with the Firecracker metric of the same id; a pair
+/// that is not like for like keeps both medians but gets no ratio.
 pub fn compare(scenarios: &[ScenarioResult]) -> Vec<Comparison> {
     let metrics: Vec<&Metric> = scenarios.iter().flat_map(|s| &s.metrics).collect();
     let mut out = Vec::new();
@@ -228,15 +247,56 @@ pub fn compare(scenarios: &[ScenarioResult]) -> Vec<Comparison> {
         let (Some(a), Some(b)) = (ours.summary, theirs.summary) else {
             continue;
         };
+        let not_like_for_like = ours
+            .not_like_for_like
+            .clone()
+            .or_else(|| theirs.not_like_for_like.clone());
         out.push(Comparison {
             id: ours.id.clone(),
             label: ours.label.clone(),
             unit: ours.unit.clone(),
             vmm_median: a.median,
             firecracker_median: b.median,
-            ratio: (b.median != 0.0).then(|| a.median / b.median),
+            ratio: (b.median != 0.0 && not_like_for_like.is_none()).then(|| a.median / b.median),
             lower_is_better: ours.lower_is_better,
+            not_like_for_like,
         });
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metric(id: &str, subject: Subject, median: f64) -> Metric {
+        let mut m = Metric::new(id, id, "ms", subject);
+        m.push(median, false);
+        m.finish()
+    }
+
+    #[test]
+    fn a_pair_that_is_not_like_for_like_keeps_its_medians_but_has_no_ratio() {
+        let mut scenario = ScenarioResult::new("restore");
+        scenario.metrics = vec![
+            metric("like", Subject::Vmm, 1.0),
+            metric("unlike", Subject::Vmm, 1.0).not_like_for_like("different work"),
+            metric("like", Subject::Firecracker, 4.0),
+            metric("unlike", Subject::Firecracker, 8.0).not_like_for_like("different work"),
+        ];
+        let out = compare(&[scenario]);
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0].id, "like");
+        assert_eq!(out[0].ratio, Some(0.25));
+        assert_eq!(out[0].not_like_for_like, None);
+        assert_eq!(out[1].id, "unlike");
+        assert_eq!(out[1].ratio, None);
+        assert_eq!((out[1].vmm_median, out[1].firecracker_median), (1.0, 8.0));
+        assert_eq!(out[1].not_like_for_like.as_deref(), Some("different work"));
+        // results.json names why, and only where there is a reason.
+        let json = serde_json::to_value(&out).unwrap_or_default();
+        assert!(json[0].get("not_like_for_like").is_none(), "{json}");
+        assert_eq!(json[1]["not_like_for_like"], "different work");
+        assert!(json[1]["ratio"].is_null(), "{json}");
+    }
 }
