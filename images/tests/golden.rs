@@ -3,7 +3,7 @@
 //! protocols: the step waits for guest-init's Hello over `CONNECT 1024`,
 //! pauses, takes a full snapshot into the output directory, stops the VM,
 //! writes the manifest, and a second run is a cache hit. (The real guest is
-//! in tests/e2e.rs, which needs hardware virtualization.)
+//! the `guest-init-direct` scenario of tests/real-guest.)
 
 mod common;
 

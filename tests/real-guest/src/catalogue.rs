@@ -67,6 +67,7 @@ pub const GROUPS: &[Group] = &[
         name: "node",
         about: "host-agent serving a session on the real image (golden snapshot, guest-init)",
         scenarios: &[
+            "guest-init-direct",
             "node-golden",
             "node-session",
             "node-secrets",

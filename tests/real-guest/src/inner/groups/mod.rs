@@ -70,6 +70,7 @@ pub fn run(ctx: &mut Ctx, name: &str) -> Check {
         "restore-uffd" => snapshot::restore(ctx, name, "uffd"),
         "diff-chain-checksums" => snapshot::diff_chain(ctx, name),
         "clones-randomness" => snapshot::clones_randomness(ctx, name),
+        "guest-init-direct" => node::guest_init_direct(ctx, name),
         "node-golden" => node::golden(ctx, name),
         "node-session" => node::session(ctx, name),
         "node-secrets" => node::secrets(ctx, name),

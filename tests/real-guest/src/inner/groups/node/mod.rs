@@ -8,7 +8,8 @@
 //! and resumed (`persist`), a session forked into two (`fork`), a session
 //! paused to disk moved to a second node (`moves`), a session
 //! sized below its image (`sizing`), and how long
-//! CreateSession takes from a warm VM and from the golden snapshot.
+//! CreateSession takes from a warm VM and from the golden snapshot; and,
+//! without host-agent, the vmm and guest-init driven directly (`direct`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -24,6 +25,7 @@ use crate::inner::{Check, Ctx};
 
 mod agent_api;
 mod clones;
+mod direct;
 mod fork;
 mod host_agent;
 mod moves;
@@ -34,6 +36,7 @@ mod sizing;
 
 pub use agent_api::agent_api;
 pub use clones::clones;
+pub use direct::guest_init_direct;
 pub use fork::fork;
 pub use host_agent::HostAgent;
 pub use moves::moves;
