@@ -53,13 +53,20 @@ enum Cmd {
 
 #[derive(clap::Args)]
 struct RunArgs {
-    /// Groups to run (default: all, in order).
+    /// Groups to run (default: all but the opt-in ones, such as soak, in
+    /// order).
     #[arg(long = "group")]
     groups: Vec<String>,
     /// Scenarios to run (default: every scenario of the chosen groups); a
-    /// group none of them belongs to is left out.
+    /// group none of them belongs to is left out. Without --group, any
+    /// group's scenarios may be named, opt-in ones included.
     #[arg(long = "scenario")]
     scenarios: Vec<String>,
+    /// Iterations of each soak scenario (group soak); default: the
+    /// environment variable RG_SOAK_N, else 50. The soak group's time limit
+    /// scales with it.
+    #[arg(long)]
+    soak_n: Option<u32>,
     /// Outer-VM sessions per group before its remaining scenarios are given
     /// up as infrastructure failures.
     #[arg(long, default_value_t = 3)]
@@ -108,31 +115,28 @@ fn run(args: RunArgs) -> Result<i32, String> {
                 .into(),
         );
     }
-    let groups: Vec<&catalogue::Group> = if args.groups.is_empty() {
-        catalogue::GROUPS.iter().collect()
-    } else {
-        args.groups
-            .iter()
-            .map(|g| {
-                catalogue::group(g).ok_or_else(|| {
-                    format!(
-                        "no group {g:?}; groups: {}",
-                        catalogue::GROUPS
-                            .iter()
-                            .map(|g| g.name)
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    )
-                })
-            })
-            .collect::<Result<_, _>>()?
+    let groups = choose_groups(&args.groups, &args.scenarios)?;
+    // A bad count matters only to a run that soaks.
+    let soak = match catalogue::SoakSettings::from_option_or_env(
+        args.soak_n,
+        std::env::var(catalogue::SOAK_N_ENV).ok().as_deref(),
+    ) {
+        Ok(soak) => soak,
+        Err(e) if groups.iter().any(|g| g.name == catalogue::SOAK) => return Err(e),
+        Err(_) => catalogue::SoakSettings::default(),
     };
-    let groups = select_scenarios(groups, &args.scenarios)?;
+    let groups: Vec<&catalogue::Group> = groups
+        .into_iter()
+        .map(|g| catalogue::sized(g, &soak))
+        .collect();
     let root = prepare::workspace_root();
     let work = args.work.unwrap_or_else(|| root.join("target/real-guest"));
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
     let work = std::fs::canonicalize(&work).map_err(|e| format!("{}: {e}", work.display()))?;
+    // The runner in the outer VM gets no environment: the count goes
+    // through the work directory, beside env.json.
+    soak.save(&work)?;
     let runner = std::env::current_exe().map_err(|e| format!("locating myself: {e}"))?;
     let bin_dir = runner
         .parent()
@@ -199,7 +203,12 @@ fn main() -> ExitCode {
         },
         Cmd::List => {
             for g in catalogue::GROUPS {
-                println!("{}: {}", g.name, g.about);
+                let opt_in = if g.opt_in() {
+                    " [opt-in: only when named with --group or --scenario]"
+                } else {
+                    ""
+                };
+                println!("{}: {}{opt_in}", g.name, g.about);
                 for s in g.scenarios {
                     println!("  {s}");
                 }
@@ -223,6 +232,18 @@ fn main() -> ExitCode {
                 eprintln!("real-guest inner: no group {group:?}");
                 return ExitCode::from(2);
             };
+            // The same limit as the outer half gave the group.
+            let group = if group.name == catalogue::SOAK {
+                match catalogue::SoakSettings::load(&env.work) {
+                    Ok(soak) => catalogue::sized(group, &soak),
+                    Err(e) => {
+                        eprintln!("real-guest inner: {e}");
+                        return ExitCode::from(2);
+                    }
+                }
+            } else {
+                group
+            };
             let skip: Vec<String> = skip
                 .split(',')
                 .filter(|s| !s.is_empty())
@@ -232,6 +253,38 @@ fn main() -> ExitCode {
         }
     };
     ExitCode::from(u8::try_from(code).unwrap_or(1))
+}
+
+/// The groups `--group` names (`names`), cut down to the `--scenario`s
+/// named (`scenarios`). Without either, every group but the opt-in ones;
+/// with scenarios but no groups, whichever groups hold them, opt-in ones
+/// included.
+fn choose_groups(
+    names: &[String],
+    scenarios: &[String],
+) -> Result<Vec<&'static catalogue::Group>, String> {
+    let groups: Vec<&'static catalogue::Group> = if !names.is_empty() {
+        names
+            .iter()
+            .map(|g| {
+                catalogue::group(g).ok_or_else(|| {
+                    format!(
+                        "no group {g:?}; groups: {}",
+                        catalogue::GROUPS
+                            .iter()
+                            .map(|g| g.name)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                })
+            })
+            .collect::<Result<_, _>>()?
+    } else if scenarios.is_empty() {
+        catalogue::default_groups()
+    } else {
+        catalogue::GROUPS.iter().collect()
+    };
+    select_scenarios(groups, scenarios)
 }
 
 /// `groups` cut down to `wanted` scenarios (all of them when `wanted` is empty).
@@ -267,4 +320,48 @@ fn select_scenarios(
             })
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(groups: &[&catalogue::Group]) -> Vec<&'static str> {
+        groups.iter().map(|g| g.name).collect()
+    }
+
+    fn strings(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_plain_run_takes_every_group_but_the_opt_in_ones() {
+        let plain = choose_groups(&[], &[]).expect("plain");
+        assert!(
+            !names(&plain).contains(&catalogue::SOAK),
+            "{:?}",
+            names(&plain)
+        );
+        assert_eq!(
+            plain.len(),
+            catalogue::GROUPS.len() - catalogue::OPT_IN.len()
+        );
+    }
+
+    #[test]
+    fn an_opt_in_group_runs_when_named() {
+        let soak = choose_groups(&strings(&["soak"]), &[]).expect("--group soak");
+        assert_eq!(names(&soak), ["soak"]);
+        assert_eq!(soak[0].scenarios, ["soak-smp-boots", "soak-smp-restores"]);
+        let both = choose_groups(&strings(&["boot", "soak"]), &[]).expect("two groups");
+        assert_eq!(names(&both), ["boot", "soak"]);
+        // Its scenario named alone picks it, and nothing else.
+        let one = choose_groups(&[], &strings(&["soak-smp-restores"])).expect("--scenario");
+        assert_eq!(names(&one), ["soak"]);
+        assert_eq!(one[0].scenarios, ["soak-smp-restores"]);
+        let other = choose_groups(&[], &strings(&["boot-1-vcpu"])).expect("--scenario");
+        assert_eq!(names(&other), ["boot"]);
+        assert!(choose_groups(&strings(&["soaks"]), &[]).is_err());
+        assert!(choose_groups(&strings(&["boot"]), &strings(&["soak-smp-boots"])).is_err());
+    }
 }

@@ -7,6 +7,7 @@ mod node;
 mod pause_io;
 mod share;
 mod snapshot;
+mod soak;
 mod virtio;
 
 use std::path::Path;
@@ -93,6 +94,8 @@ pub fn run(ctx: &mut Ctx, name: &str) -> Check {
         "share-restore-file" => share::restore(ctx, name, "file"),
         "share-restore-uffd" => share::restore(ctx, name, "uffd"),
         "share-perf" => share::perf(ctx, name),
+        "soak-smp-boots" => soak::smp_boots(ctx, name),
+        "soak-smp-restores" => soak::smp_restores(ctx, name),
         other => Err(format!("the runner has no scenario {other}")),
     }
 }
