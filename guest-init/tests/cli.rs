@@ -261,6 +261,51 @@ fn policy_check_prints_the_decision_and_the_rule() {
     );
 }
 
+/// Review item "Policy bypasses": each comes back ask from the CLI too,
+/// where the README's rules allow the git command it shows.
+#[test]
+fn policy_check_asks_for_the_bypasses() {
+    let rules = ["--rules", "agents/coder.md"];
+    for (argv, why) in [
+        (
+            &["a/../../usr/bin/git", "status"][..],
+            "a symbolic link can put elsewhere",
+        ),
+        (
+            &["bash", "--rcfile", "./x.sh", "-ic", "git status"],
+            "reads start-up files",
+        ),
+        (&["bash", "-lc", "git status"], "reads start-up files"),
+        (
+            &["git", "-c", "trailer.a.cmd=id", "commit"],
+            "can make git run a program",
+        ),
+        (
+            &["sh", "-c", "exec -l bash -c 'git status'"],
+            "starts a login shell",
+        ),
+    ] {
+        let (code, out, err) = policy_check(&rules, argv);
+        assert_eq!(code, Some(0), "{argv:?}: {err}");
+        assert!(out.starts_with("ask\n"), "{argv:?}: {out}");
+        assert!(out.contains(why), "{argv:?}: {out}");
+    }
+    let (code, out, _) = policy_check(
+        &[
+            "--rules",
+            "agents/coder.md",
+            "--env",
+            "TAR_OPTIONS=--to-command=id",
+        ],
+        &["git", "status"],
+    );
+    assert_eq!(code, Some(0));
+    assert!(
+        out.contains("the Exec's environment sets TAR_OPTIONS"),
+        "{out}"
+    );
+}
+
 #[test]
 fn policy_check_refuses_bad_input() {
     let (code, _, err) = policy_check(&["--rules", "agents/nope.md"], &["ls"]);

@@ -22,6 +22,11 @@ const SINGLE: &str = "---\npermission:\n  bash: allow\n---\n";
 const TOOLS: &str =
     "---\npermission:\n  bash:\n    \"*\": ask\n    \"/workspace/scripts/test *\": allow\n---\n";
 
+/// Tools allowed by name whose options, variables or start-up files can make
+/// them run another program: every bypass of review item "Policy bypasses"
+/// would show up as allow.
+const BROAD: &str = "---\npermission:\n  bash:\n    \"*\": ask\n    \"git *\": allow\n    \"bash *\": allow\n    \"sh *\": allow\n    \"tar *\": allow\n    \"rsync *\": allow\n    \"ssh *\": allow\n    \"scp *\": allow\n    \"make *\": allow\n    \"vim *\": allow\n    \"cargo *\": allow\n---\n";
+
 const WORKSPACE: &str = "/workspace";
 
 enum Cmd {
@@ -374,6 +379,295 @@ const CASES: &[Case] = &[
     // (allowed by "*" here, so allow-lists beat deny-lists).
     c(OPEN, Argv(&["./sh", "-c", "git push"]), Allow),
     c(README, Argv(&["./sh", "-c", "git status"]), Ask),
+    // Review item "Policy bypasses": a `..` after a directory name that a
+    // symbolic link in the workspace can redirect (`a -> /tmp/x/y` makes
+    // `a/../../usr/bin/git` the agent's `/tmp/usr/bin/git`).
+    c(README, Argv(&["a/../../usr/bin/git", "status"]), Ask),
+    c(README, Sh("a/../../usr/bin/git status"), Ask),
+    c(
+        README,
+        Argv(&["/workspace/a/../../usr/bin/git", "status"]),
+        Ask,
+    ),
+    c(README, Argv(&["env", "a/../../usr/bin/git", "status"]), Ask),
+    c(OPEN, Argv(&["a/../../usr/bin/git", "push"]), Deny),
+    c(TOOLS, Argv(&["../workspace/scripts/test", "--all"]), Allow),
+    // Shells that read start-up files the agent can write (~/.bashrc,
+    // ~/.profile, --rcfile, ~/.zshenv).
+    c(
+        BROAD,
+        Argv(&["bash", "--rcfile", "./x.sh", "-ic", "git status"]),
+        Ask,
+    ),
+    c(BROAD, Argv(&["bash", "-lc", "git status"]), Ask),
+    c(
+        BROAD,
+        Argv(&["bash", "--init-file", "./x.sh", "-c", "git status"]),
+        Ask,
+    ),
+    c(BROAD, Argv(&["bash", "-i", "-c", "git status"]), Ask),
+    c(BROAD, Argv(&["bash", "--login", "-c", "git status"]), Ask),
+    c(BROAD, Argv(&["sh", "-l", "-c", "git status"]), Ask),
+    c(BROAD, Sh("bash -ic 'git status'"), Ask),
+    c(BROAD, Sh("exec -l bash -c 'git status'"), Ask),
+    c(BROAD, Argv(&["zsh", "-c", "git status"]), Ask),
+    c(BROAD, Argv(&["bash", "-c", "git status"]), Allow),
+    c(BROAD, Argv(&["zsh", "-f", "-c", "git status"]), Ask),
+    c(
+        BROAD,
+        Argv(&["bash", "-e", "-o", "pipefail", "-c", "git status"]),
+        Allow,
+    ),
+    c(OPEN, Argv(&["bash", "-lc", "git push"]), Deny),
+    // git configuration that runs a program, given on the command line.
+    c(
+        README,
+        Argv(&["git", "-c", "interactive.diffFilter=id", "add", "-p"]),
+        Ask,
+    ),
+    c(
+        README,
+        Argv(&["git", "-c", "trailer.sign.cmd=id", "commit", "-m", "m"]),
+        Ask,
+    ),
+    c(
+        README,
+        Argv(&["git", "-c", "trailer.x.command=id", "interpret-trailers"]),
+        Ask,
+    ),
+    c(
+        README,
+        Argv(&[
+            "git",
+            "-c",
+            "gpg.ssh.defaultKeyCommand=id",
+            "commit",
+            "-S",
+            "-m",
+            "m",
+        ]),
+        Ask,
+    ),
+    c(
+        README,
+        Argv(&[
+            "git",
+            "-c",
+            "tar.tgz.command=id",
+            "archive",
+            "--format=tgz",
+            "HEAD",
+        ]),
+        Ask,
+    ),
+    c(
+        README,
+        Argv(&["git", "-c", "imap.tunnel=id", "imap-send"]),
+        Ask,
+    ),
+    c(
+        README,
+        Argv(&["git", "-c", "instaweb.httpd=id", "instaweb"]),
+        Ask,
+    ),
+    c(
+        README,
+        Argv(&["git", "--config-env=trailer.a.cmd=X", "commit"]),
+        Ask,
+    ),
+    c(
+        README,
+        Argv(&[
+            "git",
+            "--config-env",
+            "interactive.diffFilter=X",
+            "add",
+            "-p",
+        ]),
+        Ask,
+    ),
+    c(README, Argv(&["git", "config", "trailer.a.cmd", "id"]), Ask),
+    // Variables that make a tool run code.
+    c(BROAD, Sh("TAR_OPTIONS=--to-command=id tar -xf a.tar"), Ask),
+    c(
+        BROAD,
+        Argv(&["env", "TAR_OPTIONS=--to-command=id", "tar", "-xf", "a.tar"]),
+        Ask,
+    ),
+    e(
+        BROAD,
+        Argv(&["tar", "-xf", "a.tar"]),
+        &[("TAR_OPTIONS", "--to-command=id")],
+        Ask,
+    ),
+    c(
+        BROAD,
+        Sh("export TAR_OPTIONS=--to-command=id; tar -xf a.tar"),
+        Ask,
+    ),
+    c(BROAD, Sh("MAKEFLAGS=--eval=x make"), Ask),
+    c(BROAD, Argv(&["env", "MAKEFILES=/tmp/m", "make"]), Ask),
+    e(BROAD, Argv(&["make"]), &[("MAKEFLAGS", "-f/tmp/m")], Ask),
+    c(BROAD, Sh("VIMINIT='!id' vim x"), Ask),
+    e(BROAD, Argv(&["vim", "x"]), &[("EXINIT", "!id")], Ask),
+    c(BROAD, Sh("RUSTFLAGS='-C linker=./x' cargo build"), Ask),
+    e(
+        BROAD,
+        Argv(&["cargo", "build"]),
+        &[("RUSTFLAGS", "-Clinker=./x")],
+        Ask,
+    ),
+    c(
+        BROAD,
+        Argv(&["env", "RSYNC_RSH=id", "rsync", "a", "h:b"]),
+        Ask,
+    ),
+    e(
+        BROAD,
+        Argv(&["tar", "-xf", "a.tar"]),
+        &[("LANG", "C")],
+        Allow,
+    ),
+    // Program options that name a program to run.
+    c(
+        BROAD,
+        Argv(&["tar", "-xf", "a.tar", "--to-command=id"]),
+        Ask,
+    ),
+    c(
+        BROAD,
+        Argv(&["tar", "-xf", "a.tar", "--to-command", "id"]),
+        Ask,
+    ),
+    c(BROAD, Argv(&["tar", "-xf", "a.tar", "--to-c=id"]), Ask),
+    c(
+        BROAD,
+        Argv(&[
+            "tar",
+            "-cf",
+            "a.tar",
+            "--checkpoint=1",
+            "--checkpoint-action=exec=id",
+            ".",
+        ]),
+        Ask,
+    ),
+    c(
+        BROAD,
+        Argv(&["tar", "-cf", "a.tar", "--checkpoint-action", "exec=id", "."]),
+        Ask,
+    ),
+    c(BROAD, Argv(&["tar", "-xI", "id", "-f", "a.tar"]), Ask),
+    c(BROAD, Argv(&["tar", "xIf", "id", "a.tar"]), Ask),
+    c(
+        BROAD,
+        Argv(&["tar", "--use-compress-program=id", "-xf", "a.tar"]),
+        Ask,
+    ),
+    c(BROAD, Argv(&["tar", "-xf", "a.tar", "-F", "id"]), Ask),
+    c(
+        BROAD,
+        Argv(&["tar", "-xzf", "a.tar.gz", "--to-stdout"]),
+        Allow,
+    ),
+    c(
+        OPEN,
+        Argv(&["tar", "-xf", "a.tar", "--to-command=git push"]),
+        Deny,
+    ),
+    c(
+        BROAD,
+        Argv(&["rsync", "-e", "sh -c id", "a", "host:b"]),
+        Ask,
+    ),
+    c(BROAD, Argv(&["rsync", "--rsh=id", "a", "host:b"]), Ask),
+    c(BROAD, Argv(&["rsync", "--rsh", "id", "a", "host:b"]), Ask),
+    c(BROAD, Argv(&["rsync", "-ave", "id", "a", "host:b"]), Ask),
+    c(BROAD, Argv(&["rsync", "-av", "a/", "b/"]), Allow),
+    c(
+        OPEN,
+        Argv(&["rsync", "-e", "git push", "a", "host:b"]),
+        Deny,
+    ),
+    c(BROAD, Argv(&["ssh", "-o", "ProxyCommand=id", "host"]), Ask),
+    c(BROAD, Argv(&["ssh", "-oProxyCommand=id", "host"]), Ask),
+    c(BROAD, Argv(&["ssh", "-o", "proxycommand id", "host"]), Ask),
+    c(BROAD, Argv(&["ssh", "-vo", "ProxyCommand=id", "host"]), Ask),
+    c(BROAD, Argv(&["ssh", "host", "-o", "ProxyCommand=id"]), Ask),
+    c(
+        BROAD,
+        Argv(&[
+            "ssh",
+            "-o",
+            "PermitLocalCommand=yes",
+            "-o",
+            "LocalCommand=id",
+            "host",
+        ]),
+        Ask,
+    ),
+    c(
+        BROAD,
+        Argv(&["ssh", "-o", "KnownHostsCommand=id", "host"]),
+        Ask,
+    ),
+    c(BROAD, Argv(&["ssh", "-F", "./cfg", "host"]), Ask),
+    c(BROAD, Argv(&["scp", "-S", "./x", "a", "host:b"]), Ask),
+    c(
+        BROAD,
+        Argv(&["scp", "-o", "ProxyCommand=id", "a", "host:b"]),
+        Ask,
+    ),
+    c(
+        BROAD,
+        Argv(&["ssh", "-o", "ConnectTimeout=5", "host", "ls"]),
+        Allow,
+    ),
+    c(BROAD, Argv(&["ssh", "-J", "jump", "host"]), Allow),
+    c(
+        OPEN,
+        Argv(&["ssh", "-o", "ProxyCommand=git push", "host"]),
+        Deny,
+    ),
+    // flock's `-c` is only the word after the lock file; one further on
+    // belongs to the command (found by the property test).
+    c(
+        OPEN,
+        Argv(&[
+            "flock",
+            "/workspace/l",
+            "git",
+            "-c",
+            "user.name=x",
+            "push",
+            "o",
+        ]),
+        Deny,
+    ),
+    c(
+        OPEN,
+        Argv(&["flock", "/workspace/l", "rm", "-rf", "/", "-c", "true"]),
+        Deny,
+    ),
+    c(
+        BROAD,
+        Argv(&[
+            "flock",
+            "/workspace/l",
+            "bash",
+            "--init-file",
+            "./x.sh",
+            "-c",
+            "git status",
+        ]),
+        Ask,
+    ),
+    c(BROAD, Sh("exec -a -bash bash -c 'git status'"), Ask),
+    c(
+        BROAD,
+        Argv(&["ssh", "-o", "ProxyCommand=none", "host"]),
+        Allow,
+    ),
     // One value for the tool: no escalation.
     c(SINGLE, Sh("PATH=/workspace/bin git status"), Allow),
     c(SINGLE, Argv(&["git", "push"]), Allow),

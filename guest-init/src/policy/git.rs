@@ -64,6 +64,22 @@ pub const RISKY_CONFIG_KEYS: &[&str] = &[
     "url.*",
     // `help.autocorrect` runs a mistyped command as the one git guesses.
     "help.*",
+    // `add -p` pipes the diff through it.
+    "interactive.difffilter",
+    // `commit --trailer`, `interpret-trailers` run them.
+    "trailer.*.cmd",
+    "trailer.*.command",
+    "gpg.ssh.defaultkeycommand",
+    // `archive --format=NAME` pipes through it.
+    "tar.*.command",
+    "imap.tunnel",
+    "instaweb.*",
+    "guitool.*",
+    // Hooks defined in configuration (`hook.NAME.command`).
+    "hook.*",
+    // git-lfs: custom transfer agents and file extensions are programs.
+    "lfs.customtransfer.*",
+    "lfs.extension.*",
 ];
 
 /// True when setting `key` on the command line or with `git config` can
@@ -306,6 +322,30 @@ mod tests {
         assert_eq!(p(&["--exec-path=/w", "status"]).escalations.len(), 1);
         assert_eq!(p(&["config", "alias.p", "push"]).escalations.len(), 1);
         assert_eq!(p(&["fetch", "--upload-pack=id"]).escalations.len(), 1);
+    }
+
+    #[test]
+    fn keys_that_run_programs() {
+        for key in [
+            "interactive.diffFilter",
+            "trailer.sign.cmd",
+            "trailer.a.b.command",
+            "gpg.ssh.defaultKeyCommand",
+            "tar.tgz.command",
+            "imap.tunnel",
+            "instaweb.httpd",
+            "core.sshCommand",
+            "core.pager",
+        ] {
+            assert!(is_risky_key(key), "{key}");
+            let with_c = p(&["-c", &format!("{key}=id"), "status"]);
+            assert_eq!(with_c.escalations.len(), 1, "{key}");
+            let env = p(&[&format!("--config-env={key}=X"), "status"]);
+            assert_eq!(env.escalations.len(), 1, "{key}");
+        }
+        for key in ["trailer.sign.key", "tar.umask", "user.name", "imap.host"] {
+            assert!(!is_risky_key(key), "{key}");
+        }
     }
 
     #[test]

@@ -15,7 +15,13 @@
 //! * Variables that change what runs ([`super::risky_env`]) need approval,
 //!   whether set as `VAR=x cmd`, through `env`, `export`, or the Exec's env.
 //! * A program named by a path is decided as that path, normalised; only a
-//!   program in one of [`SYSTEM_BIN_DIRS`] is decided by its bare name.
+//!   program in one of [`SYSTEM_BIN_DIRS`] is decided by its bare name. A
+//!   `..` after a directory name (which a symbolic link can redirect) that
+//!   leads out of the workspace needs approval.
+//! * Shells that read start-up files (`-i`, `-l`, `--rcfile`, zsh, fish,
+//!   csh) and programs whose options name a program to run (`tar
+//!   --to-command`, `rsync -e`, `ssh -o ProxyCommand=`, see `programs`)
+//!   need approval; the program they name is decided too.
 //! * `git`'s global options are taken out ([`super::git`]).
 //! * A word whose value only the shell knows (a variable, a substitution, a
 //!   file name pattern, brace expansion) needs approval.
@@ -29,6 +35,7 @@ use super::git;
 use super::risky_env::{is_identifier, is_risky};
 use super::shell::{self, Redirect, Word};
 
+mod programs;
 mod wrappers;
 
 /// Directories whose programs are decided by their bare name. They are the
@@ -243,6 +250,24 @@ fn normalize(path: &Path) -> PathBuf {
         }
     }
     out
+}
+
+/// True when `path` has a `..` after a directory name. The kernel resolves
+/// `dir/..` from wherever `dir` leads, so when `dir` is a symbolic link (the
+/// agent can make one in the workspace) the path is not what
+/// [`normalize`] makes of it: `a/../../usr/bin/git` with `a -> /tmp/x/y` is
+/// `/tmp/usr/bin/git`. A leading `..` climbs from the working directory,
+/// which is resolved already.
+fn climbs_out_of_a_directory(path: &str) -> bool {
+    let mut named = false;
+    for c in Path::new(path).components() {
+        match c {
+            Component::Normal(_) => named = true,
+            Component::ParentDir if named => return true,
+            _ => {}
+        }
+    }
+    false
 }
 
 /// Options of a wrapper: the index of its first operand and the options seen
@@ -486,6 +511,11 @@ impl Walker<'_> {
             ));
         }
         let full = normalize(&self.ctx.cwd.join(prog));
+        if climbs_out_of_a_directory(prog) && !full.starts_with(normalize(self.ctx.workspace)) {
+            esc.push(format!(
+                "{prog} goes up ('..') out of a directory that a symbolic link can put elsewhere"
+            ));
+        }
         let parent = full.parent()?.to_str()?;
         if SYSTEM_BIN_DIRS.contains(&parent) {
             full.file_name().map(|n| n.to_string_lossy().into_owned())

@@ -81,7 +81,16 @@ impl Walker<'_> {
                     Self::simple(name, rest, "", &[], 0, esc).1
                 }
             }
-            "exec" => Self::simple(name, rest, "a", &[], 0, esc).1,
+            "exec" => {
+                let (opts, next) = Self::simple(name, rest, "a", &[], 0, esc);
+                let dash_name = has(&opts, &["-a"]).is_some_and(|a| a.starts_with('-'));
+                if has(&opts, &["-l"]).is_some() || dash_name {
+                    esc.push(r(
+                        "exec -l (or -a -NAME) starts a login shell, which reads start-up files",
+                    ));
+                }
+                next
+            }
             "stdbuf" => {
                 Self::simple(
                     name,
@@ -314,30 +323,30 @@ impl Walker<'_> {
                 }
             }
             "flock" => {
-                let c = rest.iter().position(|w| {
-                    w.text == "-c" || w.text == "--command" || w.text.starts_with("--command=")
-                });
-                match c {
-                    Some(p) => {
-                        let w = &rest[p];
-                        let script = match w.text.strip_prefix("--command=") {
-                            Some(s) => s.to_string(),
-                            None => rest.get(p + 1).map(|w| w.text.clone()).unwrap_or_default(),
-                        };
-                        self.check_dynamic(&rest[p..(p + 2).min(rest.len())], name, esc);
-                        Next::Script(script)
+                // `flock [OPTIONS] FILE COMMAND...` or `flock [OPTIONS] FILE -c
+                // SCRIPT`: only the word after FILE can be flock's `-c` (a
+                // `-c` further on belongs to COMMAND).
+                let (i, opts) = options(
+                    rest,
+                    "wEc",
+                    &["--wait", "--timeout", "--conflict-exit-code", "--command"],
+                );
+                Self::check_skipped(&rest[..(i + 1).min(rest.len())], name, esc);
+                let after_file = rest.get(i + 1..).unwrap_or_default();
+                let first = after_file.first().map_or("", |w| w.text.as_str());
+                if let Some(script) = has(&opts, &["-c", "--command"]) {
+                    Next::Script(script)
+                } else if let Some(script) = first.strip_prefix("--command=") {
+                    self.check_dynamic(&after_file[..1], name, esc);
+                    Next::Script(script.to_string())
+                } else if first == "-c" || first == "--command" {
+                    self.check_dynamic(after_file.get(..2).unwrap_or(after_file), name, esc);
+                    match after_file.get(1) {
+                        Some(w) => Next::Script(w.text.clone()),
+                        None => Next::Itself,
                     }
-                    None => {
-                        Self::simple(
-                            name,
-                            rest,
-                            "wE",
-                            &["--wait", "--timeout", "--conflict-exit-code"],
-                            1,
-                            esc,
-                        )
-                        .1
-                    }
+                } else {
+                    Next::Skip(i + 1)
                 }
             }
             "busybox" => match rest.first() {
@@ -390,6 +399,10 @@ impl Walker<'_> {
                 self.find(rest, esc, depth)?;
                 Next::Itself
             }
+            "tar" | "rsync" | "ssh" | "scp" | "sftp" => {
+                self.program_options(name, rest, esc, depth)?;
+                Next::Itself
+            }
             "git" => return self.git(rest, esc, depth),
             s if SHELLS.contains(&s) => self.shell(name, rest, esc),
             _ => Next::Itself,
@@ -408,6 +421,7 @@ impl Walker<'_> {
         let mut i = 0;
         let mut has_c = false;
         let mut stdin = false;
+        let mut startup = StartupFiles::new(name);
         while i < rest.len() {
             let a = rest[i].text.as_str();
             if a == "--" || a == "-" {
@@ -415,15 +429,17 @@ impl Walker<'_> {
                 break;
             }
             if a.starts_with("--") {
+                startup.long(a);
                 if a == "--command" {
                     has_c = true;
                     i += 1;
                     continue;
                 }
                 if let Some(s) = a.strip_prefix("--command=") {
+                    startup.reasons(name, esc);
                     return Next::Script(s.to_string());
                 }
-                i += if matches!(a, "--rcfile" | "--init-file") {
+                i += if matches!(a, "--rcfile" | "--init-file" | "--init-command") {
                     2
                 } else {
                     1
@@ -432,6 +448,9 @@ impl Walker<'_> {
             }
             if (a.starts_with('-') || a.starts_with('+')) && a.len() > 1 {
                 let letters = &a[1..];
+                if a.starts_with('-') {
+                    startup.short(letters);
+                }
                 has_c |= a.starts_with('-') && letters.contains('c');
                 stdin |= letters.contains('s');
                 i += if letters.contains(['o', 'O']) { 2 } else { 1 };
@@ -439,6 +458,7 @@ impl Walker<'_> {
             }
             break;
         }
+        startup.reasons(name, esc);
         Self::check_skipped(&rest[..i.min(rest.len())], name, esc);
         if has_c {
             match rest.get(i) {
@@ -518,5 +538,63 @@ impl Walker<'_> {
         words.extend(rest[cut..].iter().cloned());
         self.emit(&words, std::mem::take(esc));
         Ok(Next::Done)
+    }
+}
+
+/// What a shell's options say about the start-up files it reads. bash and
+/// the other sh-like shells read them when interactive (`-i`: `~/.bashrc`,
+/// `--rcfile`, `$ENV`) or a login shell (`-l`, `--login`: `~/.profile`);
+/// zsh (`~/.zshenv`), fish (`config.fish`) and csh (`~/.cshrc`) read them on
+/// every start (their opt-outs, such as `zsh -f`, can be undone by later
+/// options, so they are not trusted). The agent can write all of those (its
+/// home directory, the workspace), so such a shell can run anything before
+/// the script the policy reads.
+struct StartupFiles {
+    /// The options that make the shell read them.
+    why: Vec<String>,
+    /// The shell reads them on every start.
+    always: bool,
+}
+
+impl StartupFiles {
+    fn new(shell: &str) -> Self {
+        Self {
+            why: Vec::new(),
+            always: matches!(shell, "zsh" | "fish" | "csh" | "tcsh"),
+        }
+    }
+
+    /// `--login`, `--rcfile FILE`, `--init-file FILE`, ...
+    fn long(&mut self, option: &str) {
+        let name = option.split('=').next().unwrap_or(option);
+        if matches!(
+            name,
+            "--login" | "--interactive" | "--rcfile" | "--init-file" | "--profile"
+        ) {
+            self.why.push(name.to_string());
+        }
+    }
+
+    /// The letters of a `-xyz` option cluster.
+    fn short(&mut self, letters: &str) {
+        for l in ['i', 'l'] {
+            if letters.contains(l) {
+                self.why.push(format!("-{l}"));
+            }
+        }
+    }
+
+    /// Adds why the shell needs approval, if it does.
+    fn reasons(&self, shell: &str, esc: &mut Vec<String>) {
+        if !self.why.is_empty() {
+            esc.push(format!(
+                "{shell} {} reads start-up files the agent can write",
+                self.why.join(" ")
+            ));
+        } else if self.always {
+            esc.push(format!(
+                "{shell} reads start-up files the agent can write on every start"
+            ));
+        }
     }
 }
