@@ -94,6 +94,55 @@ pub const SAFE_GIT_NAMES: &[&str] = &[
     "GIT_TERMINAL_PROMPT",
 ];
 
+/// Variables holding a tool's options or start-up commands, which can make
+/// the tool run a program of the command's choosing
+/// (`TAR_OPTIONS=--to-command=x`, `MAKEFLAGS=--eval=...`, `VIMINIT='!x'`,
+/// `RUSTFLAGS='-C linker=x'`, `RSYNC_RSH=x`). They count as risky like [`RISKY_NAMES`].
+pub const TOOL_OPTION_NAMES: &[&str] = &[
+    "TAR_OPTIONS",
+    "MAKEFLAGS",
+    "MFLAGS",
+    "GNUMAKEFLAGS",
+    "MAKEFILES",
+    "VIMINIT",
+    "EXINIT",
+    "GVIMINIT",
+    "MYVIMRC",
+    "MYGVIMRC",
+    "VIM",
+    "VIMRUNTIME",
+    "XDG_CONFIG_DIRS",
+    "XDG_DATA_HOME",
+    "XDG_DATA_DIRS",
+    "RUSTFLAGS",
+    "RUSTDOCFLAGS",
+    "CARGO_ENCODED_RUSTFLAGS",
+    "CARGO_ENCODED_RUSTDOCFLAGS",
+    "CARGO_BUILD_RUSTC",
+    "CARGO_BUILD_RUSTDOC",
+    "RUSTUP_HOME",
+    "RUSTUP_TOOLCHAIN",
+    "RSYNC_RSH",
+    "RSYNC_CONNECT_PROG",
+    "CVS_RSH",
+    "MANOPT",
+    "ZIPOPT",
+    "WGETRC",
+];
+
+/// Endings of `CARGO_*` configuration variables that name a program or pass
+/// flags to the compiler (`CARGO_TARGET_<triple>_RUSTFLAGS`,
+/// `CARGO_BUILD_RUSTC_WORKSPACE_WRAPPER`, a registry's credential provider).
+const CARGO_RISKY_SUFFIXES: &[&str] = &[
+    "_RUSTFLAGS",
+    "_RUSTDOCFLAGS",
+    "_WRAPPER",
+    "_RUNNER",
+    "_LINKER",
+    "_CREDENTIAL_PROVIDER",
+    "_CREDENTIAL_PROVIDERS",
+];
+
 /// True when setting `name` can change what a command runs. Names that are
 /// not plain identifiers (exported bash functions such as `BASH_FUNC_x%%`)
 /// count as risky.
@@ -105,9 +154,9 @@ pub fn is_risky(name: &str) -> bool {
         return false;
     }
     RISKY_NAMES.contains(&name)
+        || TOOL_OPTION_NAMES.contains(&name)
         || RISKY_PREFIXES.iter().any(|p| name.starts_with(p))
-        || (name.starts_with("CARGO_TARGET_")
-            && (name.ends_with("_RUNNER") || name.ends_with("_LINKER")))
+        || (name.starts_with("CARGO_") && CARGO_RISKY_SUFFIXES.iter().any(|s| name.ends_with(s)))
 }
 
 /// A shell variable name: letters, digits and `_`, not starting with a digit.
@@ -149,6 +198,24 @@ pub fn session_name_problem(name: &str) -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_session_may_not_set_a_tool_s_options() {
+        // The command policy asks for these; a session's environment would
+        // reach every command without a decision.
+        for n in [
+            "TAR_OPTIONS",
+            "MAKEFLAGS",
+            "VIMINIT",
+            "RUSTFLAGS",
+            "CARGO_TARGET_X_RUSTFLAGS",
+        ] {
+            assert!(session_name_problem(n).is_some(), "{n}");
+        }
+        for n in ["CARGO_TARGET_DIR", "CARGO_TERM_COLOR", "RUST_LOG"] {
+            assert_eq!(session_name_problem(n), None, "{n}");
+        }
+    }
 
     #[test]
     fn risky_names() {
