@@ -82,29 +82,6 @@ fn refuses_pid1_mode_outside_pid1_and_bad_addresses() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("must be unix:PATH or vsock:PORT"));
 }
 
-/// `CAP_NET_BIND_SERVICE`, the bit in /proc/self/status's `CapEff` mask.
-const CAP_NET_BIND_SERVICE: u32 = 10;
-
-/// Whether this process may bind ports below 1024: `CAP_NET_BIND_SERVICE`
-/// in its effective set (where /proc/self/status cannot be read, root counts
-/// as having it).
-fn has_net_bind_service() -> bool {
-    let effective = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            let mask = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
-            u64::from_str_radix(mask.trim(), 16).ok()
-        });
-    match effective {
-        Some(mask) => mask & (1 << CAP_NET_BIND_SERVICE) != 0,
-        None => {
-            // SAFETY: geteuid has no preconditions and cannot fail.
-            let euid = unsafe { libc::geteuid() };
-            euid == 0
-        }
-    }
-}
-
 /// Why this host cannot listen on vsock, where `e` (from
 /// `VsockTransport::bind` of a port below 1024) says exactly that:
 /// EAFNOSUPPORT (this kernel has no AF_VSOCK), or EACCES without
@@ -171,7 +148,10 @@ async fn vsock_transport_binds_where_the_kernel_has_vsock() {
                 format!("vsock:{}", proto::guest::DEFAULT_VSOCK_PORT)
             );
         }
-        Err(e) => match vsock_unavailable(&e, has_net_bind_service()) {
+        Err(e) => match vsock_unavailable(
+            &e,
+            test_harness::host::has_capability(test_harness::host::CAP_NET_BIND_SERVICE),
+        ) {
             Some(why) => println!("skipped: {why}"),
             None => panic!(
                 "cannot listen on vsock port {}: {e}",

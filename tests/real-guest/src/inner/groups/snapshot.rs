@@ -99,13 +99,67 @@ fn retaken_note(retaken: u32) -> String {
     }
 }
 
-/// `RG-TICK <n> uptime=<s> ...` fields.
-fn tick(line: &str) -> Option<(u64, f64)> {
+/// `RG-TICK <n> uptime=<s> ...` fields: the tick's number and uptime.
+pub(super) fn tick(line: &str) -> Option<(u64, f64)> {
     let rest = line.split_once("RG-TICK ")?.1;
     let mut words = rest.split_whitespace();
     let n = words.next()?.parse().ok()?;
     let up = words.next()?.strip_prefix("uptime=")?.parse().ok()?;
     Some((n, up))
+}
+
+/// What is wrong with the ticks in a restored guest's console `lines`, the
+/// last tick before the pause being `last`: they must go on from there in
+/// order with a rising uptime, each with its disk write, and one after the
+/// first `tcp_after` with a TCP answer.
+pub(super) fn tick_problems(lines: &[String], last: (u64, f64), tcp_after: usize) -> Vec<String> {
+    let mut problems = Vec::new();
+    let ticks: Vec<(u64, f64, &String)> = lines
+        .iter()
+        .filter_map(|l| tick(l).map(|(n, u)| (n, u, l)))
+        .collect();
+    let Some(first) = ticks.first() else {
+        return vec!["no tick after the resume".into()];
+    };
+    // The last console line before the pause is left out (it may be cut),
+    // so the first whole tick after is the next one or the one after it.
+    if first.0 != last.0 + 1 && first.0 != last.0 + 2 {
+        problems.push(format!(
+            "the first tick after the resume is {}, the last before the pause was {}",
+            first.0, last.0
+        ));
+    }
+    if first.1 <= last.1 {
+        problems.push(format!(
+            "the guest's clock went back: uptime {} after, {} before",
+            first.1, last.1
+        ));
+    }
+    for w in ticks.windows(2) {
+        if w[1].0 != w[0].0 + 1 || w[1].1 <= w[0].1 {
+            problems.push(format!(
+                "ticks out of order: {:?} then {:?}",
+                w[0].2, w[1].2
+            ));
+        }
+    }
+    for (n, _, l) in &ticks {
+        if !l.contains(&format!("disk=tick_{n} ")) {
+            problems.push(format!("disk not written: {l}"));
+        }
+    }
+    if !ticks
+        .iter()
+        .skip(tcp_after)
+        .any(|(n, _, l)| l.contains(&format!("tcp=ack tick {n}")))
+    {
+        problems.push(format!(
+            "no TCP answer from {} after the resume: {:?}",
+            net::HOST_IP,
+            ticks.last().map(|t| t.2)
+        ));
+    }
+    problems
 }
 
 fn tick_args(ctx: &Ctx, disk: &Path, uds: &Path) -> Result<RunSpec, String> {
@@ -120,9 +174,9 @@ fn tick_args(ctx: &Ctx, disk: &Path, uds: &Path) -> Result<RunSpec, String> {
     Ok(args)
 }
 
-/// The device back ends, the same for the first boot and every restore
-/// (the console on stdout).
-fn device_args(disk: &Path, uds: &Path) -> Devices {
+/// The ticking guest's device back ends, the same for the first boot and
+/// every restore (the console on stdout).
+pub(super) fn device_args(disk: &Path, uds: &Path) -> Devices {
     Devices {
         disks: vec![DiskSpec::rw(disk)],
         rng: true,
@@ -220,49 +274,12 @@ pub fn restore(ctx: &mut Ctx, name: &str, backend: &str) -> Check {
     g.resume()?;
     let (at, _) = g.wait_from(0, &format!("RG-TICK {} ", last_n + 10), LIMIT)?;
     let lines = g.lines();
-    let ticks: Vec<(u64, f64, &String)> = lines[..=at]
+    let first = lines[..=at]
         .iter()
-        .filter_map(|l| tick(l).map(|(n, u)| (n, u, l)))
-        .collect();
-    let first = ticks.first().ok_or("no tick after the restore")?;
-    // The last console line before the pause is left out (it may be cut),
-    // so the first whole tick after is the next one or the one after it.
-    if first.0 != last_n + 1 && first.0 != last_n + 2 {
-        problems.push(format!(
-            "the first tick after the restore is {}, the last before was {last_n}",
-            first.0
-        ));
-    }
-    if first.1 <= last_up {
-        problems.push(format!(
-            "the guest clock went back: uptime {} after, {last_up} before",
-            first.1
-        ));
-    }
-    for w in ticks.windows(2) {
-        if w[1].0 != w[0].0 + 1 || w[1].1 <= w[0].1 {
-            problems.push(format!(
-                "ticks out of order: {:?} then {:?}",
-                w[0].2, w[1].2
-            ));
-        }
-    }
-    for (n, _, l) in &ticks {
-        if !l.contains(&format!("disk=tick_{n} ")) {
-            problems.push(format!("disk not written: {l}"));
-        }
-    }
-    if !ticks
-        .iter()
-        .skip(2)
-        .any(|(n, _, l)| l.contains(&format!("tcp=ack tick {n}")))
-    {
-        problems.push(format!(
-            "no TCP connection to {} after the restore: {:?}",
-            net::HOST_IP,
-            ticks.last().map(|t| t.2)
-        ));
-    }
+        .find_map(|l| tick(l))
+        .ok_or("no tick after the restore")?;
+    // A TCP connection is made every few ticks: one from the third tick on.
+    problems.extend(tick_problems(&lines[..=at], (last_n, last_up), 2));
     let echoed = vsock::send_all(&uds, 1024, b"ping-after-restore\n", Duration::from_secs(60));
     match echoed {
         Ok(back) if back == b"ping-after-restore\n" => {}

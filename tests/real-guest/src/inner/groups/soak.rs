@@ -31,10 +31,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use vmm_api::command::{Devices, DiskSpec, NetSpec};
+use vmm_api::command::{DiskSpec, NetSpec};
 use vmm_api::{RestoreSpec, SnapshotKind, VsockSpec};
 
 use super::checks::bad_kernel_messages;
+use super::snapshot::{self, tick};
 use super::virtio::network;
 use super::{probe_args, BASE_CMDLINE};
 use crate::catalogue::{SoakSettings, SOAK_BOOT_SECS, SOAK_CYCLE_SECS};
@@ -70,8 +71,6 @@ const PROGRESS_EVERY: u32 = 5;
 const LISTED: usize = 5;
 /// Characters of a stall's or failure's reason kept in the result.
 const REASON_CHARS: usize = 240;
-/// The tap every soak guest uses (the group's network fixture).
-const TAP: &str = "rgtap0";
 /// Console lines of a kernel in trouble (its emergency, alert and error
 /// messages reach the console despite `quiet`).
 const KERNEL_TROUBLE: &[&str] = &["Kernel panic", "BUG:", "Oops", "general protection fault"];
@@ -630,19 +629,10 @@ pub fn smp_boots(ctx: &mut Ctx, name: &str) -> Check {
     }
 }
 
-/// `RG-TICK <n> uptime=<s> ...`: the tick's number and uptime.
-fn tick_of(line: &str) -> Option<(u64, f64)> {
-    let rest = line.split_once("RG-TICK ")?.1;
-    let mut words = rest.split_whitespace();
-    let n = words.next()?.parse().ok()?;
-    let up = words.next()?.strip_prefix("uptime=")?.parse().ok()?;
-    Some((n, up))
-}
-
 /// The last tick a guest printed (its console's last line may be cut by
 /// the pause: a cut tick parses as itself or not at all).
 fn last_tick(lines: &[String]) -> Option<(u64, f64)> {
-    lines.iter().filter_map(|l| tick_of(l)).max_by_key(|t| t.0)
+    lines.iter().filter_map(|l| tick(l)).max_by_key(|t| t.0)
 }
 
 /// What is wrong with a restored guest's console `lines`, the last tick
@@ -650,52 +640,7 @@ fn last_tick(lines: &[String]) -> Option<(u64, f64)> {
 /// with a rising uptime, each with its disk write, one after the first with
 /// a TCP answer; and the kernel must not be in trouble.
 fn tick_problems(lines: &[String], last: (u64, f64)) -> Vec<String> {
-    let mut problems = Vec::new();
-    let ticks: Vec<(u64, f64, &String)> = lines
-        .iter()
-        .filter_map(|l| tick_of(l).map(|(n, u)| (n, u, l)))
-        .collect();
-    let Some(first) = ticks.first() else {
-        return vec!["no tick after the resume".into()];
-    };
-    // The last line before the pause may be cut: the first whole tick
-    // after it is the next one or the one after that.
-    if first.0 != last.0 + 1 && first.0 != last.0 + 2 {
-        problems.push(format!(
-            "the first tick after the resume is {}, the last before the pause was {}",
-            first.0, last.0
-        ));
-    }
-    if first.1 <= last.1 {
-        problems.push(format!(
-            "the guest's clock went back: uptime {} after, {} before",
-            first.1, last.1
-        ));
-    }
-    for w in ticks.windows(2) {
-        if w[1].0 != w[0].0 + 1 || w[1].1 <= w[0].1 {
-            problems.push(format!(
-                "ticks out of order: {:?} then {:?}",
-                w[0].2, w[1].2
-            ));
-        }
-    }
-    for (n, _, l) in &ticks {
-        if !l.contains(&format!("disk=tick_{n} ")) {
-            problems.push(format!("disk not written: {l}"));
-        }
-    }
-    if !ticks
-        .iter()
-        .skip(1)
-        .any(|(n, _, l)| l.contains(&format!("tcp=ack tick {n}")))
-    {
-        problems.push(format!(
-            "no TCP answer from {} after the resume: {:?}",
-            net::HOST_IP,
-            ticks.last().map(|t| t.2)
-        ));
-    }
+    let mut problems = snapshot::tick_problems(lines, last, 1);
     let trouble = kernel_trouble(lines);
     if !trouble.is_empty() {
         problems.push(format!("kernel: {}", trouble.join(" / ")));
@@ -712,26 +657,12 @@ fn backend(index: u32) -> &'static str {
     }
 }
 
-/// The ticking guest's devices, the same at its boot and every restore.
-fn tick_devices(disk: &Path, uds: &Path) -> Devices {
-    Devices {
-        disks: vec![DiskSpec::rw(disk)],
-        rng: true,
-        net: Some(NetSpec::tap(TAP)),
-        vsock: Some(VsockSpec {
-            cid: 3,
-            uds: uds.to_path_buf(),
-        }),
-        ..Devices::default()
-    }
-}
-
 /// `vmm restore` of cycle `index`: paused, on its back end, the same devices.
 fn restore_spec(snapshot: &Path, index: u32, disk: &Path, uds: &Path) -> RestoreSpec {
     let mut spec = RestoreSpec::new(snapshot);
     spec.memory_backend = Some(backend(index).into());
     spec.paused = true;
-    spec.devices = tick_devices(disk, uds);
+    spec.devices = snapshot::device_args(disk, uds);
     spec
 }
 
@@ -790,7 +721,7 @@ fn cycle(
                 net::HOST_IP
             );
             let mut args = probe_args(&kernel, &ctx.env.cloud.probe_initrd, VCPUS, &cmdline);
-            args.devices = tick_devices(&disk, &ctx.scratch.join(format!("{name}.vsock")));
+            args.devices = snapshot::device_args(&disk, &ctx.scratch.join(format!("{name}.vsock")));
             let mut g = Guest::start(ctx, &name, args)?;
             g.wait_for("RG-TICK 3 ", TO_TICKING)
                 .map_err(|e| format!("the fresh guest to snapshot: {e}"))?;

@@ -7,29 +7,6 @@ use crate::devices::virtio::test_utils::{
 };
 use crate::persist::Persist;
 
-/// `CAP_NET_ADMIN`, the bit in /proc/self/status's `CapEff` mask.
-const CAP_NET_ADMIN: u32 = 12;
-
-/// Whether this process may create taps: `CAP_NET_ADMIN` in its effective
-/// set (read from /proc/self/status; where that cannot be read, root counts
-/// as having it).
-fn has_net_admin() -> bool {
-    let effective = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            let mask = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
-            u64::from_str_radix(mask.trim(), 16).ok()
-        });
-    match effective {
-        Some(mask) => mask & (1 << CAP_NET_ADMIN) != 0,
-        None => {
-            // SAFETY: geteuid has no preconditions and cannot fail.
-            let euid = unsafe { libc::geteuid() };
-            euid == 0
-        }
-    }
-}
-
 /// Why a tap cannot be made on this host, where `e` says exactly that: no
 /// /dev/net/tun (ENOENT or ENODEV opening it), or EPERM / EACCES opening it
 /// or attaching (TUNSETIFF) while this process lacks `CAP_NET_ADMIN`
@@ -65,7 +42,10 @@ fn net(name: &str, mac: Option<[u8; 6]>) -> Option<Net> {
     let name = format!("{name}{}", std::process::id() % 10_000);
     match Net::new(&name, mac) {
         Ok(n) => Some(n),
-        Err(e) => match tap_unavailable(&e, has_net_admin()) {
+        Err(e) => match tap_unavailable(
+            &e,
+            test_harness::host::has_capability(test_harness::host::CAP_NET_ADMIN),
+        ) {
             Some(why) => {
                 println!("skipped: cannot create tap {name}: {why}");
                 None
