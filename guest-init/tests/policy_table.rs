@@ -2,6 +2,8 @@
 //! few more rule sets, with the bypass attempts of issue 13 (every bullet of
 //! its section 1 is a case). Each case is (rules, command, Exec env, expected
 //! decision); a failing run prints every case that went wrong at once.
+//! (Over 700 lines: it is one table, kept whole so a case is found by
+//! reading it top to bottom.)
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;

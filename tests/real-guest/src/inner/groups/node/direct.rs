@@ -13,6 +13,8 @@
 //!
 //! This was `images/tests/e2e.rs`, which needs a KVM that runs a Linux
 //! kernel and so skipped on every CI machine.
+//! (Over 700 lines, about half of it the unit tests of its message
+//! handling; the scenario is one sequence of steps, kept in one file.)
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
